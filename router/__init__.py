@@ -1,0 +1,1 @@
+"""Prefix index and routing policy. No torch here; ``router.protocol`` is the engines' contract."""

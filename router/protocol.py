@@ -1,0 +1,146 @@
+"""The contract between the engines and the router: block hashing, KV events, replica stats.
+
+This module is the only part of ``router`` that ``worker`` may import (DESIGN.md, Layout), so
+it depends on nothing but the standard library and ``xxhash``.
+
+Block hash, version 1
+    Tokens are split into blocks of ``block_size`` tokens; only full blocks are hashed.
+    ``seed = xxh3_128(b"prefixserve/v1\\0" + model_id + b"\\0" + cache_salt)``,
+    ``h[0] = xxh3_128(seed + tokens[0:B])``, ``h[i] = xxh3_128(h[i-1] + tokens[iB:(i+1)B])``.
+    Hashes are 16 big-endian bytes; tokens are little-endian uint32. Golden vectors live in
+    ``tests/router/test_protocol.py``; changing any of this means a new version string.
+
+KV events
+    Each replica numbers its event batches with a monotonically increasing ``seq``, one batch
+    per engine step that changed the cache. A consumer that sees a gap in ``seq`` (or a new
+    ``replica_epoch``) must treat its view of that replica as stale and wait for the replica
+    to re-announce (a ``cleared`` followed by ``stored`` of everything it holds).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+HASH_VERSION = "v1"
+HASH_NUM_BYTES = 16
+_SEED_PREFIX = b"prefixserve/v1\0"
+
+BlockHash = bytes
+
+
+def hash_seed(model_id: str, cache_salt: str | None = None) -> BlockHash:
+    """The chain's seed: distinct models and distinct tenant salts never share a block."""
+    salt = (cache_salt or "").encode()
+    return xxhash.xxh3_128_digest(_SEED_PREFIX + model_id.encode() + b"\0" + salt)
+
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    """Hash of one full block, chained on its parent's hash (or on the seed for block 0)."""
+    return xxhash.xxh3_128_digest(parent + _pack_tokens(tokens))
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    model_id: str,
+    cache_salt: str | None = None,
+    *,
+    parent: BlockHash | None = None,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``, in order.
+
+    ``parent``/``start_block`` continue a chain: pass the hash of block ``start_block - 1`` and
+    the function hashes blocks ``start_block, start_block + 1, ...`` only (the engine uses this
+    to hash generated tokens as blocks fill up without rehashing the prompt).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = parent if parent is not None else hash_seed(model_id, cache_salt)
+    if start_block > 0 and parent is None:
+        raise ValueError("start_block > 0 needs the parent hash of the block before it")
+    hashes = []
+    num_full = len(token_ids) // block_size
+    for i in range(start_block, num_full):
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(prev)
+    return hashes
+
+
+class Tier(str, enum.Enum):
+    """Where a cached block lives."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+class EventKind(str, enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One change to a replica's cache. ``hashes`` is empty for ``cleared``."""
+
+    kind: EventKind
+    hashes: tuple[BlockHash, ...] = ()
+    tier: Tier = Tier.DEVICE
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """All cache changes of one engine step, numbered per replica."""
+
+    replica_id: str
+    seq: int
+    events: tuple[KVEvent, ...]
+    replica_epoch: int = 0
+    """Changes when the replica's engine restarts: everything older is void."""
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What a replica reports for routing (Ray Serve ``record_routing_stats``)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    """Fraction of device KV blocks referenced by running requests, in [0, 1]."""
+    prefill_tokens_per_s: float = 0.0
+    """Measured prefill rate; 0 until the replica has measured one."""
+    decode_tokens_per_s: float = 0.0
+    num_queued_prefill_tokens: int = 0
+    """Prompt tokens admitted or waiting whose KV is not computed yet."""
+    host_to_device_tokens_per_s: float = 0.0
+    """Measured rate of bringing host-tier blocks back, in tokens; 0 without a host tier."""
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "kv_usage": self.kv_usage,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "num_queued_prefill_tokens": self.num_queued_prefill_tokens,
+            "host_to_device_tokens_per_s": self.host_to_device_tokens_per_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ReplicaStats:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "extra"}
+        return cls(**known)

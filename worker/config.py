@@ -1,0 +1,92 @@
+"""``EngineConfig``: every knob of one replica's engine, validated once, frozen afterwards.
+
+Names follow vLLM's flags where the meaning is the same (``--block-size``,
+``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--enable-prefix-caching``). The KV cache is sized by exactly one of three knobs:
+
+- ``num_kv_blocks``: an explicit number of blocks;
+- ``kv_cache_bytes``: a byte budget, turned into blocks by the model's bytes per block;
+- ``kv_cache_memory_fraction`` (the default, 0.2): a fraction of the memory *left after the
+  weights and a profile run* (device memory on CUDA, available RAM on CPU).
+
+Setting more than one is an error; the engine logs the blocks and tokens it ends up with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MODEL = "smollm2"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    """A Hugging Face folder, a ``.gguf`` file, or the alias ``smollm2`` (bundled)."""
+    model_id: str | None = None
+    """Name served in the API and mixed into block hashes; defaults to the model's name."""
+    block_size: int = 16
+    max_model_len: int | None = None
+    """Context limit in tokens; defaults to the model's ``max_position_embeddings``."""
+    max_num_seqs: int = 64
+    """Most requests running (holding KV blocks) at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: prefill chunks and decodes share it."""
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    """Seed for requests that give none; sampling is keyed by (seed, position)."""
+    deterministic: bool = True
+    """Batch-invariant numerics: outputs independent of batch, cache hits and chunking."""
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    max_waiting_requests: int = 1024
+    """Bound on the waiting queue; past it ``add_request`` raises ``EngineOverloadedError``."""
+    max_logprobs: int = 20
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; None keeps torch's default."""
+    cache_dir: str | None = None
+    """Where converted GGUF models are cached; defaults to ``~/.cache/prefixserve``."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, field: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"EngineConfig.{field}: {msg}")
+
+        need(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        need(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        need(self.max_model_len is None or self.max_model_len > 0, "max_model_len", f"must be positive, got {self.max_model_len}")
+        need(self.max_num_seqs > 0, "max_num_seqs", f"must be positive, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens",
+             f"must be at least block_size ({self.block_size}), got {self.max_num_batched_tokens}")
+        need(self.dtype in _DTYPES, "dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        need(self.device == "cpu" or self.device.startswith("cuda"), "device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        knobs = [k for k in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction") if getattr(self, k) is not None]
+        need(len(knobs) <= 1, "num_kv_blocks", f"set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction (got {', '.join(knobs)})")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", f"must be at least 2, got {self.num_kv_blocks}")
+        need(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be positive, got {self.kv_cache_bytes}")
+        frac = self.kv_cache_memory_fraction
+        need(frac is None or 0.0 < frac <= 0.95, "kv_cache_memory_fraction", f"must be in (0, 0.95], got {frac}")
+        need(self.max_waiting_requests > 0, "max_waiting_requests", f"must be positive, got {self.max_waiting_requests}")
+        need(0 <= self.max_logprobs <= 20, "max_logprobs", f"must be in [0, 20], got {self.max_logprobs}")
+        need(self.num_threads is None or self.num_threads > 0, "num_threads", f"must be positive, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def memory_fraction(self) -> float:
+        """The fraction knob in force when neither blocks nor bytes were given."""
+        if self.num_kv_blocks is None and self.kv_cache_bytes is None:
+            return self.kv_cache_memory_fraction if self.kv_cache_memory_fraction is not None else 0.2
+        return 0.0
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
