@@ -1,0 +1,181 @@
+"""The Triton kernels behind one facade with the signatures of ``kernels/reference.py``.
+
+The model calls ``store_kv``, ``paged_attention``, ``rms_norm``, ``rotary`` and ``matmul`` from
+here when it runs on CUDA; each takes exactly the arguments of its twin ``*_ref`` in
+``kernels/reference.py`` and returns the same thing. The kernel modules (``triton_*.py``) are
+imported on first use, so importing this module never needs triton: ``triton_available()``
+says whether the kernels can run at all.
+
+Where the kernels run
+    On a CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set
+    before triton is first imported), which is how the tests run without a GPU. Every
+    launcher calls ``check_tensor`` on each argument: a tensor of the wrong rank, dtype or
+    device raises ``ValueError`` naming the argument, before any kernel starts.
+
+Interpreter fixes (``patch_interpreter``, applied only when ``TRITON_INTERPRET=1``)
+    Triton 3.5's interpreter stores scalars as one-element arrays and converts them with
+    ``int(array)``, which numpy >= 2.4 rejects (so ``range(0, loaded_value, step)`` fails);
+    multiplies bfloat16 bit patterns as integers in ``tl.dot``; and truncates float32 to
+    bfloat16 where the GPU rounds to nearest even. All three are patched in the interpreter
+    only: scalars via ``.item()``, bfloat16 dot operands widened to float32 (exact; the GPU
+    also accumulates bf16 products in float32), and a round-to-nearest-even cast. Compiled
+    kernels are untouched.
+
+How it fails
+    Without triton, or without CUDA and without the interpreter, every op raises
+    ``RuntimeError`` saying so; nothing falls back silently to another implementation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Activation and cache dtypes every kernel accepts."""
+INTERPRETER_NUM_SMS = 4
+"""Stand-in SM count for persistent grids under the interpreter: small, so several tiles
+share a program and the persistent loop is exercised by the CPU tests."""
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter instead of compiling them."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def patch_interpreter() -> None:
+    """Fix the two interpreter defects above; idempotent, a no-op unless interpreting."""
+    if not interpreting():
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_prefixserve_patched", False):
+        return
+    original_patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor(tensor, *args):
+        original_patch_tensor(tensor, *args)
+        tensor.__index__ = lambda self: int(self.handle.data.item())
+
+    original_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(handle):
+        if handle.dtype != tl.bfloat16:  # bfloat16 is held as its uint16 bit pattern
+            return handle
+        data = (handle.data.astype("uint32") << 16).view("float32")
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return original_dot(self, widen(a), widen(b), d, *args)
+
+    original_cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
+            return original_cast(self, src, dst_type)
+        bits = src.data.astype("float32").view("uint32")
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16  # round to nearest even
+        data = rounded.astype("uint16")
+        data[src.data != src.data] = 0x7FC0  # NaN stays a (quiet) NaN
+        return interpreter.TensorHandle(data, tl.bfloat16)
+
+    interpreter._patch_lang_tensor = patch_tensor
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+    interpreter._prefixserve_patched = True
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here: triton installed, and CUDA or the interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or interpreting()
+
+
+def _require_triton() -> None:
+    if not triton_available():
+        raise RuntimeError(
+            "Triton kernels need triton and a CUDA device (or TRITON_INTERPRET=1 set before "
+            "triton is imported, for the CPU interpreter); use the torch kernels instead"
+        )
+
+
+def check_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    shape: tuple[int | None, ...] | None = None,
+) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``tensor`` fits the kernel.
+
+    ``shape`` entries of ``None`` match any size. The device must be CUDA, or the CPU when
+    the interpreter runs the kernels.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {dtypes}, got {tensor.dtype}")
+    if shape is not None:
+        for dim, (want, got) in enumerate(zip(shape, tensor.shape, strict=True)):
+            if want is not None and want != got:
+                raise ValueError(
+                    f"{name} has size {got} in dimension {dim}, expected {want} "
+                    f"(shape {tuple(tensor.shape)})"
+                )
+    want_device = "cpu" if interpreting() else "cuda"
+    if tensor.device.type != want_device:
+        raise ValueError(f"{name} must be on {want_device}, got {tensor.device}")
+
+
+def num_sms(device: torch.device) -> int:
+    """Programs in a persistent grid: the device's SM count (a stand-in under the interpreter)."""
+    if interpreting():
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Triton twin of ``store_kv_ref``: write each token's K/V to its slot, skip slots < 0."""
+    _require_triton()
+    from kernels.triton_cache import store_kv as kernel
+
+    kernel(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+    """Triton twin of ``paged_attention_ref``: causal attention of a ragged batch, [N, Hq, D]."""
+    _require_triton()
+    from kernels.triton_attention import paged_attention as kernel
+
+    return kernel(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """Triton twin of ``rms_norm_ref``: returns ``(normed, new_residual)``."""
+    _require_triton()
+    from kernels.triton_norm import rms_norm as kernel
+
+    return kernel(x, weight, eps, residual)
+
+
+def rotary(query, key, positions, cos_sin_cache):
+    """Triton twin of ``rotary_ref``: neox-style rotation, returns new (query, key)."""
+    _require_triton()
+    from kernels.triton_rotary import rotary as kernel
+
+    return kernel(query, key, positions, cos_sin_cache)
+
+
+def matmul(x, weight, bias=None):
+    """Triton twin of ``matmul_ref``: batch-invariant ``x @ weight.T + bias``."""
+    _require_triton()
+    from kernels.triton_matmul import bi_matmul
+
+    return bi_matmul(x, weight, bias)
