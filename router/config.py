@@ -1,0 +1,98 @@
+"""RouterConfig: every knob of the prefix index and the routing policy, validated once.
+
+Owns the names and defaults of the router layer (DESIGN.md, Configuration). Construction
+fails with a ``ValueError`` naming the offending field; nothing downstream re-validates.
+The dataclass is frozen and holds only plain values, so it pickles into Ray actors and
+Serve's request-router kwargs unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+POLICIES = ("prefix", "round_robin", "least_loaded", "pow2")
+INDEX_BACKENDS = ("embedded", "redis")
+
+# A modest single-GPU prefill rate for a small model; only used until a replica has measured
+# its own rate, so being off by 2x merely delays good spill decisions by a few stats reports.
+DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
+# One decode step of a lightly loaded replica; a waiting request costs at least one step.
+DEFAULT_DECODE_STEP_S = 0.02
+# Host-to-device copies over PCIe run roughly an order of magnitude faster than prefill.
+DEFAULT_HOST_TO_DEVICE_TOKENS_PER_S = 80000.0
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
+def _check_non_negative(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router learns where prefixes live and how it picks a replica."""
+
+    policy: str = "prefix"
+    """One of ``prefix`` (predicted TTFT), ``round_robin``, ``least_loaded``, ``pow2``."""
+    index_backend: str = "embedded"
+    """``embedded`` (in-process, the default) or ``redis`` (needs ``redis_url``)."""
+    redis_url: str | None = None
+    block_size: int = 16
+    """Tokens per hashed block; must equal the engines' ``--block-size``."""
+    default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    default_decode_step_s: float = DEFAULT_DECODE_STEP_S
+    default_host_to_device_tokens_per_s: float = DEFAULT_HOST_TO_DEVICE_TOKENS_PER_S
+    speculative_ttl_s: float = 5.0
+    """How long a routing decision counts as the chosen replica holding the request's blocks."""
+    heartbeat_timeout_s: float = 10.0
+    """A replica with no heartbeat for this long is dead: its entries stop counting at once."""
+    redis_socket_timeout_s: float = 0.05
+    """Connect and read timeout of each Redis call; a lookup slower than this routes by load."""
+    redis_retry_interval_s: float = 1.0
+    """While Redis is unreachable, how often one call probes it again (others skip it)."""
+    tie_tolerance_s: float = 0.005
+    """Predicted TTFTs this close count as a tie, settled by rendezvous hashing."""
+    seed: int = 0
+    """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.index_backend not in INDEX_BACKENDS:
+            raise ValueError(
+                f"index_backend must be one of {INDEX_BACKENDS}, got {self.index_backend!r}"
+            )
+        if self.index_backend == "redis" and not self.redis_url:
+            raise ValueError("redis_url is required when index_backend is 'redis'")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"
+            )
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool):
+            raise ValueError(f"block_size must be an integer, got {self.block_size!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        for name in (
+            "default_prefill_tokens_per_s",
+            "default_decode_step_s",
+            "default_host_to_device_tokens_per_s",
+            "speculative_ttl_s",
+            "heartbeat_timeout_s",
+            "redis_socket_timeout_s",
+            "redis_retry_interval_s",
+        ):
+            _check_positive(name, getattr(self, name))
+        _check_non_negative("tie_tolerance_s", self.tie_tolerance_s)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -1,0 +1,189 @@
+"""EmbeddedIndex: the default prefix index, plain dicts and sets behind one lock.
+
+Owns an in-process view of which block hashes each replica holds, per tier, plus the
+speculative entries the router records for requests it just sent. Needs no extra service;
+the cluster hosts one instance in a Ray actor so every router process shares it, which is
+why every method takes and returns plain picklable values and ``__getstate__`` drops the
+lock.
+
+Memory is bounded by what live replicas hold: a dead replica's entries stop counting at
+the first lookup after its heartbeat deadline and are freed by the next ``sweep`` (run on
+every heartbeat). Expired speculative entries are pruned when a replica's table grows.
+Nothing here does I/O, so nothing here raises ``IndexUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.index import Clock, Match, ReplicaId
+from router.liveness import Action, ApplyOutcome, StreamState, decide, heartbeat_state, outcome_of
+from router.protocol import BlockHash, EventKind, KVEventBatch, Tier
+
+# Prune a replica's expired speculative entries once it tracks this many: a full sweep is
+# O(entries), so doing it only past a threshold keeps ``record_speculative`` amortized O(1).
+SPECULATIVE_PRUNE_THRESHOLD = 4096
+
+
+@dataclass
+class _ReplicaEntries:
+    device: set[BlockHash] = field(default_factory=set)
+    host: set[BlockHash] = field(default_factory=set)
+    speculative: dict[BlockHash, float] = field(default_factory=dict)
+    """Block hash -> expiry time (clock seconds)."""
+
+    def clear(self) -> None:
+        self.device.clear()
+        self.host.clear()
+        self.speculative.clear()
+
+
+class EmbeddedIndex:
+    """Thread-safe in-process ``PrefixIndex``."""
+
+    def __init__(self, heartbeat_timeout_s: float = 10.0, clock: Clock = time.time) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be positive, got {heartbeat_timeout_s}")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[ReplicaId, _ReplicaEntries] = {}
+        self._streams: dict[ReplicaId, StreamState] = {}
+        self._deadline: dict[ReplicaId, float] = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------- events
+    def apply(self, batch: KVEventBatch) -> ApplyOutcome:
+        with self._lock:
+            return self._apply_locked(batch, self._clock())
+
+    def apply_many(self, batches: Sequence[KVEventBatch]) -> list[ApplyOutcome]:
+        with self._lock:
+            now = self._clock()
+            return [self._apply_locked(batch, now) for batch in batches]
+
+    def _apply_locked(self, batch: KVEventBatch, now: float) -> ApplyOutcome:
+        action, new_state = decide(self._streams.get(batch.replica_id), batch)
+        if action == Action.IGNORE:
+            return ApplyOutcome.IGNORED
+        self._streams[batch.replica_id] = new_state
+        self._deadline[batch.replica_id] = now + self.heartbeat_timeout_s
+        entries = self._entries.setdefault(batch.replica_id, _ReplicaEntries())
+        if action in (Action.DROP_THEN_APPLY, Action.DROP_THEN_STALE):
+            entries.clear()
+        if action in (Action.APPLY, Action.DROP_THEN_APPLY):
+            for event in batch.events:
+                tier_set = entries.host if event.tier == Tier.HOST else entries.device
+                if event.kind == EventKind.STORED:
+                    tier_set.update(event.hashes)
+                elif event.kind == EventKind.REMOVED:
+                    tier_set.difference_update(event.hashes)
+                else:
+                    entries.device.clear()
+                    entries.host.clear()
+        return outcome_of(action)
+
+    # --------------------------------------------------------------------------- lookups
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
+        if not block_hashes:
+            return {}
+        with self._lock:
+            now = self._clock()
+            result: dict[ReplicaId, Match] = {}
+            for replica_id, entries in self._entries.items():
+                if self._deadline.get(replica_id, 0.0) <= now:
+                    continue
+                match = _match_one(entries, block_hashes, now)
+                if match is not None:
+                    result[replica_id] = match
+            return result
+
+    def record_speculative(
+        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        with self._lock:
+            now = self._clock()
+            entries = self._entries.get(replica_id)
+            if entries is None:
+                return  # never heard of: it could not count anyway, and nothing would free it
+            expiry = now + ttl_s
+            for block_hash in block_hashes:
+                entries.speculative[block_hash] = expiry
+            if len(entries.speculative) > SPECULATIVE_PRUNE_THRESHOLD:
+                entries.speculative = {h: t for h, t in entries.speculative.items() if t > now}
+
+    # -------------------------------------------------------------------------- liveness
+    def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
+        with self._lock:
+            now = self._clock() if now is None else now
+            self._sweep_locked(now)
+            state = self._streams.get(replica_id)
+            if state is not None and epoch < state.epoch:
+                return False  # a late heartbeat of an engine that has since restarted
+            drop, new_state = heartbeat_state(state, epoch)
+            if drop and replica_id in self._entries:
+                self._entries[replica_id].clear()
+            self._streams[replica_id] = new_state
+            self._entries.setdefault(replica_id, _ReplicaEntries())
+            self._deadline[replica_id] = now + self.heartbeat_timeout_s
+            return True
+
+    def replicas(self) -> list[ReplicaId]:
+        with self._lock:
+            now = self._clock()
+            return sorted(r for r, deadline in self._deadline.items() if deadline > now)
+
+    def remove_replica(self, replica_id: ReplicaId) -> None:
+        with self._lock:
+            self._forget_locked(replica_id)
+
+    def sweep(self, now: float | None = None) -> list[ReplicaId]:
+        with self._lock:
+            return self._sweep_locked(self._clock() if now is None else now)
+
+    def _sweep_locked(self, now: float) -> list[ReplicaId]:
+        dead = [r for r, deadline in self._deadline.items() if deadline <= now]
+        for replica_id in dead:
+            self._forget_locked(replica_id)
+        return dead
+
+    def _forget_locked(self, replica_id: ReplicaId) -> None:
+        # Forgetting the stream too means a replica that comes back must re-announce.
+        self._entries.pop(replica_id, None)
+        self._streams.pop(replica_id, None)
+        self._deadline.pop(replica_id, None)
+
+
+def _match_one(
+    entries: _ReplicaEntries, block_hashes: Sequence[BlockHash], now: float
+) -> Match | None:
+    device, host, speculative = entries.device, entries.host, entries.speculative
+    num_blocks = len(block_hashes)
+    i = 0
+    while i < num_blocks:
+        h = block_hashes[i]
+        if h not in device and speculative.get(h, 0.0) <= now:
+            break
+        i += 1
+    num_device = i
+    while i < num_blocks:
+        h = block_hashes[i]
+        if h not in host and h not in device and speculative.get(h, 0.0) <= now:
+            break
+        i += 1
+    if i == 0:
+        return None
+    return Match(device_blocks=num_device, host_blocks=i - num_device)

@@ -1,0 +1,111 @@
+"""Router metrics as plain, thread-safe counters and a fixed-bucket histogram.
+
+Owns what the router counts: decisions by policy and reason, matched blocks against prompt
+blocks (the matched-block ratio), index lookup latency, index errors and fallback
+decisions. No Prometheus dependency here: ``snapshot()`` returns plain numbers and the
+cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus series). Recording
+never raises and never blocks for longer than one uncontended lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+# Lookup latencies of interest span an in-process dict hit (~10 us) to a Redis round trip
+# that hits the socket timeout (~50 ms); buckets are upper bounds in milliseconds.
+LATENCY_BUCKETS_MS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-free bucket counts; ``counts[i]`` counts values <= ``bounds[i]``,
+    the last slot counts values above every bound."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_MS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    num: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.num += 1
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding quantile ``q``; None when empty or above all."""
+        if self.num == 0:
+            return None
+        rank = q * self.num
+        seen = 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            seen += count
+            if seen >= rank:
+                return bound
+        return None
+
+
+class RouterMetrics:
+    """Counters one router process keeps; safe to share between threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.decisions: dict[tuple[str, str], int] = {}
+        """(policy, reason) -> number of decisions."""
+        self.num_prompt_blocks = 0
+        self.num_matched_blocks = 0
+        self.num_index_errors = 0
+        self.num_fallback_decisions = 0
+        self.lookup_latency_ms = Histogram()
+
+    def record_decision(
+        self, policy: str, reason: str, num_prompt_blocks: int, num_matched_blocks: int
+    ) -> None:
+        with self._lock:
+            key = (policy, reason)
+            self.decisions[key] = self.decisions.get(key, 0) + 1
+            self.num_prompt_blocks += num_prompt_blocks
+            self.num_matched_blocks += num_matched_blocks
+            if reason == "fallback":
+                self.num_fallback_decisions += 1
+
+    def record_lookup(self, latency_ms: float) -> None:
+        with self._lock:
+            self.lookup_latency_ms.observe(latency_ms)
+
+    def record_index_error(self) -> None:
+        with self._lock:
+            self.num_index_errors += 1
+
+    @property
+    def matched_block_ratio(self) -> float | None:
+        """Matched blocks over prompt blocks across all decisions; None before any block."""
+        if self.num_prompt_blocks == 0:
+            return None
+        return self.num_matched_blocks / self.num_prompt_blocks
+
+    def snapshot(self) -> dict:
+        """Plain, JSON-serializable copy of every metric."""
+        with self._lock:
+            return {
+                "decisions": [
+                    {"policy": policy, "reason": reason, "count": count}
+                    for (policy, reason), count in sorted(self.decisions.items())
+                ],
+                "num_prompt_blocks": self.num_prompt_blocks,
+                "num_matched_blocks": self.num_matched_blocks,
+                "matched_block_ratio": self.matched_block_ratio,
+                "num_index_errors": self.num_index_errors,
+                "num_fallback_decisions": self.num_fallback_decisions,
+                "lookup_latency_ms": {
+                    "bounds": list(self.lookup_latency_ms.bounds),
+                    "counts": list(self.lookup_latency_ms.counts),
+                    "sum": self.lookup_latency_ms.total,
+                    "count": self.lookup_latency_ms.num,
+                },
+            }

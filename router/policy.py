@@ -1,0 +1,303 @@
+"""Routing policies: which replica gets a request, priced in seconds of predicted TTFT.
+
+Owns the interface the simulator and the cluster import (``ReplicaView``, ``Decision``,
+``RoutingPolicy``, ``make_policy``), the TTFT model, rendezvous hashing, the ``prefix``
+policy and the ``round_robin``/``least_loaded``/``pow2`` baselines. ``router.Router``
+combines a policy with an index; policies themselves do no I/O.
+
+The ``prefix`` policy prices every candidate as
+``queue_s + miss_tokens / prefill_rate + host_tokens / host_to_device_rate`` where
+``queue_s = queued_prefill_tokens / prefill_rate + (waiting + router in-flight) * step_s``
+and picks the minimum. Candidates within ``tie_tolerance_s`` of the minimum tie; ties
+prefer the longest match, then rendezvous (highest random weight) hashing of the request's
+first block, so independent routers agree without talking and a cold prefix lands on a
+stable replica. A hot prefix spills to another replica exactly when the holder's queue
+costs more than the prefill the other replica would redo. Unmeasured rates fall back to the
+configured defaults. ``choose`` raises ``ValueError`` on an empty candidate list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+
+from router.config import RouterConfig
+from router.index import FallbackIndex, Match, PrefixIndex, make_index
+from router.metrics import RouterMetrics
+from router.protocol import BlockHash, ReplicaStats, hash_blocks
+
+REASONS = ("prefix", "cold", "tie", "load", "fallback")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One routing candidate: its last reported stats plus the router's own in-flight count."""
+
+    replica_id: str
+    stats: ReplicaStats
+    num_inflight: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica_id: str
+    predicted_ttft_s: float
+    matched_blocks: int
+    """Leading blocks of the request the chosen replica holds (device + host tiers)."""
+    reason: str
+    """One of ``REASONS``: why this replica won."""
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_prompt_tokens: int,
+        replicas: Sequence[ReplicaView],
+        matches: Mapping[str, Match],
+    ) -> Decision: ...
+
+
+def rendezvous_weight(key: bytes, replica_id: str) -> int:
+    """Highest-random-weight score of ``replica_id`` for ``key``; same on every router."""
+    return xxhash.xxh3_64_intdigest(key + b"\0" + replica_id.encode())
+
+
+def rendezvous_pick(key: bytes, replica_ids: Sequence[str]) -> str:
+    return max(replica_ids, key=lambda rid: (rendezvous_weight(key, rid), rid))
+
+
+class TTFTModel:
+    """Predicted time to first token of a request on one replica, from its stats."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.block_size = config.block_size
+        self.default_prefill_tokens_per_s = config.default_prefill_tokens_per_s
+        self.default_decode_step_s = config.default_decode_step_s
+        self.default_host_to_device_tokens_per_s = config.default_host_to_device_tokens_per_s
+
+    def prefill_tokens_per_s(self, stats: ReplicaStats) -> float:
+        return stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s
+
+    def decode_step_s(self, stats: ReplicaStats) -> float:
+        if stats.decode_tokens_per_s > 0 and stats.num_running > 0:
+            return stats.num_running / stats.decode_tokens_per_s
+        return self.default_decode_step_s
+
+    def queue_s(self, view: ReplicaView) -> float:
+        stats = view.stats
+        return stats.num_queued_prefill_tokens / self.prefill_tokens_per_s(stats) + (
+            stats.num_waiting + view.num_inflight
+        ) * self.decode_step_s(stats)
+
+    def predicted_ttft_s(
+        self, view: ReplicaView, match: Match | None, num_prompt_tokens: int
+    ) -> float:
+        stats = view.stats
+        num_device_tokens = num_host_tokens = 0
+        if match is not None:
+            num_device_tokens = min(match.device_blocks * self.block_size, num_prompt_tokens)
+            num_host_tokens = min(
+                match.host_blocks * self.block_size, num_prompt_tokens - num_device_tokens
+            )
+        num_miss_tokens = num_prompt_tokens - num_device_tokens - num_host_tokens
+        host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
+        return (
+            self.queue_s(view)
+            + num_miss_tokens / self.prefill_tokens_per_s(stats)
+            + num_host_tokens / host_rate
+        )
+
+
+def _check(replicas: Sequence[ReplicaView], num_prompt_tokens: int) -> None:
+    if not replicas:
+        raise ValueError("replicas must hold at least one candidate")
+    if num_prompt_tokens < 0:
+        raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
+
+
+def _matched(matches: Mapping[str, Match], replica_id: str) -> int:
+    match = matches.get(replica_id)
+    return 0 if match is None else match.num_blocks
+
+
+class PrefixPolicy:
+    """Minimum predicted TTFT; ties by longest match, then rendezvous on the first block."""
+
+    name = "prefix"
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.model = TTFTModel(config)
+        self.tie_tolerance_s = config.tie_tolerance_s
+
+    def choose(self, block_hashes, num_prompt_tokens, replicas, matches) -> Decision:
+        _check(replicas, num_prompt_tokens)
+        scored = [
+            (self.model.predicted_ttft_s(v, matches.get(v.replica_id), num_prompt_tokens), v)
+            for v in replicas
+        ]
+        best_s = min(ttft_s for ttft_s, _ in scored)
+        tied = [(t, v) for t, v in scored if t <= best_s + self.tie_tolerance_s]
+        longest = max(_matched(matches, v.replica_id) for _, v in tied)
+        tied = [(t, v) for t, v in tied if _matched(matches, v.replica_id) == longest]
+        if len(tied) == 1:
+            ttft_s, view = tied[0]
+            reason = "prefix" if longest > 0 else "load"
+        else:
+            key = block_hashes[0] if block_hashes else b""
+            chosen_id = rendezvous_pick(key, [v.replica_id for _, v in tied])
+            ttft_s, view = next((t, v) for t, v in tied if v.replica_id == chosen_id)
+            any_match = any(_matched(matches, v.replica_id) for v in replicas)
+            reason = "tie" if any_match else "cold"
+        return Decision(view.replica_id, ttft_s, longest, reason)
+
+
+def _load(view: ReplicaView) -> int:
+    return view.stats.num_waiting + view.stats.num_running + view.num_inflight
+
+
+class _Baseline:
+    """Shared plumbing of the load-only baselines: they ignore matches but report them."""
+
+    name = "baseline"
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.model = TTFTModel(config)
+
+    def _pick(self, block_hashes, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        raise NotImplementedError
+
+    def choose(self, block_hashes, num_prompt_tokens, replicas, matches) -> Decision:
+        _check(replicas, num_prompt_tokens)
+        view = self._pick(block_hashes, replicas)
+        match = matches.get(view.replica_id)
+        ttft_s = self.model.predicted_ttft_s(view, match, num_prompt_tokens)
+        return Decision(view.replica_id, ttft_s, _matched(matches, view.replica_id), "load")
+
+
+class RoundRobinPolicy(_Baseline):
+    name = "round_robin"
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def _pick(self, block_hashes, replicas):
+        with self._lock:
+            turn = next(self._counter)
+        return sorted(replicas, key=lambda v: v.replica_id)[turn % len(replicas)]
+
+
+class LeastLoadedPolicy(_Baseline):
+    """Fewest waiting + running + in-flight requests; ties by rendezvous on the first block."""
+
+    name = "least_loaded"
+
+    def _pick(self, block_hashes, replicas):
+        key = block_hashes[0] if block_hashes else b""
+        return min(replicas, key=lambda v: (_load(v), -rendezvous_weight(key, v.replica_id)))
+
+
+class Pow2Policy(_Baseline):
+    """Power of two choices: the less loaded of two candidates drawn at random."""
+
+    name = "pow2"
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._rng = random.Random(config.seed)
+        self._lock = threading.Lock()
+
+    def _pick(self, block_hashes, replicas):
+        if len(replicas) == 1:
+            return replicas[0]
+        with self._lock:
+            first, second = self._rng.sample(list(replicas), 2)
+        return second if _load(second) < _load(first) else first
+
+
+_POLICIES = {
+    "prefix": PrefixPolicy,
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "pow2": Pow2Policy,
+}
+
+
+def make_policy(config: RouterConfig) -> RoutingPolicy:
+    """The policy ``config.policy`` names (validated by ``RouterConfig``)."""
+    return _POLICIES[config.policy](config)
+
+
+class Router:
+    """One router process's view: index lookups + a policy + speculative entries + metrics.
+
+    ``route`` is the whole decision: one index lookup (timed), ``policy.choose``, then, for
+    the ``prefix`` policy, a speculative entry of the request's blocks on the chosen replica
+    so siblings arriving before its KV events still find it. When the index is unavailable
+    the decision is made by load alone and its reason is ``fallback``.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        model_id: str,
+        index: PrefixIndex | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.model_id = model_id
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        inner = index if index is not None else make_index(config, model_id)
+        if isinstance(inner, FallbackIndex):
+            self.index = inner
+        else:
+            self.index = FallbackIndex(inner, config.redis_retry_interval_s, self.metrics)
+        self.policy = make_policy(config)
+
+    def hash_prompt(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list:
+        return hash_blocks(token_ids, self.config.block_size, self.model_id, cache_salt)
+
+    def route_tokens(
+        self,
+        token_ids: Sequence[int],
+        replicas: Sequence[ReplicaView],
+        cache_salt: str | None = None,
+    ) -> Decision:
+        """Hash the prompt (block hash v1) and route it."""
+        return self.route(self.hash_prompt(token_ids, cache_salt), len(token_ids), replicas)
+
+    def route(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_prompt_tokens: int,
+        replicas: Sequence[ReplicaView],
+    ) -> Decision:
+        start_s = time.perf_counter()
+        matches = self.index.match_or_none(block_hashes) if block_hashes else {}
+        self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
+        decision = self.policy.choose(block_hashes, num_prompt_tokens, replicas, matches or {})
+        if matches is None:
+            decision = dataclasses.replace(decision, reason="fallback")
+        elif self.policy.name == "prefix" and block_hashes:
+            held = matches.get(decision.replica_id)
+            num_held = 0 if held is None else held.device_blocks
+            if num_held < len(block_hashes):
+                self.index.record_speculative(
+                    decision.replica_id, block_hashes[num_held:], self.config.speculative_ttl_s
+                )
+        self.metrics.record_decision(
+            self.policy.name, decision.reason, len(block_hashes), decision.matched_blocks
+        )
+        return decision
