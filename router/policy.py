@@ -258,11 +258,13 @@ class Router:
     ) -> None:
         self.config = config
         self.model_id = model_id
-        self.metrics = metrics if metrics is not None else RouterMetrics()
         inner = index if index is not None else make_index(config, model_id)
         if isinstance(inner, FallbackIndex):
+            self.metrics = metrics if metrics is not None else inner.metrics
+            inner.metrics = self.metrics
             self.index = inner
         else:
+            self.metrics = metrics if metrics is not None else RouterMetrics()
             self.index = FallbackIndex(inner, config.redis_retry_interval_s, self.metrics)
         self.policy = make_policy(config)
 

@@ -87,7 +87,9 @@ class RedisIndex:
             self.redis_url,
             socket_timeout=self.socket_timeout_s,
             socket_connect_timeout=self.socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            # One immediate retry on a broken connection (a pooled socket that died with a
+            # restarted server), none on timeouts: a slow Redis must fail fast.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             retry_on_timeout=False,
         )
         self._match = self._client.register_script(MATCH_LUA)

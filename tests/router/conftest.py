@@ -65,7 +65,7 @@ class RedisServer:
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start on port {self.port}")
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.02)
             finally:
                 client.close()

@@ -1,0 +1,146 @@
+"""Routing policies: predicted-TTFT choice, rendezvous agreement, spill, baselines."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from router.config import RouterConfig
+from router.index import Match
+from router.policy import ReplicaView, TTFTModel, make_policy, rendezvous_pick
+from router.protocol import ReplicaStats, hash_blocks
+
+BLOCK_SIZE = 16
+CONFIG = RouterConfig()  # default rates: 8000 prefill tokens/s, 0.02 s decode step
+
+
+def prompt_blocks(first_token: int, num_blocks: int = 8) -> list[bytes]:
+    tokens = [first_token] + [7] * (num_blocks * BLOCK_SIZE - 1)
+    return hash_blocks(tokens, BLOCK_SIZE, "policy-model")
+
+
+def idle(replica_id: str, **stats) -> ReplicaView:
+    return ReplicaView(replica_id, ReplicaStats(**stats))
+
+
+def test_cold_start_spreads_by_rendezvous_and_independent_routers_agree():
+    replicas = [idle(f"r{i}") for i in range(4)]
+    router_a, router_b = make_policy(CONFIG), make_policy(CONFIG)
+    counts = collections.Counter()
+    for prefix in range(400):
+        blocks = prompt_blocks(prefix)
+        a = router_a.choose(blocks, len(blocks) * BLOCK_SIZE, replicas, {})
+        b = router_b.choose(blocks, len(blocks) * BLOCK_SIZE, list(reversed(replicas)), {})
+        assert a == b
+        assert a.reason == "cold" and a.matched_blocks == 0
+        counts[a.replica_id] += 1
+    assert set(counts) == {"r0", "r1", "r2", "r3"}
+    assert all(60 <= n <= 140 for n in counts.values()), counts
+
+
+def test_rendezvous_moves_only_the_removed_replicas_prefixes():
+    ids = [f"r{i}" for i in range(5)]
+    keys = [prompt_blocks(p)[0] for p in range(200)]
+    before = {k: rendezvous_pick(k, ids) for k in keys}
+    after = {k: rendezvous_pick(k, ids[:-1]) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "r4" for k in moved)
+
+
+def test_hot_prefix_spills_exactly_when_that_lowers_predicted_ttft():
+    policy = make_policy(CONFIG)
+    blocks = prompt_blocks(1, num_blocks=128)  # 2048 tokens
+    num_tokens = 2048
+    matches = {"holder": Match(device_blocks=120)}  # holds 1920 tokens
+    rate = CONFIG.default_prefill_tokens_per_s
+    cold_ttft_s = num_tokens / rate
+    # queue_s such that the holder is 10 ms better, then 10 ms worse than the empty replica.
+    for margin_s, expected in ((-0.01, "holder"), (0.01, "other")):
+        queued_s = cold_ttft_s - (num_tokens - 1920) / rate + margin_s
+        holder = idle("holder", num_queued_prefill_tokens=round(queued_s * rate))
+        decision = policy.choose(blocks, num_tokens, [holder, idle("other")], matches)
+        assert decision.replica_id == expected
+        model = TTFTModel(CONFIG)
+        best_s = min(
+            model.predicted_ttft_s(holder, matches["holder"], num_tokens),
+            model.predicted_ttft_s(idle("other"), None, num_tokens),
+        )
+        assert decision.predicted_ttft_s == pytest.approx(best_s)
+        assert decision.reason == ("prefix" if expected == "holder" else "load")
+        assert decision.matched_blocks == (120 if expected == "holder" else 0)
+
+
+def test_a_second_holder_shares_the_hot_prefix_by_load():
+    policy = make_policy(CONFIG)
+    blocks = prompt_blocks(2, num_blocks=64)
+    matches = {"a": Match(64), "b": Match(64)}
+    busy_a = idle("a", num_waiting=3)
+    decision = policy.choose(blocks, 1024, [busy_a, idle("b"), idle("c")], matches)
+    assert (decision.replica_id, decision.reason) == ("b", "prefix")
+    # Equal load: a tie between the two holders, never the non-holder.
+    decision = policy.choose(blocks, 1024, [idle("a"), idle("b"), idle("c")], matches)
+    assert decision.replica_id in ("a", "b") and decision.reason == "tie"
+
+
+def test_host_tier_blocks_are_priced_by_the_host_to_device_rate():
+    policy = make_policy(CONFIG)
+    blocks = prompt_blocks(3, num_blocks=100)
+    host_view = idle("host", host_to_device_tokens_per_s=1600.0)  # slower than prefill
+    decision = policy.choose(blocks, 1600, [host_view], {"host": Match(0, 100)})
+    assert decision.predicted_ttft_s == pytest.approx(1.0)
+    assert decision.matched_blocks == 100
+    fast_host = idle("fast", host_to_device_tokens_per_s=160_000.0)
+    decision = policy.choose(
+        blocks,
+        1600,
+        [host_view, fast_host, idle("cold")],
+        {"host": Match(0, 100), "fast": Match(0, 100)},
+    )
+    assert decision.replica_id == "fast"
+    assert decision.predicted_ttft_s == pytest.approx(0.01)
+
+
+def test_measured_rates_beat_defaults_and_inflight_requests_count_as_queue():
+    policy = make_policy(CONFIG)
+    blocks = prompt_blocks(4, num_blocks=64)
+    fast = idle("fast", prefill_tokens_per_s=4 * CONFIG.default_prefill_tokens_per_s)
+    decision = policy.choose(blocks, 1024, [idle("unmeasured"), fast], {})
+    assert decision.replica_id == "fast"
+    assert decision.predicted_ttft_s == pytest.approx(1024 / (4 * 8000.0))
+    tied = [idle("x"), idle("y")]
+    first = policy.choose(blocks, 1024, tied, {})
+    loaded = [
+        ReplicaView(v.replica_id, v.stats, num_inflight=int(v.replica_id == first.replica_id))
+        for v in tied
+    ]
+    assert policy.choose(blocks, 1024, loaded, {}).replica_id != first.replica_id
+
+
+def test_baselines_behind_the_same_interface():
+    replicas = [idle("a", num_running=2), idle("b"), idle("c", num_waiting=1)]
+    blocks = prompt_blocks(5)
+    round_robin = make_policy(RouterConfig(policy="round_robin"))
+    picks = [round_robin.choose(blocks, 128, replicas, {}).replica_id for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    least = make_policy(RouterConfig(policy="least_loaded"))
+    decision = least.choose(blocks, 128, replicas, {"b": Match(3)})
+    assert (decision.replica_id, decision.matched_blocks, decision.reason) == ("b", 3, "load")
+    pow2_a = make_policy(RouterConfig(policy="pow2", seed=7))
+    pow2_b = make_policy(RouterConfig(policy="pow2", seed=7))
+    seq_a = [pow2_a.choose(blocks, 128, replicas, {}).replica_id for _ in range(30)]
+    seq_b = [pow2_b.choose(blocks, 128, replicas, {}).replica_id for _ in range(30)]
+    assert seq_a == seq_b
+    assert "a" not in seq_a  # the most loaded replica never wins a pair
+    assert {p.name for p in (round_robin, least, pow2_a, make_policy(CONFIG))} == {
+        "round_robin",
+        "least_loaded",
+        "pow2",
+        "prefix",
+    }
+
+
+@pytest.mark.parametrize("name", ["prefix", "round_robin", "least_loaded", "pow2"])
+def test_choose_rejects_an_empty_candidate_list(name):
+    with pytest.raises(ValueError, match="replicas"):
+        make_policy(RouterConfig(policy=name)).choose(prompt_blocks(0), 128, [], {})

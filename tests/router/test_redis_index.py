@@ -1,0 +1,90 @@
+"""What only the Redis backend promises: namespaced keys, bounded memory, fast failure."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from router.config import RouterConfig
+from router.index import IndexUnavailableError, Match, make_index
+from router.protocol import EventKind, KVEvent, KVEventBatch
+from router.redis_index import RedisIndex
+from tests.router.conftest import free_port
+from tests.router.test_index_contract import batch, chain, stored
+
+pytestmark = pytest.mark.redis
+
+
+def _all_keys(url: str) -> list[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return list(client.scan_iter(count=1000))
+    finally:
+        client.close()
+
+
+def test_keys_are_namespaced_per_model_and_version_and_hold_no_prompt_text(redis_url, clock):
+    index = RedisIndex(redis_url, "ns-model-a", clock=clock)
+    other = RedisIndex(redis_url, "ns-model-b", clock=clock)
+    blocks = chain(4)
+    for idx in (index, other):
+        idx.heartbeat("r0", 0)
+    index.apply(batch("r0", 0, stored(blocks)))
+    assert other.match(blocks) == {}
+    assert index.match(blocks) == {"r0": Match(4, 0)}
+    client = redis.Redis.from_url(redis_url)
+    keys = [k for k in _all_keys(redis_url) if b"ns-model-a" in k]
+    assert keys and all(k.startswith(b"prefixserve:v1:ns-model-a:") for k in keys)
+    members = client.smembers(b"prefixserve:v1:ns-model-a:dev:r0")
+    assert members == set(blocks)  # the 16-byte hashes, nothing of the tokens
+    assert all(len(m) == 16 for m in members)
+    # Every key expires by itself if no router is left to sweep it.
+    assert all(0 < client.pttl(k) <= 30_000 for k in keys)
+    client.close()
+
+
+def test_sweep_deletes_a_dead_replicas_keys(redis_url, clock):
+    index = RedisIndex(redis_url, "sweep-model", heartbeat_timeout_s=2.0, clock=clock)
+    blocks = chain(3)
+    index.heartbeat("dead", 0)
+    index.apply(batch("dead", 0, stored(blocks)))
+    index.record_speculative("dead", chain(2, first_token=99), ttl_s=5.0)
+    clock.advance(3.0)
+    index.heartbeat("alive", 0)  # heartbeats sweep
+    keys = [k for k in _all_keys(redis_url) if k.startswith(b"prefixserve:v1:sweep-model:")]
+    assert not [k for k in keys if k.endswith(b":dead")]
+    assert index.replicas() == ["alive"]
+
+
+def test_unreachable_redis_raises_index_unavailable_quickly(clock):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    index = RedisIndex(url, "m", socket_timeout_s=0.05, clock=clock)
+    start_s = time.monotonic()
+    for call in (
+        lambda: index.match(chain(2)),
+        lambda: index.heartbeat("a", 0),
+        lambda: index.apply(batch("a", 0, stored(chain(1)))),
+        lambda: index.record_speculative("a", chain(1), 1.0),
+        index.replicas,
+    ):
+        with pytest.raises(IndexUnavailableError):
+            call()
+    assert time.monotonic() - start_s < 2.0
+
+
+def test_large_batches_and_long_prompts_cross_the_chunk_limits(redis_url, clock):
+    index = RedisIndex(redis_url, "big-model", clock=clock)
+    blocks = chain(2500)  # 40k tokens: beyond one SADD chunk and Lua's unpack limit
+    index.heartbeat("a", 0)
+    index.apply(KVEventBatch("a", 0, (KVEvent(EventKind.STORED, tuple(blocks[:2100])),)))
+    assert index.match(blocks) == {"a": Match(2100, 0)}
+
+
+def test_make_index_builds_the_configured_backend(redis_url):
+    config = RouterConfig(index_backend="redis", redis_url=redis_url)
+    index = make_index(config, "factory-model")
+    assert isinstance(index, RedisIndex)
+    assert index.prefix == "prefixserve:v1:factory-model:"
+    index.close()
