@@ -1,0 +1,143 @@
+"""Router = index + policy + speculative entries + metrics, over both backends and through
+a Redis outage."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from router.config import RouterConfig
+from router.embedded_index import EmbeddedIndex
+from router.index import FallbackIndex
+from router.liveness import ApplyOutcome
+from router.policy import ReplicaView, Router
+from router.protocol import ReplicaStats
+from router.redis_index import RedisIndex
+from tests.router.conftest import FakeClock
+from tests.router.test_index_contract import CLEARED, batch, stored
+
+MODEL_ID = "router-model"
+CONFIG = RouterConfig(block_size=16)
+
+
+def views(*ids: str, **stats) -> list[ReplicaView]:
+    return [ReplicaView(rid, ReplicaStats(**stats)) for rid in ids]
+
+
+def prompt(first_token: int, num_tokens: int = 256) -> list[int]:
+    return [first_token] + [3] * (num_tokens - 1)
+
+
+def make_router(make_index, config: RouterConfig = CONFIG) -> Router:
+    # Each Redis index gets a fresh namespace, so tests never see each other's replicas.
+    return Router(config, MODEL_ID, index=make_index())
+
+
+def test_sibling_requests_follow_a_speculative_entry_before_any_event(make_index):
+    router = make_router(make_index)
+    for rid in ("a", "b", "c"):
+        router.index.heartbeat(rid, 0)
+    shared = prompt(11, 512)
+    first = router.route_tokens(shared + [5] * 32, views("a", "b", "c"))
+    assert first.reason == "cold"
+    # The sibling shares 32 blocks; no KV event has arrived yet.
+    second = router.route_tokens(shared + [9] * 32, views("a", "b", "c"))
+    assert (second.replica_id, second.reason, second.matched_blocks) == (
+        first.replica_id,
+        "prefix",
+        32,
+    )
+
+
+def test_baselines_record_no_speculative_entries(make_index):
+    router = make_router(make_index, RouterConfig(policy="round_robin"))
+    router.index.heartbeat("a", 0)
+    router.route_tokens(prompt(12), views("a"))
+    assert router.index.match(router.hash_prompt(prompt(12))) == {}
+
+
+def test_dead_replica_stops_attracting_its_prefix_at_once(make_index, clock):
+    router = make_router(make_index)
+    blocks = router.hash_prompt(prompt(13))
+    router.index.heartbeat("a", 0)
+    router.index.heartbeat("b", 0)
+    router.index.apply(batch("a", 0, stored(blocks)))
+    assert router.route(blocks, 256, views("a", "b")).replica_id == "a"
+    clock.advance(CONFIG.heartbeat_timeout_s - 1.0)
+    router.index.heartbeat("b", 0)
+    clock.advance(1.5)  # "a" is past its deadline; Serve still lists it
+    decision = router.route(blocks, 256, views("a", "b"))
+    assert decision.matched_blocks == 0 and decision.reason in ("cold", "load")
+
+
+def test_restarted_replica_entries_are_dropped(make_index):
+    router = make_router(make_index)
+    blocks = router.hash_prompt(prompt(14))
+    router.index.heartbeat("a", 0)
+    router.index.apply(batch("a", 0, stored(blocks)))
+    assert router.route(blocks, 256, views("a", "b")).reason == "prefix"
+    router.index.heartbeat("a", 1)  # new engine, empty cache
+    decision = router.route(blocks, 256, views("a", "b"))
+    assert decision.matched_blocks == 0
+
+
+def test_metrics_count_decisions_matched_ratio_and_lookups(make_index):
+    router = make_router(make_index)
+    blocks = router.hash_prompt(prompt(15))  # 16 blocks
+    router.index.heartbeat("a", 0)
+    router.index.apply(batch("a", 0, stored(blocks[:8])))
+    router.route(blocks, 256, views("a", "b", num_waiting=0))
+    snapshot = router.metrics.snapshot()
+    assert snapshot["decisions"] == [{"policy": "prefix", "reason": "prefix", "count": 1}]
+    assert snapshot["matched_block_ratio"] == pytest.approx(0.5)
+    assert snapshot["lookup_latency_ms"]["count"] == 1
+    assert snapshot["num_fallback_decisions"] == 0
+
+
+@pytest.mark.redis
+def test_redis_down_routes_by_load_logs_once_and_recovers(redis_server, caplog):
+    wall, monotonic = FakeClock(), FakeClock()
+    redis_index = RedisIndex(redis_server.url, "outage-model", socket_timeout_s=0.2, clock=wall)
+    index = FallbackIndex(redis_index, retry_interval_s=1.0, clock=monotonic)
+    router = Router(CONFIG, MODEL_ID, index=index)
+    blocks = router.hash_prompt(prompt(16))
+    candidates = views("a", "b")
+    for rid in ("a", "b"):
+        router.index.heartbeat(rid, 0)
+    router.index.apply(batch("a", 0, stored(blocks)))
+    assert router.route(blocks, 256, candidates).reason == "prefix"
+
+    redis_server.stop()
+    caplog.set_level(logging.WARNING, logger="router.index")
+    loaded_a = [
+        ReplicaView("a", ReplicaStats(num_waiting=5)),
+        ReplicaView("b", ReplicaStats()),
+    ]
+    decisions = [router.route(blocks, 256, loaded_a) for _ in range(5)]
+    assert all(d.reason == "fallback" and d.matched_blocks == 0 for d in decisions)
+    assert all(d.replica_id == "b" for d in decisions)  # load alone decides
+    assert router.index.apply(batch("a", 1, stored(blocks[:1]))) == ApplyOutcome.IGNORED
+    assert router.metrics.snapshot()["num_fallback_decisions"] == 5
+    down_logs = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(down_logs) == 1
+
+    redis_server.start()  # empty: everything it knew is gone
+    monotonic.advance(1.1)
+    assert router.route(blocks, 256, candidates).reason == "cold"
+    # Replicas heartbeat again; "a"'s next batch reveals the gap and it re-announces.
+    for rid in ("a", "b"):
+        assert router.index.heartbeat(rid, 0)
+    assert router.index.apply(batch("a", 2, stored(blocks[:1]))) == ApplyOutcome.STALE
+    reannounce = batch("a", 3, CLEARED, stored(blocks))
+    assert router.index.apply(reannounce) == ApplyOutcome.APPLIED
+    decision = router.route(blocks, 256, candidates)
+    assert (decision.replica_id, decision.reason) == ("a", "prefix")
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    redis_index.close()
+
+
+def test_router_builds_its_index_from_the_config():
+    router = Router(RouterConfig(), MODEL_ID)
+    assert isinstance(router.index.inner, EmbeddedIndex)
+    assert router.policy.name == "prefix"
