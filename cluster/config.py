@@ -1,0 +1,163 @@
+"""``ClusterConfig``: how the Serve application is laid out and exposed, validated once.
+
+The engine's knobs live in ``worker.config.EngineConfig`` and the router's in
+``router.config.RouterConfig``; this dataclass owns the rest: how many engine replicas run,
+how many requests each may hold, the HTTP address, the optional API key and the request
+limits that keep a bad or oversized request from harming anyone else. Construction fails
+with a ``ValueError`` naming the offending field (``ClusterConfig.<field>: ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from router.config import RouterConfig
+from worker.config import EngineConfig
+
+# One MiB of JSON holds far more prompt than any supported context (a 32k-token context is
+# roughly 128 KiB of text); larger bodies are almost surely mistakes or abuse.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
+# Twice the engine's default max_num_seqs (64): enough in-flight requests per replica to keep
+# its batch full while the next ones wait in the engine's own queue.
+DEFAULT_MAX_ONGOING_REQUESTS = 128
+# Requests Serve's handles may hold back when every replica is at max_ongoing_requests;
+# past this the ingress answers 429 instead of letting the queue (and latency) grow unbounded.
+DEFAULT_MAX_QUEUED_REQUESTS = 512
+DEFAULT_PORT = 8000
+SECTIONS = ("engine", "cluster", "router")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_replicas: int = 2
+    """Engine replicas (one engine each)."""
+    max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS
+    """Requests Serve sends to one replica at once; keep it >= the engine's max_num_seqs."""
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
+    """Requests queued in Serve's handles beyond that; more get 429. None: unbounded."""
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    """When set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    """Bodies larger than this get 413."""
+    ray_address: str | None = None
+    """Join this Ray cluster (``auto``, ``ray://...``, ``host:port``); None starts a local one."""
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+    served_model_name: str | None = None
+    """Model name in the API; defaults to the engine's model id."""
+    app_name: str = "prefixserve"
+    """Serve application name (several apps may share one Ray cluster)."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, field: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"ClusterConfig.{field}: {msg}")
+
+        need(
+            _is_int(self.num_replicas) and self.num_replicas >= 1,
+            "num_replicas",
+            f"must be an integer >= 1, got {self.num_replicas!r}",
+        )
+        need(
+            _is_int(self.max_ongoing_requests) and self.max_ongoing_requests >= 1,
+            "max_ongoing_requests",
+            f"must be an integer >= 1, got {self.max_ongoing_requests!r}",
+        )
+        need(
+            self.max_queued_requests is None
+            or (_is_int(self.max_queued_requests) and self.max_queued_requests >= 1),
+            "max_queued_requests",
+            f"must be None or an integer >= 1, got {self.max_queued_requests!r}",
+        )
+        need(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
+        need(
+            _is_int(self.port) and 0 < self.port < 65536,
+            "port",
+            f"must be an integer in [1, 65535], got {self.port!r}",
+        )
+        need(
+            self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
+            "api_key",
+            "must be None or a non-empty string",
+        )
+        need(
+            _is_int(self.max_request_body_bytes) and self.max_request_body_bytes >= 1024,
+            "max_request_body_bytes",
+            f"must be an integer >= 1024, got {self.max_request_body_bytes!r}",
+        )
+        need(
+            self.ray_address is None
+            or (isinstance(self.ray_address, str) and bool(self.ray_address)),
+            "ray_address",
+            "must be None or a non-empty string",
+        )
+        need(
+            _is_number(self.num_cpus_per_replica) and self.num_cpus_per_replica >= 0,
+            "num_cpus_per_replica",
+            f"must be a number >= 0, got {self.num_cpus_per_replica!r}",
+        )
+        need(
+            _is_number(self.num_gpus_per_replica) and self.num_gpus_per_replica >= 0,
+            "num_gpus_per_replica",
+            f"must be a number >= 0, got {self.num_gpus_per_replica!r}",
+        )
+        need(
+            self.served_model_name is None
+            or (isinstance(self.served_model_name, str) and bool(self.served_model_name.strip())),
+            "served_model_name",
+            "must be None or a non-empty string",
+        )
+        need(
+            isinstance(self.app_name, str)
+            and self.app_name.replace("-", "").replace("_", "").isalnum(),
+            "app_name",
+            f"must be letters, digits, '-' or '_', got {self.app_name!r}",
+        )
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def replace(self, **changes) -> ClusterConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _section(cls, name: str, values: dict):
+    if not isinstance(values, dict):
+        raise ValueError(f"{name}: must be a mapping of {cls.__name__} fields, got {values!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown {cls.__name__} field(s) {', '.join(unknown)}")
+    return cls(**values)
+
+
+def configs_from_args(args: dict | None) -> tuple[EngineConfig, ClusterConfig, RouterConfig]:
+    """Validated configs from the builder's args; raises ValueError naming the bad field."""
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown section(s) {', '.join(unknown)}; expected {', '.join(SECTIONS)}")
+    engine = _section(EngineConfig, "engine", args.get("engine") or {})
+    cluster = _section(ClusterConfig, "cluster", args.get("cluster") or {})
+    router_values = dict(args.get("router") or {})
+    block_size = router_values.setdefault("block_size", engine.block_size)
+    if block_size != engine.block_size:
+        raise ValueError(
+            f"router.block_size ({block_size}) must equal engine.block_size ({engine.block_size})"
+        )
+    router = _section(RouterConfig, "router", router_values)
+    return engine, cluster, router

@@ -1,0 +1,397 @@
+"""The HTTP ingress: OpenAI-compatible FastAPI app that validates, tokenizes once and streams.
+
+Per request: check the API key, read the body under ``max_request_body_bytes`` (413 past
+it), parse it strictly (400 naming the field), check the model (404), apply the chat
+template and tokenize once, fit ``max_tokens`` into the context (400), hash the prompt's
+blocks for the router, then call ``EngineReplica.generate`` through a streaming
+``DeploymentHandle``. The first replica output is awaited before any byte is sent, so a
+refusal (bad input 400, full queue 429 with Retry-After, dead engine 503) is a proper
+status; the serving replica goes out in the ``x-prefixserve-replica`` header. Failures
+after the stream started end it with an ``error`` event and ``[DONE]``. A client that goes
+away cancels the handle calls, which aborts the engine requests and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hmac
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster import errors
+from cluster.config import ClusterConfig
+from cluster.errors import APIError
+from cluster.metrics import any_replica_serving, render_prometheus
+from cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+    resolve_max_tokens,
+)
+from cluster.responses import ResponseBuilder
+from router.protocol import hash_blocks
+from worker import EngineConfig, SamplingParams
+from worker.loader import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-prefixserve-replica"
+# /health and /metrics must answer even when the hub or every replica is wedged.
+HEALTH_TIMEOUT_S = 2.0
+
+app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.to_response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), err_type=err_type).to_response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return errors.bad_request(str(exc)).to_response()
+
+
+class _Event(enum.Enum):
+    ITEM = "item"
+    END = "end"
+    FAILED = "failed"
+
+
+def _rejection_error(rejected: dict) -> APIError:
+    kind, message = rejected["kind"], rejected["message"]
+    if kind == "invalid":
+        return errors.from_value_error(ValueError(message))
+    if kind == "overloaded":
+        return errors.overloaded("engine queue full")
+    if kind == "dead":
+        return errors.unavailable(f"replica unavailable: {message}")
+    return errors.internal(message)
+
+
+@serve.deployment
+@serve.ingress(app)
+class Ingress:
+    async def __init__(
+        self, engine, metrics_hub, engine_config: dict, cluster_config: dict
+    ) -> None:
+        self.engine_config = EngineConfig(**engine_config)
+        self.cluster = ClusterConfig(**cluster_config)
+        self._engine = engine
+        self._stream_handle = engine.options(stream=True)
+        self._hub = metrics_hub
+        # Ask a replica rather than guess: hashes, limits and names must match the engine's.
+        info = await engine.describe.remote()
+        self.model_id: str = info["model_id"]
+        self.max_model_len: int = info["max_model_len"]
+        self.block_size: int = info["block_size"]
+        self.vocab_size: int = info["vocab_size"]
+        self.served_name = self.cluster.served_model_name or self.model_id
+        self.accepted_names = {self.served_name}
+        if self.cluster.served_model_name is None:
+            self.accepted_names.add(self.engine_config.model)
+        self.tokenizer = await asyncio.to_thread(
+            load_tokenizer, self.engine_config.model, self.engine_config.cache_dir
+        )
+
+    # ---- request plumbing ---------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.cluster.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            raise errors.unauthorized()
+
+    async def _parse(self, request: Request, model_cls):
+        self._authorize(request)
+        limit = self.cluster.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise errors.bad_request("invalid Content-Length header")
+            if int(declared) > limit:
+                raise errors.body_too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise errors.body_too_large(limit)
+        return parse_body(model_cls, bytes(body))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted_names:
+            raise errors.model_not_found(model)
+
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise errors.bad_request(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param
+                )
+
+    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt):
+        """Starts one engine request; returns (first output, response) or raises APIError."""
+        hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
+        response = self._stream_handle.generate.remote(
+            request_id, prompt_ids, params, cache_salt=salt, block_hashes=hashes
+        )
+        try:
+            first = await response.__anext__()
+        except BackPressureError:
+            response.cancel()
+            raise errors.overloaded("too many queued requests") from None
+        except BaseException as exc:
+            response.cancel()
+            if isinstance(
+                exc, (APIError, asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
+            ):
+                raise
+            log.warning("request %s failed to start: %r", request_id, exc)
+            raise errors.unavailable("no replica could take the request") from None
+        if "rejected" in first:
+            response.cancel()
+            raise _rejection_error(first["rejected"])
+        return first, response
+
+    async def _open_all(self, request_id: str, prompts: list[list[int]], params: list, salt):
+        opened = []
+        try:
+            for index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                opened.append(await self._open(sub_id, prompt_ids, prompt_params, salt))
+        except BaseException:
+            for _, response in opened:
+                response.cancel()
+            raise
+        return opened
+
+    @staticmethod
+    async def _merge(opened: list):
+        """(prompt index, output dict) from every stream as they arrive; raises on failure."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, first: dict, response) -> None:
+            try:
+                await queue.put((_Event.ITEM, index, first))
+                async for item in response:
+                    await queue.put((_Event.ITEM, index, item))
+                await queue.put((_Event.END, index, None))
+            except Exception as exc:
+                await queue.put((_Event.FAILED, index, exc))
+
+        tasks = [
+            asyncio.create_task(pump(i, first, resp)) for i, (first, resp) in enumerate(opened)
+        ]
+        num_open = len(tasks)
+        try:
+            while num_open:
+                event, index, payload = await queue.get()
+                if event is _Event.END:
+                    num_open -= 1
+                elif event is _Event.FAILED:
+                    raise payload
+                else:
+                    yield index, payload
+        finally:
+            for task in tasks:
+                task.cancel()
+            for _, response in opened:
+                response.cancel()
+
+    @staticmethod
+    def _check_item(item: dict) -> None:
+        if "rejected" in item:
+            raise _rejection_error(item["rejected"])
+        if item.get("error"):
+            raise errors.internal(f"the engine failed this request: {item['error']}")
+
+    async def _respond(self, body, builder: ResponseBuilder, opened: list) -> Response:
+        replicas = ",".join(dict.fromkeys(first["replica_id"] for first, _ in opened))
+        headers = {REPLICA_HEADER: replicas}
+        items = self._merge(opened)
+        if not body.stream:
+            try:
+                async for index, item in items:
+                    self._check_item(item)
+                    builder.add(index, item)
+            except APIError:
+                raise
+            except Exception as exc:
+                raise errors.unavailable(f"the replica failed mid-request: {exc!r}") from None
+            finally:
+                await items.aclose()
+            return JSONResponse(builder.full_response(), headers=headers)
+
+        async def events():
+            try:
+                async for index, item in items:
+                    self._check_item(item)
+                    for event in builder.stream_events(index, item):
+                        yield event
+            except APIError as exc:
+                yield exc.sse_payload()
+            except Exception as exc:
+                yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
+            finally:
+                await items.aclose()
+            for event in builder.closing_events():
+                yield event
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def _encode(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    async def _apply_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            return await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, add_generation_prompt
+            )
+        except ValueError as exc:
+            raise errors.bad_request(f"messages: {exc}", "messages") from None
+
+    # ---- endpoints ----------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        body.sampling_params()  # range checks before any tokenizing
+        prompt_ids = await self._apply_template(
+            body.template_messages(), body.add_generation_prompt
+        )
+        tokens_param = (
+            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        )
+        max_tokens = resolve_max_tokens(
+            body.requested_max_tokens(),
+            len(prompt_ids),
+            self.max_model_len,
+            prompt_param="messages",
+            tokens_param=tokens_param,
+        )
+        params = body.sampling_params(max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        opened = await self._open_all(request_id, [prompt_ids], [params], body.cache_salt)
+        builder = ResponseBuilder(
+            chat=True,
+            request_id=request_id,
+            model=self.served_name,
+            n=body.n,
+            num_prompts=1,
+            want_logprobs=body.logprobs,
+            token_to_str=self.tokenizer.token_to_str,
+            include_usage=body.include_usage,
+            continuous_usage=bool(
+                body.stream_options and body.stream_options.continuous_usage_stats
+            ),
+        )
+        return await self._respond(body, builder, opened)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = await self._parse(request, CompletionRequest)
+        self._check_model(body.model)
+        body.sampling_params()
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                prompts.append(await self._encode(prompt))
+            else:
+                self._check_token_ids(prompt, "prompt")
+                prompts.append(list(prompt))
+        params = []
+        for prompt_ids in prompts:
+            max_tokens = resolve_max_tokens(
+                body.max_tokens if body.max_tokens is not None else 16,
+                len(prompt_ids),
+                self.max_model_len,
+                prompt_param="prompt",
+                tokens_param="max_tokens",
+            )
+            params.append(body.sampling_params(max_tokens))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        opened = await self._open_all(request_id, prompts, params, body.cache_salt)
+        builder = ResponseBuilder(
+            chat=False,
+            request_id=request_id,
+            model=self.served_name,
+            n=body.n,
+            num_prompts=len(prompts),
+            want_logprobs=body.logprobs is not None,
+            token_to_str=self.tokenizer.token_to_str,
+            include_usage=body.include_usage,
+            continuous_usage=bool(
+                body.stream_options and body.stream_options.continuous_usage_stats
+            ),
+        )
+        return await self._respond(body, builder, opened)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        card = {
+            "id": self.served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "prefixserve",
+            "root": self.model_id,
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> dict:
+        body: TokenizeRequest = await self._parse(request, TokenizeRequest)
+        self._check_model(body.model)
+        body.check()
+        if body.messages is not None:
+            messages = [message.as_template_dict() for message in body.messages]
+            token_ids = await self._apply_template(messages, body.add_generation_prompt)
+        else:
+            token_ids = await self._encode(body.prompt)
+        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": self.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> dict:
+        body: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
+        self._check_model(body.model)
+        self._check_token_ids(body.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def _snapshots(self) -> dict[str, dict] | None:
+        try:
+            return await asyncio.wait_for(self._hub.snapshots.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("metrics hub unreachable: %r", exc)
+            return None
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        snapshots = await self._snapshots()
+        if snapshots is not None and any_replica_serving(snapshots):
+            return Response(status_code=200)
+        return errors.unavailable("no engine replica can serve right now").to_response()
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        snapshots = await self._snapshots()
+        return Response(render_prometheus(snapshots or {}), media_type="text/plain; version=0.0.4")

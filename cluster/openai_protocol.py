@@ -1,0 +1,274 @@
+"""OpenAI request models (pydantic, strict) and their translation into ``SamplingParams``.
+
+Bodies are parsed with ``model_validate_json`` in strict mode: malformed JSON, invalid UTF-8
+and wrong field types all become a pydantic ``ValidationError`` that ``cluster.errors`` turns
+into a 400 naming the field. Range checks live in one place, ``SamplingParams`` (its
+``ValueError``s name the field too); this module adds only what depends on the API shape
+(chat ``logprobs``/``top_logprobs``, unsupported OpenAI options, empty messages) and on the
+prompt length (``max_tokens`` against the context). Unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.errors import APIError, bad_request, from_validation_error, from_value_error
+from worker.sampling_params import SamplingParams
+
+# A batched completions request fans out into one engine request per prompt; more than this
+# many belongs in the offline batch API, not in one HTTP request.
+MAX_PROMPTS_PER_REQUEST = 64
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role}
+        message["content"] = content or ""
+        return message
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def engine_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.cache_salt is not None and not self.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
+
+    def sampling_params(self, max_tokens: int | None = None) -> SamplingParams:
+        """SamplingParams for this request; ``max_tokens`` overrides the requested value."""
+        self.check_unsupported()
+        options = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        kwargs = {key: value for key, value in options.items() if value is not None}
+        try:
+            return SamplingParams(
+                n=self.n,
+                max_tokens=max_tokens if max_tokens is not None else self.requested_max_tokens(),
+                min_tokens=self.min_tokens,
+                seed=self.seed,
+                stop=self.stop if self.stop is not None else [],
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                logprobs=self.engine_logprobs(),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                **kwargs,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc, self._param_renames()) from None
+
+    def _param_renames(self) -> dict[str, str]:
+        return {}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def engine_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not self.logprobs:
+            return None
+        return self.top_logprobs if self.top_logprobs is not None else 0
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if not self.messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        if self.tools:
+            raise bad_request("tool calling is not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format type 'text' is supported", "response_format")
+
+    def _param_renames(self) -> dict[str, str]:
+        renamed = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        return renamed
+
+    def template_messages(self) -> list[dict]:
+        return [message.as_template_dict() for message in self.messages]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one string or token list each, never empty."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(item, int) for item in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise bad_request("prompt must not be empty", "prompt")
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise bad_request(
+                f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompts)}",
+                "prompt",
+            )
+        for item in prompts:
+            if len(item) == 0:
+                raise bad_request("prompt must not be empty", "prompt")
+        return prompts
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+def parse_body(model_cls: type[BaseModel], raw: bytes):
+    """``model_cls`` from a raw body; malformed JSON, bad UTF-8 or wrong types -> 400."""
+    try:
+        return model_cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    *,
+    prompt_param: str,
+    tokens_param: str,
+) -> int:
+    """The max_tokens a prompt may use: the requested value if it fits, else a 400.
+
+    ``prompt_param``/``tokens_param`` name the fields to blame (``messages`` or ``prompt``;
+    ``max_tokens`` or ``max_completion_tokens``).
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, leaving no room for a completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room
+    if requested > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"prompt, {requested} for the completion).",
+            param=tokens_param,
+            code="context_length_exceeded",
+        )
+    return requested

@@ -1,0 +1,195 @@
+"""The engine-replica deployment: one ``AsyncEngine`` per Serve replica, streamed over handles.
+
+``EngineReplica.generate`` is an async generator called through a streaming
+``DeploymentHandle``; it yields plain dicts (``output_to_dict``), one per engine step that
+advanced the request, carrying only what is new (``new_text``, ``new_token_ids``, new logprobs)
+plus, once per choice, its ``finish_reason`` and full ``text``. A request the engine refuses
+(bad input, full queue, dead engine) yields one ``{"rejected": {"kind", "message"}}`` dict
+instead of raising, so the ingress maps it to 400/429/503 without unpickling engine errors.
+
+When the caller goes away (client disconnect -> Serve cancels the child request) the
+generator is cancelled or closed inside ``engine.generate``, which aborts the request and
+frees its blocks. ``check_health`` fails once the engine loop is dead, so Serve replaces
+the replica; ``__del__`` (Serve's graceful shutdown, after in-flight requests drained or the
+grace period ran out) ends what is left with ``finish_reason="abort"`` and stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+
+from ray import serve
+
+from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
+from worker import AsyncEngine, EngineConfig, SamplingParams
+from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
+
+log = logging.getLogger(__name__)
+
+# How long __del__ lets running requests finish before aborting them: short, because Serve
+# only calls it after its own drain (graceful_shutdown_timeout_s) and then kills the actor.
+SHUTDOWN_DRAIN_S = 2.0
+
+
+class RejectKind(str, enum.Enum):
+    INVALID = "invalid"
+    """Bad input the engine found (prompt too long, token id out of range): 400."""
+    OVERLOADED = "overloaded"
+    """The engine's waiting queue is full: 429."""
+    DEAD = "dead"
+    """The engine loop died: 503 (Serve replaces the replica)."""
+    INTERNAL = "internal"
+    """Anything else: 500."""
+
+
+def output_to_dict(out: RequestOutput, replica_id: str, reported: set[int]) -> dict:
+    """The new part of ``out`` as a plain dict; ``reported`` holds choices already finished."""
+    choices = []
+    for completion in out.outputs:
+        if completion.index in reported:
+            continue
+        new_ids = list(completion.new_token_ids)
+        logprobs = None
+        if completion.logprobs is not None and new_ids:
+            logprobs = [
+                [entry.token_id, entry.logprob, [[tid, lp] for tid, lp in entry.top]]
+                for entry in completion.logprobs[-len(new_ids) :]
+            ]
+        finish = completion.finish_reason
+        if finish is not None:
+            reported.add(completion.index)
+        if not new_ids and not completion.new_text and finish is None:
+            continue
+        choices.append(
+            {
+                "index": completion.index,
+                "new_text": completion.new_text,
+                "new_token_ids": new_ids,
+                "logprobs": logprobs,
+                "finish_reason": finish.value if finish is not None else None,
+                "stop_reason": completion.stop_reason,
+                "text": completion.text if finish is not None else None,
+            }
+        )
+    return {
+        "replica_id": replica_id,
+        "request_id": out.request_id,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_cached_tokens": out.num_cached_tokens,
+        "finished": out.finished,
+        "error": out.error,
+        "outputs": choices,
+    }
+
+
+def rejection(replica_id: str, kind: RejectKind, message: str) -> dict:
+    return {"replica_id": replica_id, "rejected": {"kind": kind.value, "message": message}}
+
+
+@serve.deployment
+class EngineReplica:
+    """One engine; Serve runs ``num_replicas`` of these behind the ingress's handle."""
+
+    async def __init__(self, engine_config: dict, metrics_hub=None, model_name: str = "") -> None:
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.engine = AsyncEngine(EngineConfig(**engine_config), replica_id=self.replica_id)
+        self.model_name = model_name or self.engine.model_id
+        self.metrics = ReplicaMetrics()
+        self._hub = metrics_hub
+        self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
+        log.info("replica %s serving %s", self.replica_id, self.engine.model_id)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        block_hashes: list[bytes] | None = None,
+    ):
+        """Streams the request's outputs as dicts. ``block_hashes`` are for the router."""
+        del block_hashes  # read by the request router from the call's arguments, not here
+        reported: set[int] = set()
+        last_step_s: float | None = None
+        try:
+            stream = self.engine.generate(
+                request_id, prompt_token_ids, params, cache_salt=cache_salt
+            )
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    now_s = time.monotonic()
+                    if last_step_s is None:
+                        first_s = out.metrics.get("first_token_time", now_s)
+                        arrival_s = out.metrics.get("arrival_time", first_s)
+                        self.metrics.observe("time_to_first_token_seconds", first_s - arrival_s)
+                    else:
+                        self.metrics.observe("inter_token_latency_seconds", now_s - last_step_s)
+                    last_step_s = now_s
+                    if out.finished:
+                        arrival_s = out.metrics.get("arrival_time", now_s)
+                        finished_s = out.metrics.get("finished_time", now_s)
+                        self.metrics.observe("e2e_request_latency_seconds", finished_s - arrival_s)
+                    yield output_to_dict(out, self.replica_id, reported)
+        except ValueError as exc:
+            yield rejection(self.replica_id, RejectKind.INVALID, str(exc))
+        except EngineOverloadedError as exc:
+            yield rejection(self.replica_id, RejectKind.OVERLOADED, str(exc) or "queue full")
+        except EngineDeadError as exc:
+            yield rejection(self.replica_id, RejectKind.DEAD, str(exc) or "engine loop died")
+        except Exception as exc:  # an engine bug fails this request only, visibly
+            log.exception("request %s failed", request_id)
+            yield rejection(self.replica_id, RejectKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def check_health(self) -> None:
+        """Serve's health probe: raising marks this replica unhealthy and replaces it."""
+        if not self.engine.is_alive():
+            raise RuntimeError(f"engine loop of replica {self.replica_id} is dead")
+
+    def record_routing_stats(self) -> dict:
+        """Serve's routing-stats hook: what the request router reads per replica."""
+        return self.engine.stats().to_dict()
+
+    def drain_kv_events(self) -> list:
+        """KV event batches since the last call (``router.protocol.KVEventBatch``)."""
+        return self.engine.drain_kv_events()
+
+    def metrics_snapshot(self) -> dict:
+        return self.metrics.snapshot(
+            self.engine.metrics(), alive=self.engine.is_alive(), model_name=self.model_name
+        )
+
+    def describe(self) -> dict:
+        """What the ingress must agree on with the engine: names, limits, block size."""
+        return {
+            "replica_id": self.replica_id,
+            "model_id": self.engine.model_id,
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.engine.block_size,
+            "vocab_size": self.engine.tokenizer.vocab_size,
+        }
+
+    async def _push_metrics_forever(self) -> None:
+        if self._hub is None:
+            return
+        while True:
+            try:
+                await self._hub.report.remote(self.replica_id, self.metrics_snapshot())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the hub restarting costs metrics, never serving
+                log.debug("metrics push failed: %s", exc)
+            await asyncio.sleep(METRICS_PUSH_PERIOD_S)
+
+    async def __del__(self) -> None:
+        self._push_task.cancel()
+        if self._hub is not None:
+            with contextlib.suppress(Exception):
+                snapshot = self.metrics_snapshot()
+                snapshot["alive"] = False
+                await asyncio.wait_for(self._hub.report.remote(self.replica_id, snapshot), 1.0)
+        await self.engine.shutdown(drain_timeout_s=SHUTDOWN_DRAIN_S)

@@ -1,0 +1,115 @@
+"""Response shapes built from replica outputs: SSE framing, usage, logprobs, n > 1."""
+
+from __future__ import annotations
+
+import json
+
+from cluster.responses import SSE_DONE, ResponseBuilder
+
+
+def token_to_str(token_id: int) -> str:
+    return f"<{token_id}>"
+
+
+def output(index, new_text, new_ids, finish=None, text=None, logprobs=None, cached=0):
+    return {
+        "replica_id": "r0",
+        "request_id": "x",
+        "num_prompt_tokens": 5,
+        "num_cached_tokens": cached,
+        "finished": finish is not None,
+        "error": None,
+        "outputs": [
+            {
+                "index": index,
+                "new_text": new_text,
+                "new_token_ids": new_ids,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "text": text,
+            }
+        ],
+    }
+
+
+def builder(**kw) -> ResponseBuilder:
+    defaults = dict(
+        chat=True,
+        request_id="chatcmpl-1",
+        model="m",
+        n=1,
+        num_prompts=1,
+        want_logprobs=False,
+        token_to_str=token_to_str,
+    )
+    return ResponseBuilder(**{**defaults, **kw})
+
+
+def decode(events: list[str]) -> list:
+    payloads = []
+    for event in events:
+        assert event.startswith("data: ") and event.endswith("\n\n")
+        body = event[len("data: ") : -2]
+        payloads.append(body if body == "[DONE]" else json.loads(body))
+    return payloads
+
+
+def test_chat_stream_sends_role_then_deltas_then_usage_and_done():
+    b = builder(include_usage=True)
+    events = b.stream_events(0, output(0, "Hel", [1], cached=3))
+    events += b.stream_events(0, output(0, "lo", [2], finish="stop", text="Hello", cached=3))
+    events += b.closing_events()
+    chunks = decode(events)
+    assert chunks[-1] == "[DONE]" and events[-1] == SSE_DONE
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:3]) == "Hello"
+    assert chunks[2]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["usage"] is None for c in chunks[:3])
+    usage = chunks[3]["usage"]
+    assert chunks[3]["choices"] == []
+    assert usage == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+
+
+def test_full_response_with_n_2_counts_every_choice_and_ignores_repeats():
+    b = builder(n=2)
+    b.add(0, output(0, "a", [1]))
+    b.add(0, output(1, "b", [2], finish="length", text="b"))
+    b.add(0, output(1, "zzz", [3], finish="length", text="zzz"))  # already finished: ignored
+    b.add(0, output(0, "c", [4], finish="stop", text="ac"))
+    response = b.full_response()
+    assert [c["message"]["content"] for c in response["choices"]] == ["ac", "b"]
+    assert [c["finish_reason"] for c in response["choices"]] == ["stop", "length"]
+    assert response["usage"]["completion_tokens"] == 3
+    assert response["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_logprobs_shapes_for_chat_and_completions():
+    entries = [[7, -0.5, [[7, -0.5], [8, -1.5]]]]
+    chat = builder(want_logprobs=True)
+    chat.add(0, output(0, "x", [7], finish="stop", text="x", logprobs=entries))
+    content = chat.full_response()["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "<7>" and content[0]["logprob"] == -0.5
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["<7>", "<8>"]
+    assert content[0]["bytes"] == list(b"<7>")
+    completion = builder(chat=False, want_logprobs=True, request_id="cmpl-1")
+    completion.add(0, output(0, "x", [7], finish="stop", text="x", logprobs=entries))
+    choice = completion.full_response()["choices"][0]
+    assert choice["text"] == "x"
+    assert choice["logprobs"]["tokens"] == ["<7>"]
+    assert choice["logprobs"]["top_logprobs"] == [{"<7>": -0.5, "<8>": -1.5}]
+    assert choice["logprobs"]["text_offset"] == [0]
+
+
+def test_batched_completion_choices_are_numbered_by_prompt():
+    b = builder(chat=False, n=2, num_prompts=2)
+    b.add(1, output(1, "q", [5], finish="stop", text="q"))
+    choices = b.full_response()["choices"]
+    assert len(choices) == 4
+    assert choices[3]["text"] == "q" and choices[3]["index"] == 3
+    assert b.full_response()["usage"]["prompt_tokens"] == 5
