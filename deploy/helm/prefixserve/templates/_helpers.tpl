@@ -180,7 +180,7 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
 {{- define "prefixserve.env" -}}
 - name: HF_HOME
   value: {{ printf "%s/huggingface" .Values.modelCache.mountPath | quote }}
-- name: PREFIXSERVE_CACHE_DIR
+- name: PREFIXSERVE_CACHE
   value: {{ .Values.modelCache.mountPath | quote }}
 {{- if .Values.apiKey.enabled }}
 - name: PREFIXSERVE_API_KEY
