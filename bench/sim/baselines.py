@@ -167,6 +167,7 @@ class LlmdPrecisePolicy:
                 self._normalized(prefix, True),
                 self._normalized(queue, False),
                 [1.0 - sim.kv_usage(r) for r in replicas],
+                strict=True,
             )
         ]
         return _argmin_random([-s for s in scores], sim.rng)

@@ -84,6 +84,17 @@ class LRUBlockCache:
             self._on_store(block)
         return evicted
 
+    def evict_lru(self) -> BlockId:
+        """Evict the least recently used block (the cache must not be empty)."""
+        block, _ = self._blocks.popitem(last=False)
+        if self._on_evict is not None:
+            self._on_evict(block)
+        return block
+
+    def remove_quietly(self, block: BlockId) -> None:
+        """Take ``block`` out without an eviction callback (it moves elsewhere, still stored)."""
+        self._blocks.pop(block, None)
+
     def discard(self, block: BlockId) -> None:
         if block not in self._blocks:
             return
@@ -99,44 +110,121 @@ class LRUBlockCache:
         return evicted
 
 
-class TieredCache:
-    """A device LRU whose evictions fall into an optional host LRU (``host_capacity_blocks``)."""
+class BlockPool:
+    """One replica's device KV blocks, kept the way vLLM's block pool keeps them.
+
+    A block is *pinned* while running requests use it (never evicted), *cached* once free but
+    still holding its hash (evictable, in the LRU), or one of ``num_reserved_blocks`` slots
+    being computed (a prefill in flight, generated tokens). ``pinned + cached + reserved`` stays
+    within ``capacity_blocks``: making room evicts the least recently freed cached block, which
+    falls into the optional host tier. If everything is pinned or reserved the pool overflows
+    (counted in ``num_overflow_blocks``) instead of preempting, which is not modelled.
+    ``on_change(block, tier, stored)`` sees exactly the KV events an engine would publish.
+    """
 
     def __init__(
         self,
-        device_capacity_blocks: int,
+        capacity_blocks: int,
         host_capacity_blocks: int = 0,
         on_change: Callable[[BlockId, str, bool], None] | None = None,
     ) -> None:
-        def hook(tier: str, stored: bool) -> EvictCallback | None:
-            if on_change is None:
-                return None
-            return lambda block: on_change(block, tier, stored)
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        self._on_change = on_change
+        self.capacity_blocks = capacity_blocks
+        self.cached = LRUBlockCache(capacity_blocks, None, self._evicted)
+        self.host = LRUBlockCache(
+            host_capacity_blocks, self._hook("host", True), self._hook("host", False)
+        )
+        self.pinned: dict[BlockId, int] = {}
+        self.num_reserved_blocks = 0
+        self.num_overflow_blocks = 0
 
-        self.device = LRUBlockCache(device_capacity_blocks, hook("device", True), hook("device", False))
-        self.host = LRUBlockCache(host_capacity_blocks, hook("host", True), hook("host", False))
+    def _hook(self, tier: str, stored: bool) -> EvictCallback | None:
+        if self._on_change is None:
+            return None
+        on_change = self._on_change
+        return lambda block: on_change(block, tier, stored)
+
+    def _evicted(self, block: BlockId) -> None:
+        if self._on_change is not None:
+            self._on_change(block, "device", False)
+        if self.host.capacity_blocks > 0:
+            self.host.put(block)
+
+    def __contains__(self, block: BlockId) -> bool:
+        return block in self.pinned or block in self.cached
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.pinned) + len(self.cached) + self.num_reserved_blocks
+
+    @property
+    def num_busy_blocks(self) -> int:
+        """Blocks that running requests hold (what ``kv_usage`` reports)."""
+        return len(self.pinned) + self.num_reserved_blocks
 
     def match(self, blocks: Sequence[BlockId]) -> tuple[int, int]:
         """(device blocks, host blocks) of the longest prefix held: device ones first."""
-        num_device = self.device.match(blocks)
+        num_device = longest_prefix(blocks, self.__contains__)
         if self.host.capacity_blocks == 0:
             return num_device, 0
         num_host = 0
         for block in blocks[num_device:]:
-            if block in self.host or block in self.device:
+            if block in self.host or block in self:
                 num_host += 1
             else:
                 break
         return num_device, num_host
 
-    def store_request(self, blocks: Sequence[BlockId]) -> None:
-        """Blocks of a finished prefill land on the device; device evictions go to the host."""
-        for block in blocks:
-            if block in self.host:
-                self.host.discard(block)
-        for evicted in self.device.touch_request(blocks):
-            if self.host.capacity_blocks > 0:
-                self.host.put(evicted)
+    def reserve(self, num_blocks: int) -> None:
+        """Take ``num_blocks`` free slots, evicting cached blocks (LRU first) to make room."""
+        while self.num_used_blocks + num_blocks > self.capacity_blocks and len(self.cached):
+            self.cached.evict_lru()
+        self.num_overflow_blocks += max(0, self.num_used_blocks + num_blocks - self.capacity_blocks)
+        self.num_reserved_blocks += num_blocks
+
+    def unreserve(self, num_blocks: int) -> None:
+        self.num_reserved_blocks -= num_blocks
+
+    def _pin(self, block: BlockId) -> None:
+        count = self.pinned.get(block)
+        if count is None:
+            self.cached.remove_quietly(block)  # still stored: no event
+            self.pinned[block] = 1
+        else:
+            self.pinned[block] = count + 1
+
+    def begin(self, blocks: Sequence[BlockId]) -> tuple[int, int]:
+        """Admit a request: pin its device hit, reserve slots for the rest (host hits included)."""
+        num_device, num_host = self.match(blocks)
+        for block in blocks[:num_device]:
+            self._pin(block)
+        for block in blocks[num_device : num_device + num_host]:
+            self.host.discard(block)  # copied back to the device; stored there at commit
+        self.reserve(len(blocks) - num_device)
+        return num_device, num_host
+
+    def commit(self, blocks: Sequence[BlockId], num_hit_blocks: int) -> None:
+        """A prefill finished: its computed blocks become stored (and pinned) on the device."""
+        self.unreserve(len(blocks) - num_hit_blocks)
+        for block in blocks[num_hit_blocks:]:
+            if block in self:
+                self._pin(block)  # computed concurrently by another request: share it
+                continue
+            self.pinned[block] = 1
+            if self._on_change is not None:
+                self._on_change(block, "device", True)
+
+    def release(self, blocks: Sequence[BlockId]) -> None:
+        """A request finished: unpin its blocks tail first, so the head stays most recent."""
+        for block in reversed(blocks):
+            count = self.pinned[block] - 1
+            if count:
+                self.pinned[block] = count
+            else:
+                del self.pinned[block]
+                self.cached.put(block)
 
 
 class OracleCache:

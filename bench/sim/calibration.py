@@ -91,7 +91,11 @@ def rates_from_samples(
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     var_x = sum((x - mean_x) ** 2 for x in xs)
-    slope = 0.0 if var_x == 0 else sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var_x
+    slope = (
+        0.0
+        if var_x == 0
+        else sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var_x
+    )
     slope = max(slope, 0.0)
     base = max(mean_y - slope * mean_x, 1e-6)
     return EngineRates(

@@ -6,11 +6,13 @@ Model of one replica (documented simplifications, shared by every policy alike):
   time is ``uncached / prefill_rate + host / host_to_device_rate`` plus, per chunk of
   ``max_num_batched_tokens``, one decode step of the requests already running (chunked prefill
   shares each step with decodes). At least one token is always computed (the last prompt token).
-- Its KV blocks enter the cache when its prefill ends (that is when a real engine emits the
-  ``stored`` KV event); TTFT is the end of its prefill minus its arrival.
+- KV lives in a ``BlockPool`` per replica (vLLM's model): a request pins its hit blocks and
+  reserves slots for the rest when its prefill starts; the computed blocks become stored (the
+  ``stored`` KV event) when its prefill ends; generated tokens reserve blocks while it decodes;
+  at the end everything is unpinned and stays cached until evicted (LRU). TTFT is the end of
+  its prefill minus its arrival.
 - Decode then takes ``(output_tokens - 1)`` steps priced at the running batch size at entry.
-  The running batch is not capped (``max_num_seqs`` is not modelled) and blocks of running
-  requests are not pinned against eviction.
+  The running batch is not capped (``max_num_seqs`` is not modelled, nor preemption).
 - The router-side count ``num_inflight`` goes up when a request is routed and down when it
   finishes, as every real router's in-flight counter does.
 
@@ -29,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bench.sim.cache import BlockId, OracleCache, TieredCache
+from bench.sim.cache import BlockId, BlockPool, OracleCache
 from bench.sim.calibration import DEFAULT_RATES, EngineRates
 from bench.sim.workloads import Request, Workload
 
@@ -56,13 +58,13 @@ class SimConfig:
 class SimReplica:
     index: int
     replica_id: str
-    cache: TieredCache
+    cache: BlockPool
     queue: deque = field(default_factory=deque)
     prefilling: bool = False
     num_running: int = 0
     num_inflight: int = 0
     num_queued_prefill_tokens: int = 0
-    num_active_blocks: int = 0
+    queued_tokens_by_request: dict = field(default_factory=dict)
     num_served: int = 0
     version: int = 0
     """Bumped on every state change, so adapters can cache what they derive from the state."""
@@ -136,7 +138,7 @@ class Simulator:
                     if not owners:
                         del index[block]
 
-        cache = TieredCache(self.config.capacity_blocks, self.config.host_capacity_blocks, on_change)
+        cache = BlockPool(self.config.capacity_blocks, self.config.host_capacity_blocks, on_change)
         return SimReplica(i, f"replica-{i}", cache)
 
     # ---- what policies may read -------------------------------------------------------------
@@ -144,8 +146,42 @@ class Simulator:
         """Replica index -> (device blocks, host blocks) matched, for replicas matching any."""
         if not blocks:
             return {}
-        owners = self.holders.get(blocks[0], set()) | self.host_holders.get(blocks[0], set())
-        return {i: self.replicas[i].cache.match(blocks) for i in owners}
+        if self.config.host_capacity_blocks:
+            owners = self.holders.get(blocks[0], set()) | self.host_holders.get(blocks[0], set())
+            return {i: self.replicas[i].cache.match(blocks) for i in owners}
+        return self._device_matches(blocks)
+
+    def _device_matches(self, blocks: Sequence[BlockId]) -> dict[int, tuple[int, int]]:
+        """Device-only matches by bisection over holder-set sizes.
+
+        Pools are prefix-closed (see ``cache``), so ``holders(b[i+1]) <= holders(b[i])``: the
+        sizes never grow along the chain and equal sizes mean equal sets. Only the positions
+        where the size drops need a set difference, found in O(changes * log n) lookups.
+        """
+        empty: set = set()
+        holders = [None] * len(blocks)
+
+        def at(i: int) -> set:
+            if holders[i] is None:
+                holders[i] = self.holders.get(blocks[i], empty)
+            return holders[i]
+
+        result: dict[int, tuple[int, int]] = {}
+        stack = [(0, len(blocks) - 1)]
+        while stack:
+            lo, hi = stack.pop()
+            if len(at(lo)) == len(at(hi)):
+                continue
+            if hi - lo == 1:
+                for i in at(lo) - at(hi):
+                    result[i] = (lo + 1, 0)
+                continue
+            mid = (lo + hi) // 2
+            stack.append((lo, mid))
+            stack.append((mid, hi))
+        for i in at(len(blocks) - 1):
+            result[i] = (len(blocks), 0)
+        return result
 
     @staticmethod
     def num_waiting(replica: SimReplica) -> int:
@@ -153,7 +189,7 @@ class Simulator:
         return len(replica.queue) - (1 if replica.prefilling else 0)
 
     def kv_usage(self, replica: SimReplica) -> float:
-        return min(1.0, replica.num_active_blocks / self.config.capacity_blocks)
+        return min(1.0, replica.cache.num_busy_blocks / self.config.capacity_blocks)
 
     # ---- the event loop ---------------------------------------------------------------------
     def _push(self, at_s: float, kind: int, payload) -> None:
@@ -197,7 +233,9 @@ class Simulator:
         replica = self.replicas[chosen]
         replica.num_inflight += 1
         device, host = replica.cache.match(req.block_ids)
-        replica.num_queued_prefill_tokens += req.num_prompt_tokens - (device + host) * self.config.block_size
+        num_queued = req.num_prompt_tokens - self._cached_tokens(req, device + host)
+        replica.queued_tokens_by_request[req.request_id] = num_queued
+        replica.num_queued_prefill_tokens += num_queued
         replica.queue.append(req)
         replica.version += 1
         if not replica.prefilling:
@@ -208,34 +246,38 @@ class Simulator:
         # the last prompt token is always computed (its logits give the first output token)
         return min(num_blocks * self.config.block_size, req.num_prompt_tokens - 1)
 
+    def _num_output_blocks(self, req: Request) -> int:
+        return math.ceil(req.num_output_tokens / self.config.block_size)
+
     def _start_prefill(self, replica: SimReplica) -> None:
         req = replica.queue[0]
-        device, host = replica.cache.match(req.block_ids)
+        device, host = replica.cache.begin(req.block_ids)
         device_tokens = self._cached_tokens(req, device)
         host_tokens = self._cached_tokens(req, device + host) - device_tokens
         uncached = req.num_prompt_tokens - device_tokens - host_tokens
         num_chunks = math.ceil(uncached / self.rates.max_num_batched_tokens)
-        decode_share_s = self.rates.decode_step_s(replica.num_running) if replica.num_running else 0.0
+        decode_share_s = (
+            self.rates.decode_step_s(replica.num_running) if replica.num_running else 0.0
+        )
         service_s = (
             uncached / self.rates.prefill_tokens_per_s
             + host_tokens / self.rates.host_to_device_tokens_per_s
             + num_chunks * decode_share_s
         )
         replica.prefilling = True
-        replica.num_active_blocks += len(req.block_ids)
         replica.version += 1
-        self._push(self.now_s + service_s, _PREFILL_DONE, (replica, device_tokens + host_tokens))
+        payload = (replica, device, device_tokens + host_tokens)
+        self._push(self.now_s + service_s, _PREFILL_DONE, payload)
 
     def _finish_prefill(self, payload, records) -> None:
-        replica, num_cached_tokens = payload
+        replica, num_hit_blocks, num_cached_tokens = payload
         req = replica.queue.popleft()
         record = records[req.request_id]
         record.num_cached_tokens = num_cached_tokens
         record.ttft_s = self.now_s - req.arrival_s
-        replica.cache.store_request(req.block_ids)
-        replica.num_queued_prefill_tokens = max(
-            0, replica.num_queued_prefill_tokens - (req.num_prompt_tokens - num_cached_tokens)
-        )
+        replica.cache.commit(req.block_ids, num_hit_blocks)
+        replica.cache.reserve(self._num_output_blocks(req))
+        replica.num_queued_prefill_tokens -= replica.queued_tokens_by_request.pop(req.request_id)
         replica.num_running += 1
         replica.prefilling = False
         replica.version += 1
@@ -248,7 +290,8 @@ class Simulator:
         replica.num_running -= 1
         replica.num_inflight -= 1
         replica.num_served += 1
-        replica.num_active_blocks -= len(req.block_ids)
+        replica.cache.unreserve(self._num_output_blocks(req))
+        replica.cache.release(req.block_ids)
         replica.version += 1
         records[req.request_id].finish_s = self.now_s
         done = getattr(self.policy, "on_finished", None)

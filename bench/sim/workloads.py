@@ -83,7 +83,9 @@ class _Prompts:
     def segment(self, key: tuple, num_tokens: int) -> tuple:
         """Block ids of a reusable segment named ``key`` (which must include its parents)."""
         if key not in self._segments:
-            self._segments[key] = tuple(next(self._ids) for _ in range(num_tokens // self.block_size))
+            self._segments[key] = tuple(
+                next(self._ids) for _ in range(num_tokens // self.block_size)
+            )
         return self._segments[key]
 
     def fresh(self, num_tokens: int) -> tuple:
@@ -135,9 +137,9 @@ def llmd_shared_prefix(
     prompts_per_group: int = 5,
     system_prompt_len: int = 1024,
     question_len: int = 256,
-    output_len: int = 64,
+    output_len: int = 180,
 ) -> Workload:
-    if not 0 < capacity_fraction:
+    if not capacity_fraction > 0:
         raise ValueError("capacity_fraction must be positive")
     rng = random.Random(scale.seed)
     p = _Prompts(scale.block_size)
@@ -222,7 +224,11 @@ def single_hot_prefix(
 
 
 def zipf_prefixes(
-    scale: WorkloadScale, *, prefixes_per_replica: int = 2, prefix_len: int = 1024, question_len: int = 128
+    scale: WorkloadScale,
+    *,
+    prefixes_per_replica: int = 2,
+    prefix_len: int = 1024,
+    question_len: int = 128,
 ) -> Workload:
     rng = random.Random(scale.seed)
     p = _Prompts(scale.block_size)

@@ -1,0 +1,131 @@
+"""Adapter that runs prefixserve's own routing policy (``router.policy``) inside the simulator.
+
+The policy itself is imported, never re-written: ``make_policy(RouterConfig(policy="prefix"))``
+and its ``choose(block_hashes, num_prompt_tokens, replicas, matches)``. The adapter supplies
+what the cluster would:
+
+- ``matches``: the exact blocks each simulated replica holds (what its KV events report), plus
+  *speculative* entries: like ``PrefixIndex.record_speculative``, a routing decision counts as
+  the chosen replica holding the request's blocks for ``RouterConfig.speculative_ttl_s``
+  (simulated) seconds. Same leading-run semantics as ``router.embedded_index``: device blocks
+  (speculative included) first, then host blocks. ``speculative=False`` turns that off.
+- ``ReplicaView``: ``ReplicaStats`` from the replica's simulated state (waiting and running
+  requests, KV usage, the calibrated prefill/decode/host rates, prompt tokens queued for
+  prefill) and the router's in-flight count. Views are rebuilt only when a replica changed.
+
+Block ids are handed to the policy as 16-byte big-endian values, the shape of real hashes.
+Failure modes: if ``router.policy`` is missing or its interface changed, construction raises
+``ImportError``/``TypeError`` at once rather than mid-run.
+"""
+
+from __future__ import annotations
+
+from router.config import RouterConfig
+from router.index import Match
+from router.policy import ReplicaView, make_policy
+from router.protocol import HASH_NUM_BYTES, ReplicaStats
+
+
+class OursPolicy:
+    name = "prefix"
+
+    def __init__(self, speculative: bool = True, router_config: RouterConfig | None = None) -> None:
+        self.router_config = router_config
+        self.speculative = speculative
+        self._policy = None
+        self._views: list = []
+        self._versions: list[int] = []
+        self._index_of: dict[str, int] = {}
+        self._speculative: list[dict] = []  # per replica: block -> expiry (simulated seconds)
+
+    def _setup(self, sim) -> None:
+        rates = sim.rates
+        if self.router_config is None:
+            self.router_config = RouterConfig(
+                policy="prefix",
+                block_size=sim.config.block_size,
+                default_prefill_tokens_per_s=rates.prefill_tokens_per_s,
+                default_decode_step_s=rates.decode_step_base_s,
+                default_host_to_device_tokens_per_s=rates.host_to_device_tokens_per_s,
+                seed=sim.config.seed,
+            )
+        self._policy = make_policy(self.router_config)
+        self._views = [None] * len(sim.replicas)
+        self._versions = [-1] * len(sim.replicas)
+        self._index_of = {r.replica_id: r.index for r in sim.replicas}
+        self._speculative = [{} for _ in sim.replicas]
+
+    def _view(self, sim, replica) -> ReplicaView:
+        if self._versions[replica.index] != replica.version:
+            rates = sim.rates
+            num_running = replica.num_running + (1 if replica.prefilling else 0)
+            step_s = rates.decode_step_s(max(replica.num_running, 1))
+            stats = ReplicaStats(
+                num_waiting=sim.num_waiting(replica),
+                num_running=num_running,
+                kv_usage=sim.kv_usage(replica),
+                prefill_tokens_per_s=rates.prefill_tokens_per_s,
+                decode_tokens_per_s=max(replica.num_running, 1) / step_s,
+                num_queued_prefill_tokens=replica.num_queued_prefill_tokens,
+                host_to_device_tokens_per_s=(
+                    rates.host_to_device_tokens_per_s if sim.config.host_capacity_blocks else 0.0
+                ),
+            )
+            self._views[replica.index] = ReplicaView(
+                replica.replica_id, stats, num_inflight=replica.num_inflight
+            )
+            self._versions[replica.index] = replica.version
+        return self._views[replica.index]
+
+    def _matches(self, sim, blocks) -> dict[str, Match]:
+        exact = sim.exact_matches(blocks)
+        if self.speculative and blocks:
+            head = blocks[0]
+            for i, spec in enumerate(self._speculative):
+                if head in spec and i not in exact:
+                    exact[i] = (0, 0)
+        result = {}
+        for i, (device, host) in exact.items():
+            spec = self._speculative[i] if self.speculative else None
+            if spec and device < len(blocks) and spec.get(blocks[device], -1.0) > sim.now_s:
+                device, host = self._with_speculative(sim, i, blocks, spec, device)
+            if device + host:
+                result[sim.replicas[i].replica_id] = Match(device_blocks=device, host_blocks=host)
+        return result
+
+    @staticmethod
+    def _with_speculative(sim, i: int, blocks, spec: dict, start: int) -> tuple[int, int]:
+        """Leading run counting unexpired speculative entries as device blocks (from ``start``,
+        the exact device run), then host blocks: ``router.embedded_index``'s rule."""
+        cache, now_s = sim.replicas[i].cache, sim.now_s
+        n = start
+        while n < len(blocks) and (blocks[n] in cache or spec.get(blocks[n], -1.0) > now_s):
+            n += 1
+        num_device = n
+        while n < len(blocks) and (
+            blocks[n] in cache.host or blocks[n] in cache or spec.get(blocks[n], -1.0) > now_s
+        ):
+            n += 1
+        return num_device, n - num_device
+
+    def choose(self, sim, req) -> int:
+        if self._policy is None:
+            self._setup(sim)
+        views = [self._view(sim, r) for r in sim.replicas]
+        matches = self._matches(sim, req.block_ids)
+        hashes = [b.to_bytes(HASH_NUM_BYTES, "big") for b in req.block_ids]
+        decision = self._policy.choose(hashes, req.num_prompt_tokens, views, matches)
+        chosen = self._index_of[decision.replica_id]
+        if self.speculative:
+            expiry_s = sim.now_s + self.router_config.speculative_ttl_s
+            spec = self._speculative[chosen]
+            if len(spec) > _PRUNE_THRESHOLD:
+                self._speculative[chosen] = spec = {b: t for b, t in spec.items() if t > sim.now_s}
+            for block in req.block_ids:
+                spec[block] = expiry_s
+        return chosen
+
+
+# Same reason as router.embedded_index: prune expired speculative entries only past a size,
+# so recording stays amortized O(1).
+_PRUNE_THRESHOLD = 4096

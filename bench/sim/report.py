@@ -1,0 +1,144 @@
+"""Simulator results: the JSON file (header + one row per run), the PNG plots, the verdicts.
+
+The JSON is ``{"header": {...}, "rows": [...]}``; the header names the machine, the date, the
+command line and the cost rates used; every row holds at least ``workload``, ``policy``,
+``replicas``, ``hit_rate``, ``oracle_hit_rate``, ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``,
+``throughput_tok_s`` and ``max_mean_load`` (our policy's rows say ``policy: "prefix"``).
+``verdicts`` states, per (workload, replicas), where ours misses the issue's bars: 95% of the
+oracle hit rate, max/mean load 1.2, the lowest p90 TTFT. Plotting uses matplotlib's Agg
+backend (no display needed); a missing matplotlib raises ``ImportError`` at plot time only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+OURS = "prefix"
+HIT_RATE_BAR = 0.95  # ours must reach 95% of the oracle's hit rate (issue 9)
+LOAD_BAR = 1.2  # ours must keep max/mean replica load at most 1.2 (issue 9)
+
+
+def machine_name() -> str:
+    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, {platform.system()})"
+
+
+def make_header(command: str, rates, extra: dict) -> dict:
+    return {
+        "machine": machine_name(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command,
+        "rates": dataclasses.asdict(rates),
+        **extra,
+    }
+
+
+def write_results(rows: Sequence[dict], header: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"header": header, "rows": list(rows)}, indent=1) + "\n")
+    return path
+
+
+def verdicts(rows: Sequence[dict]) -> list[str]:
+    """One line per (workload, replicas) where ours misses a bar; empty when it meets them all."""
+    lines = []
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["workload"], row["replicas"]), []).append(row)
+    for (workload, replicas), group in sorted(groups.items()):
+        ours = next((r for r in group if r["policy"] == OURS), None)
+        if ours is None:
+            continue
+        where = f"{workload} @ {replicas} replicas"
+        ratio = ours["hit_rate"] / ours["oracle_hit_rate"] if ours["oracle_hit_rate"] else 1.0
+        if ratio < HIT_RATE_BAR:
+            lines.append(f"{where}: hit rate {ours['hit_rate']:.3f} is {ratio:.1%} of oracle")
+        if ours["max_mean_load"] > LOAD_BAR:
+            lines.append(f"{where}: max/mean load {ours['max_mean_load']:.2f} > {LOAD_BAR}")
+        best = min(group, key=lambda r: r["ttft_p90_s"])
+        if best["policy"] != OURS and best["ttft_p90_s"] < ours["ttft_p90_s"]:
+            lines.append(
+                f"{where}: p90 TTFT {ours['ttft_p90_s']:.3f}s, {best['policy']} has "
+                f"{best['ttft_p90_s']:.3f}s"
+            )
+    return lines
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    head = (
+        "| workload | replicas | policy | hit | oracle | p50 s | p90 s | p99 s | tok/s | max/mean |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['replicas']} | {r['policy']} | {r['hit_rate']:.3f} | "
+            f"{r['oracle_hit_rate']:.3f} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | "
+            f"{r['ttft_p99_s']:.2f} | {r['throughput_tok_s']:.0f} | {r['max_mean_load']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _grouped_bars(ax, rows, workload: str, metric: str, policies, replica_counts) -> None:
+    width = 0.8 / max(len(replica_counts), 1)
+    for k, n in enumerate(replica_counts):
+        values = []
+        for policy in policies:
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if (r["workload"], r["policy"], r["replicas"]) == (workload, policy, n)
+                ),
+                None,
+            )
+            values.append(row[metric] if row else float("nan"))
+        xs = [i + (k - (len(replica_counts) - 1) / 2) * width for i in range(len(policies))]
+        bars = ax.bar(xs, values, width, label=f"{n} replicas")
+        for bar, policy in zip(bars, policies, strict=True):
+            if policy == OURS:
+                bar.set_edgecolor("black")
+                bar.set_linewidth(1.5)
+    ax.set_xticks(range(len(policies)))
+    ax.set_xticklabels(policies, rotation=30, ha="right", fontsize=8)
+    ax.set_title(workload, fontsize=10)
+
+
+def plot_results(rows: Sequence[dict], out_prefix: Path, subtitle: str) -> list[Path]:
+    """Two PNGs: hit rate against the oracle, and p90 TTFT, per policy and workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    replica_counts = sorted({r["replicas"] for r in rows})
+    paths = []
+    for metric, title, fname in (
+        ("hit_rate", "Cached-token hit rate (dashed: oracle, one infinite cache)", "hit_rate"),
+        ("ttft_p90_s", "p90 time to first token, seconds (log scale, lower is better)", "ttft_p90"),
+    ):
+        fig, axes = plt.subplots(
+            1, len(workloads), figsize=(4.2 * len(workloads), 4.2), squeeze=False
+        )
+        for ax, workload in zip(axes[0], workloads, strict=True):
+            _grouped_bars(ax, rows, workload, metric, policies, replica_counts)
+            if metric == "hit_rate":
+                oracle = max(r["oracle_hit_rate"] for r in rows if r["workload"] == workload)
+                ax.axhline(oracle, color="black", linestyle="--", linewidth=1)
+                ax.set_ylim(0, 1)
+            else:
+                ax.set_yscale("log")
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"{title}\n{subtitle} (ours: 'prefix', outlined)", fontsize=11)
+        fig.tight_layout()
+        path = Path(f"{out_prefix}_{fname}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
