@@ -18,9 +18,8 @@ import signal
 import sys
 import threading
 
-from cluster.config import DEFAULT_MAX_QUEUED_REQUESTS, configs_from_args
+from cluster.config import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, configs_from_args
 
-API_KEY_ENV = "PREFIXSERVE_API_KEY"
 # Other modules add subcommands by exposing ``add_parser(subparsers)`` that registers a
 # parser whose defaults set ``handler`` (a function of the parsed namespace returning an exit
 # code). A hook whose module is not there yet is skipped.

@@ -26,6 +26,9 @@ DEFAULT_MAX_ONGOING_REQUESTS = 128
 # past this the ingress answers 429 instead of letting the queue (and latency) grow unbounded.
 DEFAULT_MAX_QUEUED_REQUESTS = 512
 DEFAULT_PORT = 8000
+# Where the ingress (and the CLI) look for the API key when the config gives none, so the key
+# need not appear in Serve config files or the dashboard.
+API_KEY_ENV = "PREFIXSERVE_API_KEY"
 SECTIONS = ("engine", "cluster", "router")
 
 
@@ -48,7 +51,8 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     api_key: str | None = None
-    """When set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``."""
+    """When set (or when the ingress finds ``$PREFIXSERVE_API_KEY``), /v1/*, /tokenize and
+    /detokenize need ``Authorization: Bearer <api_key>``; /health and /metrics stay open."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """Bodies larger than this get 413."""
     ray_address: str | None = None

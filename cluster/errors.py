@@ -11,6 +11,7 @@ name) are translated here so the param the client must fix is named in ``param``
 from __future__ import annotations
 
 import json
+import re
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
@@ -138,9 +139,10 @@ def internal(message: str) -> APIError:
 
 def param_of(message: str) -> str | None:
     """The field a ValueError message names first (``"top_p must be in (0, 1]"`` -> top_p)."""
-    first = message.split(" ", 1)[0].strip(":,.()")
-    if "." in first:  # "EngineConfig.max_model_len: ..." style
-        first = first.rsplit(".", 1)[1]
+    match = re.match(r"[A-Za-z_][A-Za-z_.]*", message)
+    first = match.group(0).rstrip(".") if match else ""
+    if "." in first:  # "EngineConfig.max_model_len: ..." names a server setting, not a field
+        return None
     return first if first in KNOWN_PARAMS else None
 
 

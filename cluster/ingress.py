@@ -17,6 +17,7 @@ import asyncio
 import enum
 import hmac
 import logging
+import os
 import uuid
 
 from fastapi import FastAPI, Request
@@ -27,7 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import errors
-from cluster.config import ClusterConfig
+from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.errors import APIError
 from cluster.metrics import any_replica_serving, render_prometheus
 from cluster.openai_protocol import (
@@ -96,6 +97,7 @@ class Ingress:
         self._engine = engine
         self._stream_handle = engine.options(stream=True)
         self._hub = metrics_hub
+        self._api_key = self.cluster.api_key or os.environ.get(API_KEY_ENV) or None
         # Ask a replica rather than guess: hashes, limits and names must match the engine's.
         info = await engine.describe.remote()
         self.model_id: str = info["model_id"]
@@ -112,7 +114,7 @@ class Ingress:
 
     # ---- request plumbing ---------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
-        key = self.cluster.api_key
+        key = self._api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -173,16 +175,23 @@ class Ingress:
         return first, response
 
     async def _open_all(self, request_id: str, prompts: list[list[int]], params: list, salt):
-        opened = []
-        try:
-            for index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                opened.append(await self._open(sub_id, prompt_ids, prompt_params, salt))
-        except BaseException:
-            for _, response in opened:
-                response.cancel()
-            raise
-        return opened
+        """Starts every prompt's engine request at once; on any failure cancels the rest."""
+        sub_ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
+        results = await asyncio.gather(
+            *(self._open(*call, salt) for call in zip(sub_ids, prompts, params, strict=True)),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    result[1].cancel()
+            raise failures[0]
+        return results
 
     @staticmethod
     async def _merge(opened: list):

@@ -203,10 +203,53 @@ class _SnapshotCollector:
         yield from families.values()
 
 
-def render_prometheus(snapshots: dict[str, dict]) -> bytes:
-    """Prometheus text exposition of the replicas' snapshots."""
+def _router_families(snapshot: dict):
+    """``router.metrics.RouterMetrics.snapshot()`` as ``prefixserve:router_*`` families."""
+    decisions = CounterMetricFamily(
+        PREFIX + "router_decisions",
+        "Routing decisions by policy and reason.",
+        labels=["policy", "reason"],
+    )
+    for row in snapshot.get("decisions", []):
+        decisions.add_metric([row["policy"], row["reason"]], float(row["count"]))
+    yield decisions
+    for name, doc in (
+        ("num_prompt_blocks", "Prompt blocks of routed requests."),
+        ("num_matched_blocks", "Prompt blocks the chosen replica was known to hold."),
+        ("num_index_errors", "Prefix index lookups that failed."),
+        ("num_fallback_decisions", "Decisions that fell back to load-only routing."),
+    ):
+        family = CounterMetricFamily(PREFIX + "router_" + name.removeprefix("num_"), doc)
+        family.add_metric([], float(snapshot.get(name, 0)))
+        yield family
+    latency = snapshot.get("lookup_latency_ms")
+    if latency:
+        family = HistogramMetricFamily(
+            PREFIX + "router_lookup_latency_seconds", "Prefix index lookup latency."
+        )
+        cumulative, buckets = 0, []
+        for bound_ms, count in zip(latency["bounds"], latency["counts"][:-1], strict=True):
+            cumulative += count
+            buckets.append((repr(bound_ms / 1000.0), cumulative))
+        buckets.append(("+Inf", cumulative + latency["counts"][-1]))
+        family.add_metric([], buckets, sum_value=latency["sum"] / 1000.0)
+        yield family
+
+
+class _RouterCollector:
+    def __init__(self, snapshot: dict) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):
+        yield from _router_families(self.snapshot)
+
+
+def render_prometheus(snapshots: dict[str, dict], router_snapshot: dict | None = None) -> bytes:
+    """Prometheus text of the replicas' snapshots (and of the router's, when given)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snapshots))
+    if router_snapshot is not None:
+        registry.register(_RouterCollector(router_snapshot))
     return generate_latest(registry)
 
 

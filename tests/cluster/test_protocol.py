@@ -165,5 +165,6 @@ def test_error_helpers_give_openai_bodies_and_statuses():
     assert errors.unauthorized().status == 401
     assert errors.body_too_large(2048).status == 413
     assert errors.param_of("top_p must be in (0, 1]") == "top_p"
+    assert errors.param_of("max_tokens=9 plus the prompt's 5 tokens exceeds") == "max_tokens"
     assert errors.param_of("EngineConfig.max_model_len: too big") is None
     assert errors.param_of("something else happened") is None
