@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops import check_tensor, patch_interpreter
+from kernels.triton_ops import check_tensor, output_or_new, patch_interpreter
 
 patch_interpreter()
 
@@ -171,8 +171,13 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a ragged batch over the paged cache; returns ``[N, Hq, D]``."""
+    """Causal attention of a ragged batch over the paged cache; returns ``[N, Hq, D]``.
+
+    ``out``, when given, receives the result (and is returned); every element is written.
+    """
     check_tensor("query", query, ndim=3)
     num_tokens, num_heads, head_dim = query.shape
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(query.dtype,))
@@ -209,7 +214,7 @@ def paged_attention(
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
 
-    out = torch.empty_like(query)
+    out = output_or_new("out", out, query)
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops import check_tensor, num_sms, patch_interpreter
+from kernels.triton_ops import check_tensor, num_sms, output_or_new, patch_interpreter
 
 patch_interpreter()
 
@@ -100,16 +100,23 @@ def _bi_matmul_kernel(
 
 
 def bi_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T (+ bias[N])`` -> [M, N] in x's dtype, batch-invariant."""
+    """``x [M, K] @ weight[N, K].T (+ bias[N])`` -> [M, N] in x's dtype, batch-invariant.
+
+    ``out``, when given, receives the result (and is returned).
+    """
     check_tensor("x", x, ndim=2)
     num_rows, in_features = x.shape
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape=(None, in_features))
     out_features = weight.shape[0]
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), shape=(out_features,))
-    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    out = output_or_new("out", out, x.new_empty(()).expand(num_rows, out_features))
     if num_rows == 0 or out_features == 0:
         return out
     if in_features == 0:

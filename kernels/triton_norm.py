@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops import check_tensor, patch_interpreter
+from kernels.triton_ops import check_tensor, output_or_new, patch_interpreter
 
 patch_interpreter()
 
@@ -65,8 +65,14 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(rmsnorm(x + residual) * weight, x + residual)`` for ``x`` of shape [..., H]."""
+    """Returns ``(rmsnorm(x + residual) * weight, x + residual)`` for ``x`` of shape [..., H].
+
+    ``out`` and ``residual_out``, when given (shaped like ``x``), receive the two results.
+    """
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (the hidden size)")
     hidden_size = x.shape[-1]
@@ -87,24 +93,25 @@ def rms_norm(
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
 
-    out = torch.empty_like(rows)
-    residual_out = torch.empty_like(rows)
+    out = output_or_new("out", out, x)
+    residual_out = output_or_new("residual_out", residual_out, x)
+    out_rows, residual_out_rows = out.view(rows.shape), residual_out.view(rows.shape)
     if rows.shape[0] > 0:
         block = triton.next_power_of_2(hidden_size)
         _rms_norm_kernel[(rows.shape[0],)](
-            out,
-            residual_out,
+            out_rows,
+            residual_out_rows,
             rows,
             res_rows,
             weight,
             eps,
             hidden_size,
-            out.stride(0),
-            residual_out.stride(0),
+            out_rows.stride(0),
+            residual_out_rows.stride(0),
             rows.stride(0),
             res_rows.stride(0),
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 16),
         )
-    return out.view(x.shape), residual_out.view(x.shape)
+    return out, residual_out

@@ -134,6 +134,16 @@ def check_tensor(
         raise ValueError(f"{name} must be on {want_device}, got {tensor.device}")
 
 
+def output_or_new(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``out`` checked to match ``like`` (shape, dtype, device, contiguous), or a new tensor."""
+    if out is None:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+    check_tensor(name, out, ndim=like.dim(), dtypes=(like.dtype,), shape=tuple(like.shape))
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return out
+
+
 def num_sms(device: torch.device) -> int:
     """Programs in a persistent grid: the device's SM count (a stand-in under the interpreter)."""
     if interpreting():

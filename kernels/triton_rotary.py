@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops import check_tensor, patch_interpreter
+from kernels.triton_ops import check_tensor, output_or_new, patch_interpreter
 
 patch_interpreter()
 
@@ -120,8 +120,14 @@ def rotary(
     key: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    *,
+    query_out: torch.Tensor | None = None,
+    key_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``query`` [N, Hq, D] and ``key`` [N, Hkv, D] at ``positions``; returns new tensors."""
+    """Rotate ``query`` [N, Hq, D] and ``key`` [N, Hkv, D] at ``positions``.
+
+    Returns ``(query_out, key_out)``: new tensors, or the given ones filled in.
+    """
     check_tensor("query", query, ndim=3)
     num_tokens, num_q_heads, head_dim = query.shape
     check_tensor("key", key, ndim=3, dtypes=(query.dtype,), shape=(num_tokens, None, head_dim))
@@ -136,8 +142,8 @@ def rotary(
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if not positions.is_contiguous():
         raise ValueError("positions must be contiguous")
-    q_out = torch.empty_like(query)
-    k_out = torch.empty_like(key)
+    q_out = output_or_new("query_out", query_out, query)
+    k_out = output_or_new("key_out", key_out, key)
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2

@@ -1,0 +1,44 @@
+"""Kernel tests: run Triton kernels on the CPU interpreter when no CUDA device is present.
+
+``TRITON_INTERPRET=1`` must be set before the kernel modules decorate their ``@triton.jit``
+functions, so it is set here, at collection, before any test module imports them. Tests
+marked ``cuda`` (realistic sizes) are skipped without a CUDA device. Every test draws fresh
+inputs from its own ``rng`` generator, seeded from the OS; the seed is printed so a failure
+can be replayed with ``KERNEL_TEST_SEED=<seed>``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the Triton kernels run: the GPU when present, else the CPU interpreter."""
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    here = os.path.dirname(__file__)
+    for item in items:
+        if "cuda" in item.keywords and str(item.path).startswith(here):
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    """A generator with a fresh seed per test (or ``KERNEL_TEST_SEED``), printed on failure."""
+    seed = int(os.environ.get("KERNEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"KERNEL_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
