@@ -25,8 +25,8 @@ def random_problem(rng, num_rows, in_features, out_features, dtype, device, with
     x = torch.randn(num_rows, in_features, generator=rng) / in_features**0.5
     weight = torch.randn(out_features, in_features, generator=rng)
     bias = torch.randn(out_features, generator=rng) if with_bias else None
-    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
-    return cast(x), cast(weight), cast(bias)
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    return x.to(device=device, dtype=dtype), weight.to(device=device, dtype=dtype), bias
 
 
 def run(x, weight, bias=None):
