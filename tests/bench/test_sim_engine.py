@@ -1,0 +1,116 @@
+"""The simulator's event order, hit accounting and metrics on hand-checked cases, its exact
+index against a brute-force scan, and workload reproducibility."""
+
+import pytest
+
+from bench.sim.baselines import RandomPolicy, RoundRobinPolicy
+from bench.sim.calibration import EngineRates, rates_from_samples
+from bench.sim.simulator import SimConfig, Simulator, percentile
+from bench.sim.workloads import WORKLOADS, Request, Workload, WorkloadScale, llmd_shared_prefix
+
+# Round numbers so every time below can be checked by hand.
+RATES = EngineRates(
+    prefill_tokens_per_s=100.0,
+    decode_step_base_s=0.01,
+    decode_step_per_seq_s=0.0,
+    max_num_batched_tokens=512,
+    host_to_device_tokens_per_s=1000.0,
+    source="test",
+)
+
+
+class FirstReplica:
+    name = "first"
+
+    def choose(self, sim, req):
+        return 0
+
+
+def _run(requests, policy=None, num_replicas=1, capacity_blocks=64):
+    config = SimConfig(num_replicas, capacity_blocks, block_size=4, rates=RATES)
+    workload = Workload("hand", tuple(requests), "hand-checked")
+    return Simulator(config, policy or FirstReplica()).run(workload)
+
+
+def test_second_request_hits_the_prefix_the_first_one_computed():
+    a = Request(0, 0.0, (1, 2, 3), num_prompt_tokens=12, num_output_tokens=2)
+    b = Request(1, 10.0, (1, 2, 3), num_prompt_tokens=13, num_output_tokens=2)
+    result = _run([a, b])
+    # a: 12 uncached tokens at 100 tok/s; b: 12 cached, 1 computed.
+    assert result.ttft_p50_s == pytest.approx((0.12 + 0.01) / 2)
+    assert result.hit_rate == pytest.approx(12 / 25)
+    assert result.oracle_hit_rate == pytest.approx(12 / 25)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    a = Request(0, 0.0, (1, 2), 8, 1)
+    b = Request(1, 5.0, (1, 2), 8, 1)
+    result = _run([a, b])
+    assert result.hit_rate == pytest.approx(7 / 16)  # b reuses 7 of its 8 tokens
+
+
+def test_prefills_queue_in_arrival_order_and_share_steps_with_running_decodes():
+    a = Request(0, 0.0, (1, 2, 3, 4, 5), 20, 11)  # prefill 0.2 s, then 10 decode steps
+    b = Request(1, 0.05, (9, 8), 8, 2)  # waits for a's prefill
+    result = _run([a, b])
+    ttft_b = (0.2 + 0.08 + 0.01) - 0.05  # starts at 0.2, 8 tokens + one shared decode step
+    assert result.ttft_p50_s == pytest.approx((0.2 + ttft_b) / 2)
+    assert result.ttft_p99_s == pytest.approx(0.2 + (ttft_b - 0.2) * 0.99)
+
+
+def test_a_request_queued_behind_its_prefix_hits_it():
+    a = Request(0, 0.0, (1, 2, 3), 12, 2)
+    b = Request(1, 0.01, (1, 2, 3, 4), 16, 2)  # arrives while a is still prefilling
+    result = _run([a, b])
+    assert result.hit_rate == pytest.approx(12 / 28)
+
+
+def test_load_and_throughput_metrics():
+    requests = [Request(i, i * 10.0, (100 + i,), 4, 2) for i in range(4)]
+    result = _run(requests, RoundRobinPolicy(), num_replicas=2)
+    assert result.max_mean_load == pytest.approx(1.0)
+    span_s = 30.0 + 0.04 + 0.01  # last arrival + its prefill + one decode step
+    assert result.throughput_tok_s == pytest.approx(4 * 6 / span_s)
+
+
+def test_exact_index_matches_a_brute_force_scan_of_every_replica():
+    class Checked(RandomPolicy):
+        def choose(self, sim, req):
+            brute = {}
+            for replica in sim.replicas:
+                device, host = replica.cache.match(req.block_ids)
+                if device + host:
+                    brute[replica.index] = (device, host)
+            assert sim.exact_matches(req.block_ids) == brute
+            return super().choose(sim, req)
+
+    for name, make in WORKLOADS.items():
+        scale = WorkloadScale(8, 128, requests_per_replica=15, seed=3)
+        Simulator(SimConfig(8, 128), Checked()).run(make(scale))
+        assert name
+
+
+def test_workloads_are_reproducible_and_sized_to_the_cluster():
+    scale = WorkloadScale(16, 256, requests_per_replica=10, seed=7)
+    for make in WORKLOADS.values():
+        assert make(scale) == make(scale)
+        assert len(make(scale).requests) == 160
+    wl = llmd_shared_prefix(scale)
+    distinct = {b for r in wl.requests for b in r.block_ids}
+    assert len(distinct) <= 0.73 * 16 * 256 * 1.01
+
+
+def test_percentile_and_calibration_fit():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    rates = rates_from_samples(1000.0, [(1, 0.02), (3, 0.03), (5, 0.04)])
+    assert rates.decode_step_base_s == pytest.approx(0.02)
+    assert rates.decode_step_s(5) == pytest.approx(0.04)
+    with pytest.raises(ValueError, match="decode_samples"):
+        rates_from_samples(1000.0, [])
+
+
+def test_invalid_sizes_name_the_field():
+    with pytest.raises(ValueError, match="num_replicas"):
+        SimConfig(0, 10)
+    with pytest.raises(ValueError, match="offered_load"):
+        WorkloadScale(4, 10, offered_load=0)
