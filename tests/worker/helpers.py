@@ -1,0 +1,50 @@
+"""Test helpers: transformers as the reference, and a way to read our engine's prompt logits."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine import LLMEngine
+from worker.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "Translate to German: good morning",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox",
+    "Q: What is the boiling point of water?\nA:",
+    "import numpy as np\n",
+    "Dear Sir or Madam,",
+    "In 1492, Columbus",
+    "The mitochondria is",
+    "<html><body>",
+    "SELECT * FROM users WHERE",
+    "Roses are red, violets are",
+    "The three laws of robotics are",
+    "a" * 3,
+    "🙂 Emoji test:",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore",
+    "To be, or not to be,",
+    "x = [i * i for i in range(10)]\nprint(",
+]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def engine_prompt_logits(engine: LLMEngine, prompt_ids: list[int]) -> torch.Tensor:
+    """Logits of the prompt's last position through the engine's scheduler and runner."""
+    rid = f"logits-{len(engine._groups)}-{id(prompt_ids)}"
+    engine.add_request(rid, prompt_ids, SamplingParams(temperature=0, max_tokens=1))
+    batch = engine.scheduler.schedule()
+    assert batch.total_tokens == len(prompt_ids), "the prompt must run in one step for this helper"
+    logits, _ = engine.runner.execute(batch)
+    engine.scheduler.commit_computed(batch)
+    engine.abort(rid)
+    return logits[0]

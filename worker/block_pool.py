@@ -1,0 +1,157 @@
+"""``BlockPool``: where KV lives. Reference counts, the prefix cache, eviction, KV events.
+
+Invariants (checked by ``check_invariants``, which the stress test calls every step):
+- A block is either referenced (``ref_count > 0``) or in the free queue, never both.
+- The free queue is in eviction order: least recently freed first, and when a request frees a
+  chain its tail goes in before its parent, so a chain is evicted from the end.
+- ``_cached`` maps a block hash to the one block holding it; a cached block in the free queue
+  stays matchable until it is handed out again (then its hash is dropped and a ``removed``
+  event is emitted).
+- A hit is served only if the block's stored tokens equal the request's tokens, so a hash
+  collision costs a recompute, never a wrong answer.
+
+Allocation failures raise ``NoFreeBlocksError``; the scheduler answers them with preemption.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.protocol import BlockHash, EventKind, KVEvent, Tier
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+    """The tokens whose KV the block holds, kept to verify every hit."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self._events: list[KVEvent] = []
+        self.num_collisions = 0
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def find_cached_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]) -> list[Block]:
+        """The longest run of leading blocks already cached whose stored tokens match."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        bs = self.block_size
+        for i, h in enumerate(block_hashes):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                self.num_collisions += 1  # same hash, other tokens: never serve it
+                break
+            hits.append(block)
+        return hits
+
+    # -- reference counting ------------------------------------------------------------------
+    def touch(self, blocks: Sequence[Block]) -> None:
+        """Take a reference on cache hits (pulling free ones out of the free queue)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[Block]:
+        if num_blocks > len(self._free):
+            raise NoFreeBlocksError(f"need {num_blocks} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference from each block; the chain's tail is queued for eviction first."""
+        for block in reversed(blocks):
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
+    # -- the prefix cache --------------------------------------------------------------------
+    def cache_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Register a full, computed block. A duplicate of an already-cached hash stays private."""
+        if not self.enable_prefix_caching or block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block.block_id
+        self._events.append(KVEvent(EventKind.STORED, (block_hash,), Tier.DEVICE))
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            self._events.append(KVEvent(EventKind.REMOVED, (block.block_hash,), Tier.DEVICE))
+            block.block_hash = None
+            block.token_ids = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is referenced."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, None
+        self._cached.clear()
+        self._events.append(KVEvent(EventKind.CLEARED))
+        return True
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Everything the cache can serve now (for re-announcing to a fresh index)."""
+        return list(self._cached)
+
+    def take_events(self) -> list[KVEvent]:
+        """This step's changes, with consecutive events of one kind merged."""
+        merged: list[KVEvent] = []
+        for ev in self._events:
+            if merged and merged[-1].kind == ev.kind and ev.kind != EventKind.CLEARED:
+                merged[-1] = KVEvent(ev.kind, merged[-1].hashes + ev.hashes, ev.tier)
+            else:
+                merged.append(ev)
+        self._events.clear()
+        return merged
+
+    def check_invariants(self) -> None:
+        free = set(self._free)
+        for block in self.blocks:
+            in_free = block.block_id in free
+            if in_free == (block.ref_count > 0) or block.ref_count < 0:
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, in free queue {in_free}")
+        for h, block_id in self._cached.items():
+            if self.blocks[block_id].block_hash != h:
+                raise AssertionError(f"hash map points at block {block_id} which holds another hash")

@@ -1,0 +1,215 @@
+"""``LLMEngine``: the synchronous core. Add requests, call ``step()``, read outputs.
+
+One step = schedule -> run the model -> sample -> update requests (stop checks,
+detokenisation, block caching) -> KV events. Bad input is rejected in ``add_request`` with a
+``ValueError`` before the request touches any engine state, so it can never harm the others.
+The async wrapper (``worker/async_engine.py``) drives ``step()`` from a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from router.protocol import KVEventBatch, ReplicaStats
+from worker.block_pool import BlockPool
+from worker.config import EngineConfig
+from worker.loader import load_weights, resolve_model
+from worker.metrics import EngineMetrics
+from worker.model_runner import ModelRunner
+from worker.outputs import CompletionOutput, EngineOverloadedError, FinishReason, RequestOutput
+from worker.request import Request
+from worker.sampler import Sampler
+from worker.sampling_params import SamplingParams
+from worker.scheduler import Scheduler
+from worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, replica_id: str = "replica-0"):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.perf_counter()
+        resolved = resolve_model(config.model, config.cache_dir)
+        self.config = config
+        self.replica_id = replica_id
+        self.model_id = config.model_id or resolved.model_id
+        self.max_model_len = min(config.max_model_len or resolved.max_model_len, resolved.max_model_len)
+        if config.max_model_len and config.max_model_len > resolved.max_model_len:
+            raise ValueError(f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context ({resolved.max_model_len})")
+        self.tokenizer = Tokenizer(resolved.path)
+        spec, weights = load_weights(resolved.path, config.torch_dtype)
+        self.spec = spec
+        self.runner = ModelRunner(config, spec, weights, self.max_model_len)
+        self.block_size = config.block_size
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.pool)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.metrics = EngineMetrics()
+        self._groups: dict[str, list[Request]] = {}
+        self._event_seq = itertools.count()
+        self._kv_batches: list[KVEventBatch] = []
+        self._unseeded = itertools.count()
+        log.info("engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s",
+                 replica_id, self.model_id, time.perf_counter() - t0, self.pool.num_blocks,
+                 self.pool.num_blocks * self.block_size, config.deterministic)
+
+    # -- requests ----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens (prompt plus output)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the context of "
+                f"{self.max_model_len} tokens"
+            )
+        if n > self.pool.num_blocks * self.block_size:
+            raise ValueError(f"prompt of {n} tokens does not fit the KV cache ({self.pool.num_blocks * self.block_size} tokens)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
+        self.validate(prompt_token_ids, params)
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) + params.n > self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests waiting (limit {self.config.max_waiting_requests})")
+        seed = params.seed if params.seed is not None else hash((self.config.seed, next(self._unseeded)))
+        group = []
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                           params.include_stop_str_in_output, params.skip_special_tokens)
+            req = Request(request_id, i, list(prompt_token_ids), params, seed, self.block_size, self.model_id,
+                          cache_salt, detok, self.max_model_len)
+            req.wait_for = group[0] if group else None
+            group.append(req)
+            self.scheduler.add(req)
+        self._groups[request_id] = group
+        self.metrics.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for req in group:
+            if not req.is_finished:
+                self.scheduler.finish(req)
+                req.finish_reason = req.finish_reason or FinishReason.ABORT
+        return self._output(request_id, group, {id(r): ([], "") for r in group}, finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        logits, sampling_idx = self.runner.execute(batch)
+        sampling_reqs = [batch.requests[i] for i in sampling_idx]
+        results = self.sampler.sample(logits, sampling_reqs)
+        self.scheduler.commit_computed(batch)
+        new: dict[int, tuple[list, str]] = {}
+        now = time.monotonic()
+        for req, res in zip(sampling_reqs, results, strict=True):
+            new[id(req)] = self._append(req, res, now)
+        self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - t0)
+        self._collect_events()
+        touched = {r.request_id for r in batch.requests}
+        outputs = []
+        for rid in touched:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            done = all(r.is_finished for r in group)
+            outputs.append(self._output(rid, group, new, finished=done))
+            if done:
+                del self._groups[rid]
+        return outputs
+
+    def _append(self, req: Request, res, now: float) -> tuple[list[int], str]:
+        p = req.params
+        token = res.token_id
+        req.append_token(token)
+        if res.logprob is not None:
+            req.logprobs.append(res.logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.metrics.generation_tokens_total += 1
+        req.detokenizer.add_token(token)
+        min_done = len(req.output_token_ids) >= p.min_tokens
+        if min_done and not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            req.finish_reason, req.stop_reason = FinishReason.STOP, None
+        elif min_done and token in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = FinishReason.STOP, token
+        elif min_done and req.detokenizer.stop_reason is not None:
+            req.finish_reason, req.stop_reason = FinishReason.STOP, req.detokenizer.stop_reason
+        elif req.max_tokens_reached():
+            req.finish_reason = FinishReason.LENGTH
+        if req.finish_reason is not None:
+            self.scheduler.finish(req)
+        return [token], req.detokenizer.take_delta(req.finish_reason is not None)
+
+    def _output(self, request_id: str, group: list[Request], new: dict, finished: bool) -> RequestOutput:
+        first = group[0]
+        outs = []
+        for req in group:
+            new_ids, new_text = new.get(id(req), ([], ""))
+            outs.append(CompletionOutput(
+                index=req.index, text=req.detokenizer.text, token_ids=list(req.output_token_ids),
+                new_text=new_text, new_token_ids=new_ids,
+                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            ))
+        metrics = {"arrival_time": first.arrival_time,
+                   "first_token_time": min((r.first_token_time for r in group if r.first_token_time), default=None)}
+        if finished:
+            metrics["finished_time"] = time.monotonic()
+        return RequestOutput(request_id, first.prompt_token_ids, outs, first.num_cached_tokens or 0, finished, None, metrics)
+
+    # -- KV events and stats -----------------------------------------------------------------
+    def _collect_events(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            self._kv_batches.append(KVEventBatch(self.replica_id, next(self._event_seq), tuple(events)))
+
+    def drain_kv_events(self) -> list[KVEventBatch]:
+        out, self._kv_batches = self._kv_batches, []
+        return out
+
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            kv_usage=self.pool.usage, prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
+            decode_tokens_per_s=self.metrics.decode_tokens_per_s,
+            num_queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+        )
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        c = self.scheduler.counters
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": self.pool.usage,
+            "prefix_cache_queries_total": c.prefix_cache_queries_tokens,
+            "prefix_cache_hits_total": c.prefix_cache_hits_tokens,
+            "num_preemptions_total": c.num_preemptions,
+            "prompt_tokens_total": self.metrics.prompt_tokens_total,
+            "generation_tokens_total": self.metrics.generation_tokens_total,
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_total_blocks": self.pool.num_blocks,
+        }
+

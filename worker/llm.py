@@ -1,0 +1,61 @@
+"""``LLM``: the offline Python API, in the style of vLLM.
+
+    from worker import LLM, SamplingParams
+    llm = LLM(model="smollm2", num_kv_blocks=2048)
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].text, outs[0].num_cached_tokens)
+
+Prompts may be strings (tokenised without special tokens) or lists of token ids. Outputs come
+back in the order of the prompts. A progress bar shows while more than one request runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        order = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, p)
+            order.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update()
+        bar.close()
+        return [done[rid] for rid in order]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        ids = self.tokenizer.apply_chat_template(messages)
+        return self.generate([ids], params, use_tqdm=False)[0]

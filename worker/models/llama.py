@@ -1,0 +1,162 @@
+"""Our serving-time decoder for the Llama family, Mistral, Qwen2/2.5 and Qwen3.
+
+The four differ only in flags: Qwen2 adds a bias to the fused QKV projection, Qwen3 adds an
+RMSNorm over each query/key head ("QK norm"), Llama 3 may scale rotary frequencies. The model
+runs on a flat batch of tokens (no padding, no batch dimension) and reads and writes the
+paged KV cache through ``kernels``; transformers' modules are never used at serving time.
+
+Linear layers go through ``self.linear``: the batch-invariant tiled path in deterministic
+mode, the plain GEMM otherwise (``kernels/linear.py`` explains why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionMetadata, paged_attention
+from kernels.cache import store_kv
+from kernels.linear import batch_invariant_linear, plain_linear
+from kernels.norm import rms_norm
+from kernels.rotary import apply_rotary, build_cos_sin_cache
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a supported model, read from its ``config.json``."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelSpec:
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(cfg.get("model_type", ""))
+        if family is None:
+            raise ValueError(
+                f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = cfg.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        num_heads = cfg["num_attention_heads"]
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers, in elements (multiply by dtype size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+class CausalLM:
+    """Weights plus a forward pass over the paged cache. Not an nn.Module: nothing trains."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], deterministic: bool, max_positions: int):
+        self.spec = spec
+        self.deterministic = deterministic
+        self.linear = batch_invariant_linear if deterministic else plain_linear
+        dtype = weights["model.embed_tokens.weight"].dtype
+        self.cos_sin = build_cos_sin_cache(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype)
+        self.scale = spec.head_dim**-0.5
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
+
+    @staticmethod
+    def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+        return None if any(t is None for t in ts) else torch.cat(ts).contiguous()
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        return {
+            "input_norm": w[p + "input_layernorm.weight"],
+            "post_norm": w[p + "post_attention_layernorm.weight"],
+            "qkv": self._cat(w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]),
+            "qkv_bias": self._cat(w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias"), w.get(a + "v_proj.bias")),
+            "o": w[a + "o_proj.weight"],
+            "q_norm": w.get(a + "q_norm.weight"),
+            "k_norm": w.get(a + "k_norm.weight"),
+            "gate_up": self._cat(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]),
+            "down": w[p + "mlp.down_proj.weight"],
+        }
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs the flat batch; returns float32 logits for the rows in ``logits_indices``."""
+        s = self.spec
+        n = input_ids.shape[0]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        x = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h, residual = rms_norm(x, layer["input_norm"], s.rms_norm_eps, residual)
+            qkv = self.linear(h, layer["qkv"], layer["qkv_bias"])
+            q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
+            if s.qk_norm:
+                q = rms_norm(q, layer["q_norm"], s.rms_norm_eps)[0]
+                k = rms_norm(k, layer["k_norm"], s.rms_norm_eps)[0]
+            q, k = apply_rotary(q, k, positions, self.cos_sin)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.deterministic)
+            x = self.linear(attn.reshape(n, q_size), layer["o"])
+            h, residual = rms_norm(x, layer["post_norm"], s.rms_norm_eps, residual)
+            gate_up = self.linear(h, layer["gate_up"])
+            inter = gate_up.shape[1] // 2
+            x = self.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
+        h, _ = rms_norm(x, self.final_norm, s.rms_norm_eps, residual)
+        return self.linear(h[logits_indices], self.lm_head).float()

@@ -1,0 +1,96 @@
+"""``Request``: one sequence's state inside the engine.
+
+A request only knows how many of its tokens have KV computed (``num_computed_tokens``), in
+the style of vLLM v1: a prefill chunk, a decode and a recompute after preemption are all
+"compute the next k tokens". A user request with ``n > 1`` becomes ``n`` sequences that share
+the prompt's blocks through the prefix cache; siblings after the first wait until the first
+has computed the prompt, so the shared blocks are computed once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+
+from router.protocol import BlockHash, hash_blocks
+from worker.block_pool import Block
+from worker.sampling_params import SamplingParams
+from worker.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        block_size: int,
+        model_id: str,
+        cache_salt: str | None,
+        detokenizer: IncrementalDetokenizer | None,
+        max_total_tokens: int,
+    ):
+        self.request_id = request_id
+        self.index = index
+        """Which of the user request's ``n`` outputs this is."""
+        self.prompt_token_ids = prompt_token_ids
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.block_size = block_size
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens served by the prefix cache at first admission."""
+        self.blocks: list[Block] = []
+        self.detokenizer = detokenizer
+        self.max_total_tokens = max_total_tokens
+        self.output_counts: Counter[int] = Counter()
+        self.logprobs: list = []
+        self.finish_reason = None
+        self.stop_reason: str | int | None = None
+        self.wait_for: Request | None = None
+        """A sibling that must compute the shared prompt before this one is admitted."""
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        self._salt = (model_id, cache_salt)
+        self.block_hashes: list[BlockHash] = hash_blocks(prompt_token_ids, block_size, model_id, cache_salt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        self.output_counts[token_id] += 1
+        if len(self.all_token_ids) % self.block_size == 0:
+            self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        """Hash blocks that generated tokens have just filled, continuing the chain."""
+        done = len(self.block_hashes)
+        parent = self.block_hashes[-1] if done else None
+        model_id, salt = self._salt
+        self.block_hashes += hash_blocks(
+            self.all_token_ids, self.block_size, model_id, salt, parent=parent, start_block=done
+        )
+
+    def max_tokens_reached(self) -> bool:
+        limit = self.params.max_tokens
+        return (limit is not None and len(self.output_token_ids) >= limit) or self.num_tokens >= self.max_total_tokens

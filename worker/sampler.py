@@ -1,0 +1,99 @@
+"""``Sampler``: picks each sequence's next token from its logits row.
+
+Every row is processed on its own (penalties, temperature, top-k, top-p, min-p), so a row's
+result never depends on the rest of the batch. Random choices come from a counter-based
+stream: a fresh generator keyed by ``(request seed, output index, output position)``, and the
+Gumbel-style race ``argmax(p / E)`` with ``E ~ Exp(1)``. A seeded request therefore gets the
+same tokens alone, in any batch, after any preemption, on any replica.
+
+Logprobs are those of the model's distribution before sampling transforms (vLLM's default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from worker.outputs import TokenLogprob
+from worker.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def sampling_key(seed: int, index: int, position: int) -> int:
+    """A 63-bit generator seed that depends only on the request's seed and the position."""
+    data = b"%d/%d/%d" % (seed, index, position)
+    return xxhash.xxh64_intdigest(data) & ((1 << 63) - 1)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = eos_token_ids
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
+        return [self._sample_row(logits[i], req) for i, req in enumerate(requests)]
+
+    def _sample_row(self, row: torch.Tensor, req: Request) -> SampleResult:
+        p = req.params
+        raw = row
+        if p.needs_penalties:
+            row = self._apply_penalties(row.clone(), req)
+        if len(req.output_token_ids) < p.min_tokens:
+            row = row.clone() if row is raw else row
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+            if banned:
+                row[torch.tensor(banned)] = _NEG_INF
+        if p.greedy:
+            token = int(torch.argmax(row))
+        else:
+            token = self._random_choice(row, req)
+        return SampleResult(token, self._logprob(raw, token, p.logprobs) if p.logprobs is not None else None)
+
+    @staticmethod
+    def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if req.output_counts and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(req.output_counts.keys()), dtype=torch.long)
+            counts = torch.tensor(list(req.output_counts.values()), dtype=row.dtype)
+            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        return row
+
+    @staticmethod
+    def _random_choice(row: torch.Tensor, req: Request) -> int:
+        p = req.params
+        logits = row / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, _NEG_INF)
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_probs, dim=-1)
+            drop_sorted = (cum - sorted_probs) > p.top_p  # keep the smallest prefix reaching top_p
+            probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        gen = torch.Generator().manual_seed(sampling_key(req.seed, req.index, len(req.output_token_ids)))
+        race = torch.empty_like(probs).exponential_(generator=gen)
+        return int(torch.argmax(probs / race))
+
+    @staticmethod
+    def _logprob(raw: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+        lp = torch.log_softmax(raw.float(), dim=-1)
+        top = []
+        if num_top:
+            vals, ids = torch.topk(lp, num_top)
+            top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+        return TokenLogprob(token, float(lp[token]), top)

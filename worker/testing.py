@@ -1,0 +1,49 @@
+"""Tiny random-weight models for fast tests: real configs, real tokenizer, random weights.
+
+``make_tiny_model(folder, arch)`` writes a Hugging Face folder (config.json, safetensors,
+tokenizer files copied from the bundled SmolLM2) that both transformers and our engine load,
+so tests compare the two on the same weights in well under a second per model.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from worker.loader import resolve_model
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def make_tiny_model(folder: str | Path, arch: str = "llama", *, seed: int = 0, rope_scaling: dict | None = None,
+                    num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 2) -> str:
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok_src = Path(resolve_model("smollm2").path)
+    for f in tok_src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, folder / f.name)
+    kwargs = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=64 // num_heads * 2,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=arch != "mistral",
+        bos_token_id=1, eos_token_id=2,
+    )
+    if rope_scaling:
+        kwargs["rope_scaling"] = rope_scaling
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    config = AutoConfig.for_model(arch, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(str(folder))
+    return str(folder)

@@ -1,0 +1,100 @@
+"""The model's tokenizer, its chat template, and incremental detokenisation with stop strings.
+
+``IncrementalDetokenizer`` turns a growing list of token ids into text deltas. It decodes a
+short window of recent tokens (not the whole output each step), never emits half a
+multi-byte character (a trailing U+FFFD means "wait for the next token"), and holds back the
+last ``len(longest stop string) - 1`` characters so a stop string that spans tokens is never
+partly streamed before it is recognised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+_PREFIX_WINDOW_TOKENS = 6
+"""Tokens of left context decoded with the new ones, so merges at the boundary are right."""
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        self._tok = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = len(self._tok)
+        eos = self._tok.eos_token_id
+        self.eos_token_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
+        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        return self._tok.decode([token_id])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            if not isinstance(m.get("content", ""), str):
+                raise ValueError(f"messages[{i}].content must be a string")
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.encode(text)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for one output sequence, with stop strings checked across token edges."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str],
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._stop = list(stop)
+        self._include_stop = include_stop_str_in_output
+        self._skip_special = skip_special_tokens
+        self._holdback_chars = max((len(s) for s in self._stop), default=1) - 1
+        self._ids: list[int] = list(prompt_token_ids[-_PREFIX_WINDOW_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+        """All decoded text so far, including any held-back tail."""
+        self._emitted = 0
+        self.stop_reason: str | None = None
+
+    def add_token(self, token_id: int) -> None:
+        """Decode one more token; sets ``stop_reason`` when a stop string appears."""
+        if self.stop_reason is not None:
+            return
+        self._ids.append(token_id)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip_special)
+        if full.endswith(_REPLACEMENT_CHAR) or len(full) <= len(prefix):
+            return  # an incomplete character (or nothing visible yet): wait for more bytes
+        start = len(self.text)
+        self.text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._check_stop(start)
+
+    def _check_stop(self, new_start: int) -> None:
+        window_start = max(0, new_start - self._holdback_chars)
+        for s in self._stop:
+            idx = self.text.find(s, window_start)
+            if idx != -1:
+                self.stop_reason = s
+                self.text = self.text[: idx + len(s)] if self._include_stop else self.text[:idx]
+                return
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out; keeps the possible start of a stop string unless finished."""
+        end = len(self.text) if finished or self.stop_reason else len(self.text) - self._holdback_chars
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
