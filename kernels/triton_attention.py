@@ -56,8 +56,8 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """Largest s with query_start_loc[s] // BLOCK_Q + s <= pid (tiles of earlier sequences)."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
