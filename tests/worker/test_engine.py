@@ -1,0 +1,181 @@
+"""Engine behaviour users see: prefix-cache hits, collisions, bad input, sampling options."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import router.protocol
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.outputs import FinishReason
+from worker.sampling_params import SamplingParams
+
+
+def run_all(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_models):
+    return LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=256))
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smollm2_path):
+    return LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=512, max_num_batched_tokens=512))
+
+
+@pytest.mark.slow
+def test_shared_system_prompt_is_served_from_cache(smol_engine):
+    tok = smol_engine.tokenizer
+    system = " ".join(f"Rule {i}: be precise and kind." for i in range(60))
+    sys_ids = tok.encode(system)[:400]
+    assert len(sys_ids) == 400
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    smol_engine.add_request("first", sys_ids + tok.encode(" Question: what is 2+2?"), greedy)
+    first = run_all(smol_engine)["first"]
+    smol_engine.add_request("second", sys_ids + tok.encode(" Question: name a color."), greedy)
+    second = run_all(smol_engine)["second"]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 384
+
+
+def test_hash_collision_is_caught_not_served(tiny_models, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=64))
+    # Every block of every prompt gets the same hash: a total collision.
+    monkeypatch.setattr("worker.request.hash_blocks",
+                        lambda toks, bs, *a, **k: [b"\x00" * 16] * (len(toks) // bs - k.get("start_block", 0)))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a_ids, b_ids = list(range(100, 148)), list(range(300, 348))
+    engine.add_request("a", a_ids, greedy)
+    run_all(engine)
+    engine.add_request("b", b_ids, greedy)
+    b = run_all(engine)["b"]
+    assert b.num_cached_tokens == 0, "a block with other tokens must never be served"
+    assert engine.pool.num_collisions >= 1
+    monkeypatch.setattr("worker.request.hash_blocks", router.protocol.hash_blocks)
+    fresh = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=64))
+    fresh.add_request("b", b_ids, greedy)
+    assert run_all(fresh)["b"].token_ids == b.token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], SamplingParams(), "empty"),
+        ([1] * 2000, SamplingParams(max_tokens=4), "context"),
+        ([1, 2, 3], SamplingParams(max_tokens=5000), "max_tokens"),
+        ([1, 2, 10**6], SamplingParams(), "vocabulary"),
+        ([1, -5], SamplingParams(), "vocabulary"),
+    ],
+)
+def test_bad_input_is_rejected_and_others_keep_running(tiny_engine, prompt, params, match):
+    ok = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tiny_engine.add_request(f"ok-{match}", [5, 6, 7, 8], ok)
+    tiny_engine.step()
+    with pytest.raises(ValueError, match=match):
+        tiny_engine.add_request(f"bad-{match}", prompt, params)
+    out = run_all(tiny_engine)[f"ok-{match}"]
+    assert len(out.token_ids) == 6
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),
+     ("top_k", -2), ("min_p", 2.0), ("n", 0), ("n", 99), ("logprobs", 21), ("repetition_penalty", 0.0),
+     ("stop", ["x"] * 17), ("seed", "abc")],
+)
+def test_out_of_range_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_engine_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=7)
+    with pytest.raises(ValueError, match="only one of"):
+        EngineConfig(num_kv_blocks=10, kv_cache_bytes=1000)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int3")
+
+
+def test_stop_strings_tokens_and_lengths(tiny_engine):
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tiny_engine.add_request("free", [11, 12, 13], base)
+    free = run_all(tiny_engine)["free"].outputs[0]
+    assert free.finish_reason == FinishReason.LENGTH and len(free.token_ids) == 24
+    # A stop string taken from the middle of the free-running text: output ends right before it.
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop.strip():
+        tiny_engine.add_request("stop", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+        out = run_all(tiny_engine)["stop"].outputs[0]
+        assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
+        assert out.text == text[: text.index(stop)]
+    tok = free.token_ids[5]
+    tiny_engine.add_request("stoptok", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[tok]))
+    out = run_all(tiny_engine)["stoptok"].outputs[0]
+    assert out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1] and out.stop_reason == tok
+    tiny_engine.add_request("min", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, min_tokens=10, stop_token_ids=[free.token_ids[0]], ignore_eos=True))
+    assert len(run_all(tiny_engine)["min"].token_ids) >= 10
+
+
+def test_n_outputs_share_the_prompt_blocks_and_logprobs(tiny_engine):
+    prompt = list(range(1000, 1100))
+    tiny_engine.add_request("n3", prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=5, ignore_eos=True))
+    out = run_all(tiny_engine)["n3"]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "independent samples should differ"
+    hits_before = tiny_engine.scheduler.counters.prefix_cache_hits_tokens
+    assert hits_before >= 2 * 96, "siblings reuse the prompt's full blocks"
+    lp = out.outputs[0].logprobs
+    assert len(lp) == 8 and all(len(t.top) == 5 for t in lp)
+    assert all(t.top[0][1] >= t.top[-1][1] and t.logprob <= 0 for t in lp)
+
+
+def test_penalties_change_greedy_output(tiny_engine):
+    prompt = [7] * 20
+    tiny_engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    tiny_engine.add_request("pen", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                          repetition_penalty=1.9, frequency_penalty=2.0))
+    done = run_all(tiny_engine)
+    plain, pen = done["plain"].token_ids, done["pen"].token_ids
+    assert len(set(pen)) >= len(set(plain))
+    assert plain != pen
+
+
+def test_async_engine_streams_and_aborts(tiny_models):
+    from worker.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=128))
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        chunks = [o async for o in engine.generate("a", [1, 2, 3, 4], params)]
+        assert chunks[-1].finished and len(chunks[-1].token_ids) == 12
+        assert sum(len(c.outputs[0].new_token_ids) for c in chunks) == 12
+        assert "".join(c.outputs[0].new_text for c in chunks) == chunks[-1].text
+        long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        agen = engine.generate("b", [1, 2, 3, 4], long)
+        await agen.__anext__()
+        await agen.aclose()  # the client went away
+        for _ in range(100):
+            if engine.metrics()["num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        m = engine.metrics()
+        assert m["num_requests_running"] == 0 and m["num_free_blocks"] == m["num_total_blocks"]
+        with pytest.raises(ValueError):
+            async for _ in engine.generate("c", [], params):
+                pass
+        await engine.shutdown(1.0)
+
+    asyncio.run(main())
+    assert not engine.is_alive()
