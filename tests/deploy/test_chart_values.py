@@ -142,7 +142,7 @@ def test_model_cache_claim_is_mounted_everywhere() -> None:
 def test_autoscaling_replaces_fixed_replicas() -> None:
     docs = chart.render([chart.CHART_DIR / "ci" / "tp2-autoscaling-values.yaml"])
     deployment = _engine_deployment(docs)
-    assert "num_replicas" not in deployment
+    assert deployment["num_replicas"] == "auto"
     assert deployment["autoscaling_config"]["min_replicas"] == 2
     assert deployment["autoscaling_config"]["max_replicas"] == 6
     assert chart.only(docs, "RayService")["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"]
@@ -157,12 +157,14 @@ def test_keda_scaled_object_queries_waiting_requests() -> None:
 
 
 @pytest.mark.parametrize(
-    "values_file", [None, *chart.CI_VALUES_FILES], ids=lambda p: getattr(p, "stem", "default")
+    "values_file",
+    [None, *chart.CI_VALUES_FILES],
+    ids=lambda p: getattr(p, "stem", "default"),
 )
 def test_serve_config_args_build_the_application_configs(values_file) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.config import ClusterConfig
+    from cluster.config import ClusterConfig, configs_from_args
     from router.config import RouterConfig
     from worker.config import EngineConfig
 
@@ -178,6 +180,53 @@ def test_serve_config_args_build_the_application_configs(values_file) -> None:
     engine = EngineConfig(**args["engine"])
     router = RouterConfig(**args["router"])
     cluster = ClusterConfig(**args["cluster"])
+    assert configs_from_args(args) == (engine, cluster, router)
     assert router.block_size == engine.block_size
     assert cluster.app_name == app["name"]
     assert isinstance(engine.kv_cache_bytes, (int, type(None)))
+
+
+def test_deployment_options_name_a_deployment_of_the_built_application() -> None:
+    """Serve rejects options for a deployment the builder does not create."""
+    from ray.serve._private.build_app import build_app as build_deployments
+
+    from cluster.app import build_app
+
+    config = chart.serve_config(chart.render([chart.CHART_DIR / "ci" / "cpu-values.yaml"]))
+    (app,) = config["applications"]
+    built = build_deployments(build_app(app["args"]), name=app["name"])
+    names = {deployment.name for deployment in built.deployments}
+    for options in app["deployments"]:
+        assert options["name"] in names
+
+
+# Fields the chart sets itself (from other values or the cluster layout) or never sets.
+CHART_DERIVED_FIELDS = {
+    "engine": {"cache_dir", "tensor_parallel_size"},
+    "router": {"block_size", "index_backend", "redis_url"},
+    "cluster": {"num_gpus_per_replica", "app_name", "host", "port", "ray_address", "api_key"},
+}
+
+
+def test_values_reach_every_config_field() -> None:
+    """A field added to a config dataclass needs a chart value (or a reason it has none)."""
+    import yaml
+
+    from cluster.config import ClusterConfig
+    from router.config import RouterConfig
+    from worker.config import EngineConfig
+
+    values = yaml.safe_load((chart.CHART_DIR / "values.yaml").read_text())
+    for section, cls in (
+        ("engine", EngineConfig),
+        ("router", RouterConfig),
+        ("cluster", ClusterConfig),
+    ):
+        snake = {
+            "".join(f"_{c.lower()}" if c.isupper() else c for c in key) for key in values[section]
+        }
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = fields - snake - CHART_DERIVED_FIELDS[section]
+        assert not missing, f"values.yaml {section} has no value for {sorted(missing)}"
+        unknown = snake - fields - {"tensor_parallel_size"}
+        assert not unknown, f"values.yaml {section} sets unknown fields {sorted(unknown)}"

@@ -160,6 +160,7 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
 {{- end }}
 {{- $dep := dict "name" .Values.serve.engineDeploymentName "placement_group_bundles" $bundles "placement_group_strategy" "STRICT_PACK" }}
 {{- if .Values.autoscaling.enabled }}
+{{- $_ := set $dep "num_replicas" "auto" }}
 {{- $_ := set $dep "autoscaling_config" (dict "min_replicas" (int .Values.autoscaling.minReplicas) "max_replicas" (int .Values.autoscaling.maxReplicas) "target_ongoing_requests" .Values.autoscaling.targetOngoingRequests "downscale_delay_s" .Values.autoscaling.downscaleDelayS) }}
 {{- else }}
 {{- $_ := set $dep "num_replicas" (int .Values.cluster.numReplicas) }}
