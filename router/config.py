@@ -57,6 +57,8 @@ class RouterConfig:
     """A replica with no heartbeat for this long is dead: its entries stop counting at once."""
     redis_socket_timeout_s: float = 0.05
     """Connect and read timeout of each Redis call; a lookup slower than this routes by load."""
+    redis_write_timeout_s: float = 1.0
+    """Read timeout of event, heartbeat and sweep calls (a re-announce can be large)."""
     redis_retry_interval_s: float = 1.0
     """While Redis is unreachable, how often one call probes it again (others skip it)."""
     tie_tolerance_s: float = 0.005
@@ -90,6 +92,7 @@ class RouterConfig:
             "speculative_ttl_s",
             "heartbeat_timeout_s",
             "redis_socket_timeout_s",
+            "redis_write_timeout_s",
             "redis_retry_interval_s",
         ):
             _check_positive(name, getattr(self, name))

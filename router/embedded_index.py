@@ -23,9 +23,10 @@ from router.index import Clock, Match, ReplicaId
 from router.liveness import Action, ApplyOutcome, StreamState, decide, heartbeat_state, outcome_of
 from router.protocol import BlockHash, EventKind, KVEventBatch, Tier
 
-# Prune a replica's expired speculative entries once it tracks this many: a full sweep is
-# O(entries), so doing it only past a threshold keeps ``record_speculative`` amortized O(1).
-SPECULATIVE_PRUNE_THRESHOLD = 4096
+# Prune a replica's expired speculative entries once it tracks this many, then again only
+# when the table has doubled since: a prune is O(entries), so this keeps
+# ``record_speculative`` amortized O(1) even when many entries are still live.
+SPECULATIVE_PRUNE_MIN_ENTRIES = 4096
 
 
 @dataclass
@@ -34,6 +35,7 @@ class _ReplicaEntries:
     host: set[BlockHash] = field(default_factory=set)
     speculative: dict[BlockHash, float] = field(default_factory=dict)
     """Block hash -> expiry time (clock seconds)."""
+    prune_at_entries: int = SPECULATIVE_PRUNE_MIN_ENTRIES
 
     def clear(self) -> None:
         self.device.clear()
@@ -122,8 +124,11 @@ class EmbeddedIndex:
             expiry = now + ttl_s
             for block_hash in block_hashes:
                 entries.speculative[block_hash] = expiry
-            if len(entries.speculative) > SPECULATIVE_PRUNE_THRESHOLD:
+            if len(entries.speculative) > entries.prune_at_entries:
                 entries.speculative = {h: t for h, t in entries.speculative.items() if t > now}
+                entries.prune_at_entries = max(
+                    SPECULATIVE_PRUNE_MIN_ENTRIES, 2 * len(entries.speculative)
+                )
 
     # -------------------------------------------------------------------------- liveness
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:

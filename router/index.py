@@ -212,6 +212,8 @@ def make_index(config: RouterConfig, model_id: str, clock: Clock = time.time) ->
             model_id,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             socket_timeout_s=config.redis_socket_timeout_s,
+            write_timeout_s=config.redis_write_timeout_s,
+            speculative_bucket_s=config.speculative_ttl_s,
             clock=clock,
         )
     from router.embedded_index import EmbeddedIndex

@@ -33,6 +33,7 @@ def test_defaults_are_valid_frozen_and_picklable():
         ({"heartbeat_timeout_s": float("nan")}, "heartbeat_timeout_s"),
         ({"redis_socket_timeout_s": "fast"}, "redis_socket_timeout_s"),
         ({"redis_retry_interval_s": 0}, "redis_retry_interval_s"),
+        ({"redis_write_timeout_s": -2}, "redis_write_timeout_s"),
         ({"tie_tolerance_s": -0.1}, "tie_tolerance_s"),
         ({"seed": 1.5}, "seed"),
     ],

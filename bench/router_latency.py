@@ -1,0 +1,261 @@
+"""Routing decision latency and throughput of one router process, embedded vs Redis index.
+
+A decision here is everything the router does per request: hash the prompt's blocks
+(``router.protocol.hash_blocks``), one index lookup, the ``prefix`` policy, and the
+speculative entry of the chosen replica. Reports p50/p99 per prompt size (1k and 8k
+tokens) and decisions per second for one sequential router, into
+``bench/results/router_latency.json`` and a PNG beside it.
+
+The index is filled the way a fleet fills it: ``--num-replicas`` replicas, each holding
+its share of ``--num-prefixes`` shared prefixes (75% of the prompt) plus background blocks,
+all through KV event batches. Requests reuse a random prefix plus a fresh suffix. Without
+``--redis-url`` a throwaway ``redis-server`` is started on a free loopback port; without the
+binary the Redis rows are skipped (and say so). Numbers depend on the machine's load: the
+JSON records the load average so runs can be compared honestly.
+
+    python -m bench.router_latency [--redis-url redis://127.0.0.1:6379/0] [--num-decisions 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from router.config import RouterConfig
+from router.index import make_index
+from router.policy import ReplicaView, Router
+from router.protocol import EventKind, KVEvent, KVEventBatch, ReplicaStats, hash_blocks
+
+MODEL_ID = "bench-model"
+PROMPT_SIZES = (1024, 8192)
+SHARED_FRACTION = 0.75  # of each prompt: a system prompt / document reused across requests
+VOCAB_SIZE = 50_000
+TARGET_P99_MS = 2.0  # issue 6's budget per decision, hashing included
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_redis() -> tuple[subprocess.Popen, str, str]:
+    workdir = tempfile.mkdtemp(prefix="router-bench-redis-")
+    port = _free_port()
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    process = subprocess.Popen(
+        [*cmd, "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(500):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.02)
+    client.close()
+    return process, url, workdir
+
+
+def _populate(router: Router, rng: random.Random, args, prefixes: dict[int, list]) -> None:
+    replica_ids = [f"replica-{i}" for i in range(args.num_replicas)]
+    for rid in replica_ids:
+        router.index.heartbeat(rid, 0)
+    batches = []
+    seq = dict.fromkeys(replica_ids, 0)
+    for token_lists in prefixes.values():
+        for tokens in token_lists:
+            blocks = hash_blocks(tokens, router.config.block_size, MODEL_ID)
+            for rid in rng.sample(replica_ids, rng.choice((1, 2))):
+                event = KVEvent(EventKind.STORED, tuple(blocks))
+                batches.append(KVEventBatch(rid, seq[rid], (event,)))
+                seq[rid] += 1
+    for rid in replica_ids:  # unrelated blocks, so sets have a realistic size
+        noise = tuple(rng.randbytes(16) for _ in range(args.background_blocks))
+        batches.append(KVEventBatch(rid, seq[rid], (KVEvent(EventKind.STORED, noise),)))
+        seq[rid] += 1
+    for start in range(0, len(batches), 64):
+        router.index.apply_many(batches[start : start + 64])
+
+
+def _views(rng: random.Random, num_replicas: int) -> list[ReplicaView]:
+    return [
+        ReplicaView(
+            f"replica-{i}",
+            ReplicaStats(
+                num_waiting=rng.randrange(4),
+                num_running=rng.randrange(32),
+                num_queued_prefill_tokens=rng.randrange(8192),
+                prefill_tokens_per_s=8000.0,
+            ),
+            num_inflight=rng.randrange(3),
+        )
+        for i in range(num_replicas)
+    ]
+
+
+def _measure(router: Router, rng, args, prefixes, prompt_tokens: int) -> dict:
+    shared = prefixes[prompt_tokens]
+    num_suffix = prompt_tokens - len(shared[0])
+    hash_ms, route_ms, num_matched = [], [], 0
+    fallbacks_before = router.metrics.snapshot()["num_fallback_decisions"]
+    total_start = time.perf_counter()
+    for i in range(args.warmup + args.num_decisions):
+        tokens = rng.choice(shared) + [rng.randrange(VOCAB_SIZE) for _ in range(num_suffix)]
+        views = _views(rng, args.num_replicas)
+        if i == args.warmup:
+            total_start = time.perf_counter()
+        t0 = time.perf_counter()
+        blocks = hash_blocks(tokens, router.config.block_size, MODEL_ID)
+        t1 = time.perf_counter()
+        decision = router.route(blocks, len(tokens), views)
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            hash_ms.append((t1 - t0) * 1e3)
+            route_ms.append((t2 - t1) * 1e3)
+            num_matched += decision.matched_blocks
+    decision_s = float(np.sum(hash_ms) + np.sum(route_ms)) / 1e3
+    total = np.array(hash_ms) + np.array(route_ms)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "num_decisions": args.num_decisions,
+        "p50_ms": float(np.percentile(total, 50)),
+        "p99_ms": float(np.percentile(total, 99)),
+        "mean_ms": float(total.mean()),
+        "hash_p50_ms": float(np.percentile(hash_ms, 50)),
+        "hash_p99_ms": float(np.percentile(hash_ms, 99)),
+        "route_p50_ms": float(np.percentile(route_ms, 50)),
+        "route_p99_ms": float(np.percentile(route_ms, 99)),
+        "decisions_per_s": args.num_decisions / decision_s,
+        "matched_block_ratio": num_matched / (args.num_decisions * (prompt_tokens // 16)),
+        "loop_wall_s": time.perf_counter() - total_start,
+        # Decisions made without the index (it timed out): they are faster and not what
+        # this bench measures, so a row with any is not a valid measurement.
+        "num_fallback_decisions": router.metrics.snapshot()["num_fallback_decisions"]
+        - fallbacks_before,
+    }
+
+
+def run_backend(backend: str, redis_url: str | None, args) -> list[dict]:
+    rng = random.Random(args.seed)
+    config = RouterConfig(index_backend=backend, redis_url=redis_url)
+    index = make_index(config, f"{MODEL_ID}-{os.getpid()}-{backend}")
+    router = Router(config, MODEL_ID, index=index)
+    prefixes = {
+        size: [
+            [rng.randrange(VOCAB_SIZE) for _ in range(int(size * SHARED_FRACTION))]
+            for _ in range(args.num_prefixes)
+        ]
+        for size in PROMPT_SIZES
+    }
+    _populate(router, rng, args, prefixes)
+    rows = []
+    for size in PROMPT_SIZES:
+        row = {"backend": backend, **_measure(router, rng, args, prefixes, size)}
+        print(
+            f"{backend:9s} {size:5d} tokens: p50 {row['p50_ms']:.3f} ms  p99 {row['p99_ms']:.3f}"
+            f" ms  (hash p50 {row['hash_p50_ms']:.3f}, route p50 {row['route_p50_ms']:.3f})"
+            f"  {row['decisions_per_s']:.0f} decisions/s, {row['num_fallback_decisions']} fallbacks"
+        )
+        rows.append(row)
+    for rid in router.index.replicas():
+        router.index.remove_replica(rid)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['backend']}\n{r['prompt_tokens']} tok" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(x - 0.2, [r["hash_p50_ms"] for r in rows], 0.4, label="p50: hashing")
+    ax.bar(
+        x - 0.2,
+        [r["p50_ms"] - r["hash_p50_ms"] for r in rows],
+        0.4,
+        bottom=[r["hash_p50_ms"] for r in rows],
+        label="p50: lookup + policy",
+    )
+    ax.bar(x + 0.2, [r["p99_ms"] for r in rows], 0.4, label="p99 total")
+    ax.axhline(TARGET_P99_MS, color="red", linestyle="--", label="p99 target")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("decision latency (ms)")
+    ax.set_title("Routing decision latency, one router process")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--num-replicas", type=int, default=8)
+    parser.add_argument("--num-prefixes", type=int, default=64)
+    parser.add_argument("--background-blocks", type=int, default=20_000)
+    parser.add_argument("--num-decisions", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "router_latency.json")
+    args = parser.parse_args()
+
+    rows = run_backend("embedded", None, args)
+    server, redis_note = None, "external"
+    redis_url = args.redis_url
+    if redis_url is None and shutil.which("redis-server"):
+        server, redis_url, workdir = _start_redis()
+        redis_note = "throwaway redis-server on loopback"
+    try:
+        if redis_url is not None:
+            rows += run_backend("redis", redis_url, args)
+            client = redis.Redis.from_url(redis_url)
+            redis_note += f", version {client.info()['redis_version']}"
+            client.close()
+        else:
+            redis_note = "skipped: no redis-server binary and no --redis-url"
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            shutil.rmtree(workdir, ignore_errors=True)
+    result = {
+        "bench": "router_latency",
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_1m": os.getloadavg()[0],
+        },
+        "redis": redis_note,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "target_p99_ms": TARGET_P99_MS,
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
