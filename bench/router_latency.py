@@ -35,8 +35,9 @@ import redis
 
 from router.config import RouterConfig
 from router.index import make_index
-from router.policy import ReplicaView, Router
+from router.policy import ReplicaView
 from router.protocol import EventKind, KVEvent, KVEventBatch, ReplicaStats, hash_blocks
+from router.routing import Router
 
 MODEL_ID = "bench-model"
 PROMPT_SIZES = (1024, 8192)

@@ -1,8 +1,8 @@
 """Router metrics as plain, thread-safe counters and a fixed-bucket histogram.
 
 Owns what the router counts: decisions by policy and reason, matched blocks against prompt
-blocks (the matched-block ratio), index lookup latency, index errors and fallback
-decisions. No Prometheus dependency here: ``snapshot()`` returns plain numbers and the
+blocks (the matched-block ratio), index lookup latency, index errors, fallback decisions
+and dropped speculative entries. No Prometheus dependency here: ``snapshot()`` returns plain numbers and the
 cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus series). Recording
 never raises and never blocks for longer than one uncontended lock.
 """
@@ -61,6 +61,8 @@ class RouterMetrics:
         self.num_matched_blocks = 0
         self.num_index_errors = 0
         self.num_fallback_decisions = 0
+        self.num_dropped_speculations = 0
+        """Speculative entries dropped because the background writer's queue was full."""
         self.lookup_latency_ms = Histogram()
 
     def record_decision(
@@ -82,6 +84,10 @@ class RouterMetrics:
         with self._lock:
             self.num_index_errors += 1
 
+    def record_dropped_speculation(self) -> None:
+        with self._lock:
+            self.num_dropped_speculations += 1
+
     @property
     def matched_block_ratio(self) -> float | None:
         """Matched blocks over prompt blocks across all decisions; None before any block."""
@@ -102,6 +108,7 @@ class RouterMetrics:
                 "matched_block_ratio": self.matched_block_ratio,
                 "num_index_errors": self.num_index_errors,
                 "num_fallback_decisions": self.num_fallback_decisions,
+                "num_dropped_speculations": self.num_dropped_speculations,
                 "lookup_latency_ms": {
                     "bounds": list(self.lookup_latency_ms.bounds),
                     "counts": list(self.lookup_latency_ms.counts),

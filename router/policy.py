@@ -2,7 +2,7 @@
 
 Owns the interface the simulator and the cluster import (``ReplicaView``, ``Decision``,
 ``RoutingPolicy``, ``make_policy``), the TTFT model, rendezvous hashing, the ``prefix``
-policy and the ``round_robin``/``least_loaded``/``pow2`` baselines. ``router.Router``
+policy and the ``round_robin``/``least_loaded``/``pow2`` baselines. ``routing.Router``
 combines a policy with an index; policies themselves do no I/O.
 
 The ``prefix`` policy prices every candidate as
@@ -18,11 +18,9 @@ configured defaults. ``choose`` raises ``ValueError`` on an empty candidate list
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,9 +28,8 @@ from typing import Protocol
 import xxhash
 
 from router.config import RouterConfig
-from router.index import FallbackIndex, Match, PrefixIndex, make_index
-from router.metrics import RouterMetrics
-from router.protocol import BlockHash, ReplicaStats, hash_blocks
+from router.index import Match
+from router.protocol import BlockHash, ReplicaStats
 
 REASONS = ("prefix", "cold", "tie", "load", "fallback")
 
@@ -238,68 +235,3 @@ _POLICIES = {
 def make_policy(config: RouterConfig) -> RoutingPolicy:
     """The policy ``config.policy`` names (validated by ``RouterConfig``)."""
     return _POLICIES[config.policy](config)
-
-
-class Router:
-    """One router process's view: index lookups + a policy + speculative entries + metrics.
-
-    ``route`` is the whole decision: one index lookup (timed), ``policy.choose``, then, for
-    the ``prefix`` policy, a speculative entry of the request's blocks on the chosen replica
-    so siblings arriving before its KV events still find it. When the index is unavailable
-    the decision is made by load alone and its reason is ``fallback``.
-    """
-
-    def __init__(
-        self,
-        config: RouterConfig,
-        model_id: str,
-        index: PrefixIndex | None = None,
-        metrics: RouterMetrics | None = None,
-    ) -> None:
-        self.config = config
-        self.model_id = model_id
-        inner = index if index is not None else make_index(config, model_id)
-        if isinstance(inner, FallbackIndex):
-            self.metrics = metrics if metrics is not None else inner.metrics
-            inner.metrics = self.metrics
-            self.index = inner
-        else:
-            self.metrics = metrics if metrics is not None else RouterMetrics()
-            self.index = FallbackIndex(inner, config.redis_retry_interval_s, self.metrics)
-        self.policy = make_policy(config)
-
-    def hash_prompt(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list:
-        return hash_blocks(token_ids, self.config.block_size, self.model_id, cache_salt)
-
-    def route_tokens(
-        self,
-        token_ids: Sequence[int],
-        replicas: Sequence[ReplicaView],
-        cache_salt: str | None = None,
-    ) -> Decision:
-        """Hash the prompt (block hash v1) and route it."""
-        return self.route(self.hash_prompt(token_ids, cache_salt), len(token_ids), replicas)
-
-    def route(
-        self,
-        block_hashes: Sequence[BlockHash],
-        num_prompt_tokens: int,
-        replicas: Sequence[ReplicaView],
-    ) -> Decision:
-        start_s = time.perf_counter()
-        matches = self.index.match_or_none(block_hashes) if block_hashes else {}
-        self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
-        decision = self.policy.choose(block_hashes, num_prompt_tokens, replicas, matches or {})
-        if matches is None:
-            decision = dataclasses.replace(decision, reason="fallback")
-        elif self.policy.name == "prefix" and block_hashes:
-            held = matches.get(decision.replica_id)
-            num_held = 0 if held is None else held.device_blocks
-            if num_held < len(block_hashes):
-                self.index.record_speculative(
-                    decision.replica_id, block_hashes[num_held:], self.config.speculative_ttl_s
-                )
-        self.metrics.record_decision(
-            self.policy.name, decision.reason, len(block_hashes), decision.matched_blocks
-        )
-        return decision

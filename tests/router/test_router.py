@@ -11,9 +11,10 @@ from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
 from router.index import FallbackIndex
 from router.liveness import ApplyOutcome
-from router.policy import ReplicaView, Router
+from router.policy import ReplicaView
 from router.protocol import ReplicaStats
 from router.redis_index import RedisIndex
+from router.routing import Router
 from tests.router.conftest import FakeClock
 from tests.router.test_index_contract import CLEARED, batch, stored
 
@@ -29,18 +30,30 @@ def prompt(first_token: int, num_tokens: int = 256) -> list[int]:
     return [first_token] + [3] * (num_tokens - 1)
 
 
-def make_router(make_index, config: RouterConfig = CONFIG) -> Router:
-    # Each Redis index gets a fresh namespace, so tests never see each other's replicas.
-    return Router(config, MODEL_ID, index=make_index())
+@pytest.fixture
+def make_router(make_index):
+    """Routers over fresh indexes of the test's backend; their writer threads are closed."""
+    routers = []
+
+    def factory(config: RouterConfig = CONFIG, **kwargs) -> Router:
+        # Each Redis index gets a fresh namespace, so tests never see each other's replicas.
+        routers.append(Router(config, MODEL_ID, index=make_index(), **kwargs))
+        return routers[-1]
+
+    yield factory
+    for router in routers:
+        router.close()
 
 
-def test_sibling_requests_follow_a_speculative_entry_before_any_event(make_index):
-    router = make_router(make_index)
+@pytest.mark.parametrize("in_background", [True, False])
+def test_sibling_requests_follow_a_speculative_entry_before_any_event(make_router, in_background):
+    router = make_router(speculate_in_background=in_background)
     for rid in ("a", "b", "c"):
         router.index.heartbeat(rid, 0)
     shared = prompt(11, 512)
     first = router.route_tokens(shared + [5] * 32, views("a", "b", "c"))
     assert first.reason == "cold"
+    router.flush()
     # The sibling shares 32 blocks; no KV event has arrived yet.
     second = router.route_tokens(shared + [9] * 32, views("a", "b", "c"))
     assert (second.replica_id, second.reason, second.matched_blocks) == (
@@ -50,15 +63,16 @@ def test_sibling_requests_follow_a_speculative_entry_before_any_event(make_index
     )
 
 
-def test_baselines_record_no_speculative_entries(make_index):
-    router = make_router(make_index, RouterConfig(policy="round_robin"))
+def test_baselines_record_no_speculative_entries(make_router):
+    router = make_router(RouterConfig(policy="round_robin"))
     router.index.heartbeat("a", 0)
     router.route_tokens(prompt(12), views("a"))
+    router.flush()
     assert router.index.match(router.hash_prompt(prompt(12))) == {}
 
 
-def test_dead_replica_stops_attracting_its_prefix_at_once(make_index, clock):
-    router = make_router(make_index)
+def test_dead_replica_stops_attracting_its_prefix_at_once(make_router, clock):
+    router = make_router()
     blocks = router.hash_prompt(prompt(13))
     router.index.heartbeat("a", 0)
     router.index.heartbeat("b", 0)
@@ -71,8 +85,8 @@ def test_dead_replica_stops_attracting_its_prefix_at_once(make_index, clock):
     assert decision.matched_blocks == 0 and decision.reason in ("cold", "load")
 
 
-def test_restarted_replica_entries_are_dropped(make_index):
-    router = make_router(make_index)
+def test_restarted_replica_entries_are_dropped(make_router):
+    router = make_router()
     blocks = router.hash_prompt(prompt(14))
     router.index.heartbeat("a", 0)
     router.index.apply(batch("a", 0, stored(blocks)))
@@ -82,8 +96,8 @@ def test_restarted_replica_entries_are_dropped(make_index):
     assert decision.matched_blocks == 0
 
 
-def test_metrics_count_decisions_matched_ratio_and_lookups(make_index):
-    router = make_router(make_index)
+def test_metrics_count_decisions_matched_ratio_and_lookups(make_router):
+    router = make_router()
     blocks = router.hash_prompt(prompt(15))  # 16 blocks
     router.index.heartbeat("a", 0)
     router.index.apply(batch("a", 0, stored(blocks[:8])))
@@ -100,7 +114,7 @@ def test_redis_down_routes_by_load_logs_once_and_recovers(redis_server, caplog):
     wall, monotonic = FakeClock(), FakeClock()
     redis_index = RedisIndex(redis_server.url, "outage-model", socket_timeout_s=0.2, clock=wall)
     index = FallbackIndex(redis_index, retry_interval_s=1.0, clock=monotonic)
-    router = Router(CONFIG, MODEL_ID, index=index)
+    router = Router(CONFIG, MODEL_ID, index=index, speculate_in_background=False)
     blocks = router.hash_prompt(prompt(16))
     candidates = views("a", "b")
     for rid in ("a", "b"):
