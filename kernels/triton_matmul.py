@@ -7,17 +7,16 @@ The Triton twin of ``matmul_ref`` in ``kernels/reference.py``, for deterministic
 Why a row's result does not depend on M
     Output tile ``(m, n)`` is reduced over K by one program, in ``BLOCK_K`` steps from k = 0
     upwards, each step one ``tl.dot`` of a ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` tile.
-    The tile shape, warp count and pipelining depend on the dtype only (``_config``), never
+    The tile shape, warp count and pipelining depend on the dtype only (``_CONFIGS``), never
     on M, N or K, and there is no split-K, so every output element sees the same sequence of
     operations whether its row is multiplied alone or with 4095 others. ``M`` is exempt from
     Triton's value specialisation (``M == 1``, ``M % 16``), so one compiled kernel serves
-    every M. Rows past M are
-    zero-filled by masked loads and never stored.
+    every M. Rows past M are zero-filled by masked loads and never stored.
 
 Persistent grid
-    ``min(num_tiles, num_SMs)`` programs each walk tiles ``pid, pid + num_programs, ...`` in a
-    grouped order (``GROUP_M`` row tiles share a column tile while it is hot in L2). Which
-    program computes a tile changes nothing in the tile's arithmetic.
+    ``min(num_tiles, PROGRAMS_PER_SM * num_SMs)`` programs each walk tiles ``pid, pid +
+    num_programs, ...`` in a grouped order (``GROUP_M`` row tiles share a column tile while it
+    is hot in L2). Which program computes a tile changes nothing in the tile's arithmetic.
 
 How it fails: ``ValueError`` naming the argument for a wrong shape, dtype or device.
 """
@@ -32,14 +31,19 @@ from kernels.triton_ops import check_tensor, num_sms, output_or_new, patch_inter
 
 patch_interpreter()
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per dtype: the common Hopper/Ampere
-# choice for large half-precision GEMMs (Triton's matmul tutorial); float32 uses smaller
-# tiles since it needs twice the shared memory per element and runs IEEE (no TF32).
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per dtype. Half precision: 64-row
+# tiles (one Hopper warpgroup MMA, m64n128k16) rather than 128, so a 4096-wide projection at
+# M = 256 already has 128 tiles to spread over an H100's 132 SMs; 4 stages x 24 KiB of shared
+# memory lets two programs share an SM. float32 runs IEEE (no TF32) on smaller tiles.
+# Changing a config changes the rounding of every row (never its dependence on M).
 _CONFIGS = {
-    torch.float16: (128, 128, 64, 8, 3),
-    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (64, 128, 64, 4, 4),
+    torch.bfloat16: (64, 128, 64, 4, 4),
     torch.float32: (64, 64, 32, 4, 3),
 }
+PROGRAMS_PER_SM = 2
+"""Persistent programs per SM: two fit (registers and shared memory), so one's epilogue
+overlaps the other's main loop. Which program runs a tile never changes its arithmetic."""
 GROUP_M = 8
 """Row tiles walked per column tile, for L2 reuse of weight tiles."""
 
@@ -123,7 +127,7 @@ def bi_matmul(
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     block_m, block_n, block_k, num_warps, num_stages = _CONFIGS[x.dtype]
     num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
-    num_programs = min(num_tiles, num_sms(x.device))
+    num_programs = min(num_tiles, PROGRAMS_PER_SM * num_sms(x.device))
     _bi_matmul_kernel[(num_programs,)](
         out,
         x,

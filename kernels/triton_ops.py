@@ -46,7 +46,12 @@ def interpreting() -> bool:
 
 
 def patch_interpreter() -> None:
-    """Fix the two interpreter defects above; idempotent, a no-op unless interpreting."""
+    """Fix the interpreter defects above; idempotent, a no-op unless interpreting.
+
+    Each fix applies only where the internals it replaces exist in the installed triton
+    (bfloat16 ones only where bfloat16 is held as uint16 bit patterns), so a triton that
+    changed them is left alone rather than broken.
+    """
     if not interpreting():
         return
     import triton.language as tl
@@ -54,24 +59,31 @@ def patch_interpreter() -> None:
 
     if getattr(interpreter, "_prefixserve_patched", False):
         return
-    original_patch_tensor = interpreter._patch_lang_tensor
+    interpreter._prefixserve_patched = True
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original_patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if original_patch_tensor is not None:
 
-    def patch_tensor(tensor, *args):
-        original_patch_tensor(tensor, *args)
-        tensor.__index__ = lambda self: int(self.handle.data.item())
+        def patch_tensor(tensor, *args):
+            original_patch_tensor(tensor, *args)
+            tensor.__index__ = lambda self: int(self.handle.data.item())
 
-    original_dot = interpreter.InterpreterBuilder.create_dot
+        interpreter._patch_lang_tensor = patch_tensor
+
+    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if builder is None or get_np_dtype is None or str(get_np_dtype(tl.bfloat16)) != "uint16":
+        return
+    original_dot = builder.create_dot
+    original_cast = builder.cast_impl
 
     def widen(handle):
-        if handle.dtype != tl.bfloat16:  # bfloat16 is held as its uint16 bit pattern
+        if handle.dtype != tl.bfloat16:
             return handle
         data = (handle.data.astype("uint32") << 16).view("float32")
         return interpreter.TensorHandle(data, tl.float32)
 
     def create_dot(self, a, b, d, *args):
         return original_dot(self, widen(a), widen(b), d, *args)
-
-    original_cast = interpreter.InterpreterBuilder.cast_impl
 
     def cast_impl(self, src, dst_type):
         if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
@@ -82,10 +94,8 @@ def patch_interpreter() -> None:
         data[src.data != src.data] = 0x7FC0  # NaN stays a (quiet) NaN
         return interpreter.TensorHandle(data, tl.bfloat16)
 
-    interpreter._patch_lang_tensor = patch_tensor
-    interpreter.InterpreterBuilder.create_dot = create_dot
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
-    interpreter._prefixserve_patched = True
+    builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
 
 
 def triton_available() -> bool:
