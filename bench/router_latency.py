@@ -111,17 +111,37 @@ def _views(rng: random.Random, num_replicas: int) -> list[ReplicaView]:
     ]
 
 
-def _measure(router: Router, rng, args, prefixes, prompt_tokens: int) -> dict:
+def _redis_cpu_s(redis_url: str | None) -> float:
+    """CPU seconds the Redis server has used (user + sys); 0 without Redis."""
+    if redis_url is None:
+        return 0.0
+    client = redis.Redis.from_url(redis_url)
+    try:
+        info = client.info("cpu")
+    finally:
+        client.close()
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _measure(router: Router, rng, args, prefixes, prompt_tokens: int, redis_url) -> dict:
     shared = prefixes[prompt_tokens]
     num_suffix = prompt_tokens - len(shared[0])
     hash_ms, route_ms, num_matched = [], [], 0
     fallbacks_before = router.metrics.snapshot()["num_fallback_decisions"]
-    total_start = time.perf_counter()
-    for i in range(args.warmup + args.num_decisions):
-        tokens = rng.choice(shared) + [rng.randrange(VOCAB_SIZE) for _ in range(num_suffix)]
-        views = _views(rng, args.num_replicas)
+    # Requests are drawn up front so that the timed loop and its CPU time hold router work only.
+    requests = [
+        (
+            rng.choice(shared) + [rng.randrange(VOCAB_SIZE) for _ in range(num_suffix)],
+            _views(rng, args.num_replicas),
+        )
+        for _ in range(args.warmup + args.num_decisions)
+    ]
+    for i, (tokens, views) in enumerate(requests):
         if i == args.warmup:
+            router.flush()
             total_start = time.perf_counter()
+            cpu_start_s = time.process_time()
+            redis_cpu_start_s = _redis_cpu_s(redis_url)
         t0 = time.perf_counter()
         blocks = hash_blocks(tokens, router.config.block_size, MODEL_ID)
         t1 = time.perf_counter()
@@ -131,6 +151,9 @@ def _measure(router: Router, rng, args, prefixes, prompt_tokens: int) -> dict:
             hash_ms.append((t1 - t0) * 1e3)
             route_ms.append((t2 - t1) * 1e3)
             num_matched += decision.matched_blocks
+    router.flush()
+    router_cpu_s = time.process_time() - cpu_start_s
+    redis_cpu_s = _redis_cpu_s(redis_url) - redis_cpu_start_s
     decision_s = float(np.sum(hash_ms) + np.sum(route_ms)) / 1e3
     total = np.array(hash_ms) + np.array(route_ms)
     return {
@@ -143,9 +166,14 @@ def _measure(router: Router, rng, args, prefixes, prompt_tokens: int) -> dict:
         "hash_p99_ms": float(np.percentile(hash_ms, 99)),
         "route_p50_ms": float(np.percentile(route_ms, 50)),
         "route_p99_ms": float(np.percentile(route_ms, 99)),
+        # One thread deciding back to back: 1 / mean decision latency.
         "decisions_per_s": args.num_decisions / decision_s,
         "matched_block_ratio": num_matched / (args.num_decisions * (prompt_tokens // 16)),
         "loop_wall_s": time.perf_counter() - total_start,
+        # CPU time per decision does not depend on what else the machine runs: on an idle
+        # machine a decision takes about router CPU + Redis CPU + one loopback round trip.
+        "router_cpu_ms_per_decision": router_cpu_s * 1e3 / args.num_decisions,
+        "redis_cpu_ms_per_decision": redis_cpu_s * 1e3 / args.num_decisions,
         # Decisions made without the index (it timed out): they are faster and not what
         # this bench measures, so a row with any is not a valid measurement.
         "num_fallback_decisions": router.metrics.snapshot()["num_fallback_decisions"]
@@ -168,15 +196,18 @@ def run_backend(backend: str, redis_url: str | None, args) -> list[dict]:
     _populate(router, rng, args, prefixes)
     rows = []
     for size in PROMPT_SIZES:
-        row = {"backend": backend, **_measure(router, rng, args, prefixes, size)}
+        row = {"backend": backend, **_measure(router, rng, args, prefixes, size, redis_url)}
         print(
             f"{backend:9s} {size:5d} tokens: p50 {row['p50_ms']:.3f} ms  p99 {row['p99_ms']:.3f}"
             f" ms  (hash p50 {row['hash_p50_ms']:.3f}, route p50 {row['route_p50_ms']:.3f})"
             f"  {row['decisions_per_s']:.0f} decisions/s, {row['num_fallback_decisions']} fallbacks"
+            f"; CPU/decision: router {row['router_cpu_ms_per_decision']:.3f} ms,"
+            f" redis {row['redis_cpu_ms_per_decision']:.3f} ms"
         )
         rows.append(row)
     for rid in router.index.replicas():
         router.index.remove_replica(rid)
+    router.close()
     return rows
 
 
