@@ -192,14 +192,31 @@ def run(args) -> dict:
     return result
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench serve`` on the ``prefixserve`` command (``cluster.cli``'s hook shape)."""
+    bench = subparsers.add_parser("bench", help="Benchmarks: 'bench serve' load-tests an endpoint.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_sub.add_parser(
+        "serve",
+        parents=[build_parser()],
+        add_help=False,
+        help="Load-test an OpenAI-compatible endpoint.",
+    )
+    serve.set_defaults(handler=_handle)
+    return bench
+
+
+def _handle(ns: argparse.Namespace) -> int:
     try:
-        result = run(args)
+        result = run(ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0 if result["completed"] > 0 else 1
+
+
+def main(argv=None) -> int:
+    return _handle(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

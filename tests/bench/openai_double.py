@@ -26,18 +26,21 @@ def _free_port() -> int:
 
 
 class OpenAIDouble:
-    def __init__(self, token_delay_s: float = 0.002) -> None:
+    def __init__(self, token_delay_s: float = 0.002, port: int | None = None) -> None:
         self.seen: list[dict] = []
         self.max_concurrent = 0
         self._inflight = 0
         self._cached_prefixes: set[tuple] = set()
         self.token_delay_s = token_delay_s
         self.app = self._build()
-        self.port = _free_port()
+        self.port = port or _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def serve_forever(self) -> None:
+        self.server.run()
 
     def __enter__(self) -> OpenAIDouble:
         self.thread.start()
@@ -64,6 +67,10 @@ class OpenAIDouble:
 
     def _build(self) -> FastAPI:
         app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
 
         @app.get("/v1/models")
         async def models():
@@ -122,3 +129,11 @@ class OpenAIDouble:
             return await handle(request, chat=True)
 
         return app
+
+
+if __name__ == "__main__":  # a stand-in cluster for bench/serve_compare.py's test
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    OpenAIDouble(port=parser.parse_args().port).serve_forever()

@@ -202,3 +202,67 @@ def test_failed_requests_are_counted_not_raised(server, tmp_path):
     assert code == 1
     assert result["completed"] == 0 and result["failed"] == 3
     assert all("HTTP 404" in e for e in result["errors"])
+
+
+def test_prefixserve_bench_serve_subcommand_hook(server, tmp_path):
+    import argparse
+
+    from bench.loadgen.cli import add_parser
+
+    parser = argparse.ArgumentParser(prog="prefixserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            "2",
+            "--random-output-len",
+            "2",
+            "--disable-tqdm",
+        ]
+    )
+    assert ns.handler(ns) == 0
+
+
+def test_serve_compare_runs_every_policy_against_a_launched_server(tmp_path):
+    import sys
+
+    from bench.serve_compare import main as compare
+
+    launch = f"{sys.executable} -m tests.bench.openai_double --port {{port}}"
+    code = compare(
+        [
+            "--policies",
+            "prefix",
+            "round_robin",
+            "--launch",
+            launch,
+            "--out-dir",
+            str(tmp_path),
+            "--tag",
+            "t",
+            "--startup-timeout-s",
+            "60",
+            "--",
+            "--dataset-name",
+            "prefix-repetition",
+            "--num-prompts",
+            "4",
+            "--prefix-repetition-num-prefixes",
+            "1",
+            "--prefix-repetition-prefix-len",
+            "32",
+            "--prefix-repetition-output-len",
+            "2",
+        ]
+    )
+    assert code == 0
+    rows = json.loads((tmp_path / "serve_t.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["prefix", "round_robin"]
+    assert all(r["completed"] == 4 and r["cached_token_ratio"] > 0 for r in rows)
+    assert (tmp_path / "serve_t.png").stat().st_size > 0

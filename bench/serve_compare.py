@@ -1,0 +1,211 @@
+"""Real-cluster comparison of routing policies in one run: prefix vs round robin vs least loaded.
+
+    python bench/serve_compare.py                     # 3 CPU replicas, bundled SmolLM2
+    python bench/serve_compare.py --replicas 2 --policies prefix round_robin \\
+        --launch "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port}"
+
+For each policy it starts the cluster with ``--launch`` (``{replicas}``, ``{policy}``,
+``{port}`` filled in; the port is a free one derived per run), waits for ``GET /health`` to
+answer 200, runs the load generator (``bench.loadgen``) with the *same* workload, seed and
+rate, then stops the cluster it started (SIGINT, then SIGTERM after a grace period). It
+writes ``bench/results/serve_<date>.json`` (header: machine, date, command; one row per
+policy with the ``vllm bench serve`` summary keys, cached-token ratio and per-replica
+counts) and ``serve_<date>.png``, and prints a markdown table.
+
+Failure modes: a cluster that is not healthy within ``--startup-timeout-s`` is stopped and
+its policy recorded with an ``error``; the other policies still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from bench.loadgen import cli as loadgen_cli
+from bench.sim.report import machine_name
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_LAUNCH = "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port}"
+SUMMARY_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "mean_itl_ms",
+    "mean_e2el_ms",
+    "cached_token_ratio",
+    "replica_request_counts",
+)
+STOP_GRACE_S = 30.0  # Serve and Ray need a few seconds to drain and shut down cleanly
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(base_url + "/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2.0)
+    raise RuntimeError(f"server not healthy within {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.wait(timeout=STOP_GRACE_S)
+
+
+def run_policy(args, policy: str, loadgen_argv: list[str]) -> dict:
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = args.launch.format(replicas=args.replicas, policy=policy, port=port)
+    log_path = args.out_dir / f"serve_{args.tag}_{policy}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(base_url, proc, args.startup_timeout_s)
+            ns = loadgen_cli.build_parser().parse_args(
+                ["--base-url", base_url, "--label", policy, "--disable-tqdm", *loadgen_argv]
+            )
+            result = loadgen_cli.run(ns)
+        except RuntimeError as exc:
+            return {"policy": policy, "command": command, "error": str(exc)}
+        finally:
+            _stop(proc)
+    row = {"policy": policy, "command": command}
+    row.update({k: result.get(k) for k in SUMMARY_KEYS})
+    return row
+
+
+def plot(rows: list[dict], path: Path, subtitle: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    names = [r["policy"] for r in ok]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for key, label in (("median_ttft_ms", "p50"), ("p90_ttft_ms", "p90"), ("p99_ttft_ms", "p99")):
+        axes[0].plot(names, [r[key] for r in ok], marker="o", label=label)
+    axes[0].set_title("TTFT (ms, lower is better)")
+    axes[0].legend()
+    axes[1].bar(names, [r["cached_token_ratio"] or 0 for r in ok])
+    axes[1].set_ylim(0, 1)
+    axes[1].set_title("cached-token ratio")
+    replicas = sorted({k for r in ok for k in r["replica_request_counts"]})
+    width = 0.8 / max(len(replicas), 1)
+    for j, rid in enumerate(replicas):
+        xs = [i + (j - (len(replicas) - 1) / 2) * width for i in range(len(ok))]
+        axes[2].bar(xs, [r["replica_request_counts"].get(rid, 0) for r in ok], width, label=rid)
+    axes[2].set_xticks(range(len(ok)))
+    axes[2].set_xticklabels(names)
+    axes[2].set_title("requests per replica")
+    axes[2].legend(fontsize=8)
+    fig.suptitle(subtitle, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--policies", nargs="+", default=["prefix", "round_robin", "least_loaded"])
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--launch", default=DEFAULT_LAUNCH)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--tag", default=time.strftime("%Y%m%d", time.gmtime()))
+    p.add_argument(
+        "loadgen_args",
+        nargs="*",
+        default=[
+            "--dataset-name",
+            "generated-shared-prefix",
+            "--gsp-num-groups",
+            "6",
+            "--gsp-prompts-per-group",
+            "8",
+            "--gsp-system-prompt-len",
+            "384",
+            "--gsp-question-len",
+            "32",
+            "--gsp-output-len",
+            "16",
+            "--request-rate",
+            "2",
+            "--seed",
+            "0",
+            "--metric-percentiles",
+            "50,90,99",
+        ],
+        help="flags passed to the load generator after '--' (same for every policy)",
+    )
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    loadgen_argv = list(args.loadgen_args)
+    if "--metric-percentiles" not in loadgen_argv:
+        loadgen_argv += ["--metric-percentiles", "50,90,99"]
+    rows = [run_policy(args, policy, loadgen_argv) for policy in args.policies]
+    header = {
+        "machine": machine_name(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python "
+        + shlex.join(["bench/serve_compare.py", *(sys.argv[1:] if argv is None else argv)]),
+        "replicas": args.replicas,
+        "loadgen_args": loadgen_argv,
+    }
+    path = args.out_dir / f"serve_{args.tag}.json"
+    path.write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+    print("| policy | ok | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | cached | per replica |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['policy']} | error: {r['error']} | | | | | |")
+            continue
+        print(
+            f"| {r['policy']} | {r['completed']}/{r['completed'] + r['failed']} | "
+            f"{r['median_ttft_ms']:.0f} | {r['p90_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
+            f"{(r['cached_token_ratio'] or 0):.3f} | {r['replica_request_counts']} |"
+        )
+    if any("error" not in r for r in rows):
+        plot(rows, args.out_dir / f"serve_{args.tag}.png", f"{header['machine']} {header['date']}")
+    print(f"wrote {path}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
