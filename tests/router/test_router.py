@@ -9,7 +9,7 @@ import pytest
 
 from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
-from router.index import FallbackIndex
+from router.index import FallbackIndex, Match
 from router.liveness import ApplyOutcome
 from router.policy import ReplicaView
 from router.protocol import ReplicaStats
@@ -155,3 +155,12 @@ def test_router_builds_its_index_from_the_config():
     router = Router(RouterConfig(), MODEL_ID)
     assert isinstance(router.index.inner, EmbeddedIndex)
     assert router.policy.name == "prefix"
+
+
+def test_a_closed_router_still_records_speculative_entries(make_router):
+    router = make_router()
+    router.index.heartbeat("a", 0)
+    router.close()
+    decision = router.route_tokens(prompt(17), views("a"))
+    assert router.index.match(router.hash_prompt(prompt(17))) == {"a": Match(16, 0)}
+    assert decision.reason == "load"  # one candidate and nothing cached: a unique best
