@@ -114,3 +114,15 @@ def test_invalid_sizes_name_the_field():
         SimConfig(0, 10)
     with pytest.raises(ValueError, match="offered_load"):
         WorkloadScale(4, 10, offered_load=0)
+
+
+def test_recorded_rates_round_trip_and_a_malformed_file_is_an_error(tmp_path):
+    from bench.sim.calibration import DEFAULT_RATES, load_rates, record_rates
+
+    path = tmp_path / "calibration.json"
+    assert load_rates(path) == DEFAULT_RATES  # no file yet: the labelled defaults
+    record_rates(RATES, path, note="test")
+    assert load_rates(path) == RATES
+    path.write_text('{"rates": {"prefill_tokens_per_s": 1}}')
+    with pytest.raises(ValueError, match="malformed"):
+        load_rates(path)
