@@ -1,0 +1,31 @@
+"""Router metrics: counters by policy and reason, matched-block ratio, latency buckets."""
+
+from __future__ import annotations
+
+import json
+
+from router.metrics import RouterMetrics
+
+
+def test_snapshot_counts_decisions_ratio_and_latency_buckets():
+    metrics = RouterMetrics()
+    assert metrics.matched_block_ratio is None
+    metrics.record_decision("prefix", "prefix", num_prompt_blocks=10, num_matched_blocks=8)
+    metrics.record_decision("prefix", "fallback", num_prompt_blocks=10, num_matched_blocks=0)
+    metrics.record_decision("prefix", "prefix", num_prompt_blocks=20, num_matched_blocks=12)
+    for latency_ms in (0.03, 0.3, 0.3, 0.7, 500.0):
+        metrics.record_lookup(latency_ms)
+    metrics.record_index_error()
+    snapshot = json.loads(json.dumps(metrics.snapshot()))
+    assert snapshot["decisions"] == [
+        {"policy": "prefix", "reason": "fallback", "count": 1},
+        {"policy": "prefix", "reason": "prefix", "count": 2},
+    ]
+    assert snapshot["matched_block_ratio"] == 0.5
+    assert snapshot["num_fallback_decisions"] == 1
+    assert snapshot["num_index_errors"] == 1
+    latency = snapshot["lookup_latency_ms"]
+    assert latency["count"] == 5 and sum(latency["counts"]) == 5
+    assert latency["counts"][-1] == 1  # 500 ms lies above every bucket
+    assert metrics.lookup_latency_ms.quantile(0.5) == 0.5
+    assert metrics.lookup_latency_ms.quantile(1.0) is None
