@@ -12,8 +12,8 @@ and picks the minimum. Candidates within ``tie_tolerance_s`` of the minimum tie;
 prefer the longest match, then rendezvous (highest random weight) hashing of the request's
 first block, so independent routers agree without talking and a cold prefix lands on a
 stable replica. A hot prefix spills to another replica exactly when the holder's queue
-costs more than the prefill the other replica would redo. Unmeasured rates fall back to the
-configured defaults. ``choose`` raises ``ValueError`` on an empty candidate list.
+costs more than the prefill the other replica would redo (by more than ``tie_tolerance_s``;
+0 makes the rule exact). Unmeasured rates fall back to the configured defaults. ``choose`` raises ``ValueError`` on an empty candidate list.
 """
 
 from __future__ import annotations
