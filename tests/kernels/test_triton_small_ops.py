@@ -132,3 +132,39 @@ def test_facade_forwards_to_the_kernels(rng, device):
     torch.testing.assert_close(triton_ops.matmul(x, weight), reference.matmul_ref(x, weight))
     normed, _ = triton_ops.rms_norm(x, weight[0], 1e-6)
     torch.testing.assert_close(normed, reference.rms_norm_ref(x, weight[0], 1e-6)[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_realistic_sizes_on_gpu(rng, device, dtype):
+    """Llama-3-8B sizes: 2048 tokens, hidden 4096, 32/8 heads of 128, a 64k-slot cache."""
+    num_tokens, hidden_size = 2048, 4096
+    x = torch.randn(num_tokens, hidden_size, generator=rng).to(device, dtype)
+    residual = torch.randn(num_tokens, hidden_size, generator=rng).to(device, dtype)
+    weight = torch.randn(hidden_size, generator=rng).to(device, dtype)
+    normed, new_residual = rms_norm(x, weight, 1e-5, residual)
+    expected, expected_residual = reference.rms_norm_ref(x, weight, 1e-5, residual)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(normed, expected, atol=atol, rtol=rtol)
+    assert torch.equal(new_residual, expected_residual)
+    assert torch.equal(rms_norm(x[7:8], weight, 1e-5, residual[7:8])[0][0], normed[7])
+
+    cos_sin = build_cos_sin_cache(
+        128, 8192, 500000.0, {**LLAMA3_SCALING, "original_max_position_embeddings": 8192}
+    )
+    positions = torch.randint(0, 8192, (num_tokens,), generator=rng).to(device)
+    query = torch.randn(num_tokens, 32, 128, generator=rng).to(device, dtype)
+    key = torch.randn(num_tokens, 8, 128, generator=rng).to(device, dtype)
+    got = rotary(query, key, positions, cos_sin.to(device))
+    for g, e in zip(
+        got, reference.rotary_ref(query, key, positions, cos_sin.to(device)), strict=True
+    ):
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol)
+
+    k_cache = torch.full((4096, 16, 8, 128), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(4096 * 16, generator=rng)[:num_tokens].to(device)
+    store_kv(key, key, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 8, 128)[slots], key)
+    assert torch.equal(v_cache.view(-1, 8, 128)[slots], key)
+    assert int(k_cache.view(-1, 8 * 128).isnan().all(dim=1).sum()) == 4096 * 16 - num_tokens
