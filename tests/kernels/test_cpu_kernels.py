@@ -1,0 +1,121 @@
+"""The torch CPU kernels against their reference twins, and their batch invariance.
+
+Every case draws fresh random inputs. Batch invariance is checked bitwise: a row computed
+alone equals the same row computed among others, and a query's attention output is the same
+whether it is computed in one prefill, split across prefill chunks, or as a decode.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.attention import AttentionMetadata, paged_attention
+from kernels.cache import store_kv
+from kernels.linear import batch_invariant_linear
+from kernels.norm import rms_norm
+from kernels.reference import matmul_ref, paged_attention_ref, rms_norm_ref, rotary_ref, store_kv_ref
+from kernels.rotary import apply_rotary, build_cos_sin_cache
+
+
+def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int):
+    """seqs: (context length incl. new tokens, new query tokens). Random distinct block ids."""
+    ids = list(range(num_blocks))
+    random.shuffle(ids)
+    tables, qsl, slots = [], [0], []
+    for ctx, q in seqs:
+        nb = -(-ctx // block_size)
+        table = [ids.pop() for _ in range(nb)]
+        tables.append(table)
+        qsl.append(qsl[-1] + q)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx)]
+    width = max(len(t) for t in tables)
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    lens = [c for c, _ in seqs]
+    return AttentionMetadata(
+        torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32), torch.tensor(slots, dtype=torch.long), qsl, lens,
+    )
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_matches_reference(group, deterministic, block_size):
+    num_kv, head_dim = 2, 64
+    seqs = [(1, 1), (17, 17), (300, 1), (33, 16), (16, 16), (129, 40)]
+    meta = make_meta(seqs, block_size, 64)
+    shape = (64, block_size, num_kv, head_dim)
+    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+    q = torch.randn(meta.query_start_loc_list[-1], num_kv * group, head_dim)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5, deterministic)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, head_dim**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_is_batch_and_chunk_invariant():
+    num_kv, group, head_dim, bs = 3, 3, 64, 16
+    shape = (96, bs, num_kv, head_dim)
+    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+    ctx = random.randint(150, 400)
+    meta_full = make_meta([(ctx, ctx)], bs, 96)
+    q = torch.randn(ctx, num_kv * group, head_dim)
+    full = paged_attention(q, k_cache, v_cache, meta_full, 0.125, True)
+    table = meta_full.block_tables
+    def one(ctx_len, q_rows):
+        meta = AttentionMetadata(torch.tensor([0, len(q_rows)], dtype=torch.int32), torch.tensor([ctx_len], dtype=torch.int32),
+                                 table, torch.zeros(0, dtype=torch.long), [0, len(q_rows)], [ctx_len])
+        return paged_attention(q[q_rows], k_cache, v_cache, meta, 0.125, True)
+    # Decode of the last token, a chunk in the middle, and the same among other sequences.
+    assert torch.equal(one(ctx, [ctx - 1])[0], full[ctx - 1])
+    mid = list(range(ctx // 2, ctx // 2 + 37))
+    assert torch.equal(one(ctx // 2 + 37, mid), full[mid])
+    others = make_meta([(ctx, ctx), (90, 5), (7, 7)], bs, 96)
+    others.block_tables[0, : table.shape[1]] = table[0]
+    q_batch = torch.cat([q, torch.randn(12, num_kv * group, head_dim)])
+    batched = paged_attention(q_batch, k_cache, v_cache, others, 0.125, True)
+    assert torch.equal(batched[:ctx], full)
+
+
+def test_store_kv_matches_reference():
+    shape = (8, 16, 2, 64)
+    slots = torch.tensor(random.sample(range(8 * 16), 20))
+    k, v = torch.randn(20, 2, 64), torch.randn(20, 2, 64)
+    a = (torch.zeros(shape), torch.zeros(shape))
+    b = (torch.zeros(shape), torch.zeros(shape))
+    store_kv(k, v, *a, slots)
+    store_kv_ref(k, v, *b, slots)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_linear_is_batch_invariant_and_correct():
+    k, n = random.choice([(576, 1536), (1536, 576), (64, 49152)])
+    w, x = torch.randn(n, k) * 0.05, torch.randn(300, k)
+    full = batch_invariant_linear(x, w)
+    torch.testing.assert_close(full, matmul_ref(x, w), rtol=1e-4, atol=1e-4)
+    for m in (1, 2, 7, 33, 64, 129):
+        start = random.randrange(0, 300 - m)
+        assert torch.equal(batch_invariant_linear(x[start : start + m], w), full[start : start + m]), m
+
+
+def test_rms_norm_rows_are_invariant_and_correct():
+    x, res, w = torch.randn(257, 576), torch.randn(257, 576), torch.randn(576)
+    out, new_res = rms_norm(x, w, 1e-5, res)
+    ref, ref_res = rms_norm_ref(x, w, 1e-5, res)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_res, ref_res)
+    for m in (1, 3, 64):
+        assert torch.equal(rms_norm(x[:m], w, 1e-5, res[:m])[0], out[:m])
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}])
+def test_rotary_matches_reference(scaling):
+    cache = build_cos_sin_cache(64, 2048, 500000.0, scaling)
+    pos = torch.randint(0, 2048, (33,))
+    q, k = torch.randn(33, 6, 64), torch.randn(33, 2, 64)
+    got, ref = apply_rotary(q, k, pos, cache), rotary_ref(q, k, pos, cache)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
