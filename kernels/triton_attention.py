@@ -27,8 +27,10 @@ fixed-size KV chunks in one order for prefill and decode alike". It holds becaus
     ``tests/kernels/test_triton_attention.py`` checks both.
 
 How it fails: ``ValueError`` naming the argument for a wrong shape, dtype or device, or a
-block size that does not divide ``KV_CHUNK``. Indices are not bounds-checked on the device:
-a block table pointing past the cache reads garbage, as in every paged-attention kernel.
+block size that does not divide ``KV_CHUNK``. Indices are not bounds-checked on the device
+(that would cost a host sync per step): a block table pointing past the cache, or a
+``query_start_loc[-1]`` past ``num_tokens``, reads out of bounds, as in every paged-attention
+kernel. The engine's block pool and scheduler build both.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# Batch-dependent integers are not value-specialised (== 1, % 16), so one compiled kernel
+# serves every batch of a model.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -176,15 +180,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache; returns ``[N, Hq, D]``.
 
-    ``out``, when given, receives the result (and is returned); every element is written.
+    ``out``, when given, receives the result (and is returned). Every row up to
+    ``query_start_loc[-1]`` is written; rows past it (padding) are left as they were.
     """
     check_tensor("query", query, ndim=3)
     num_tokens, num_heads, head_dim = query.shape
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(query.dtype,))
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     check_tensor(
         "k_cache", k_cache, ndim=4, dtypes=(query.dtype,), shape=(None, None, None, head_dim)
     )
+    _, block_size, num_kv_heads, _ = k_cache.shape
     check_tensor("v_cache", v_cache, ndim=4, dtypes=(query.dtype,), shape=tuple(k_cache.shape))
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
     num_seqs = seq_lens.shape[0]
