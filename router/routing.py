@@ -16,6 +16,7 @@ candidate list raises ``ValueError``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,8 @@ from router.index import FallbackIndex, PrefixIndex, make_index
 from router.metrics import RouterMetrics
 from router.policy import Decision, ReplicaView, make_policy
 from router.protocol import BlockHash, hash_blocks
+
+logger = logging.getLogger(__name__)
 
 # Pending speculative writes beyond this are dropped: a backlog this deep means the index is
 # far slower than the request rate, and entries that old would land after their siblings.
@@ -70,6 +73,8 @@ class _SpeculativeWriter:
                 continue
             try:
                 self._index.record_speculative(replica_id, block_hashes, self._ttl_s)
+            except Exception:  # a bug must not kill the thread and leave flush() hanging
+                logger.exception("speculative entry for %s failed", replica_id)
             finally:
                 self._queue.task_done()
 

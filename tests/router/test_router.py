@@ -164,3 +164,18 @@ def test_a_closed_router_still_records_speculative_entries(make_router):
     decision = router.route_tokens(prompt(17), views("a"))
     assert router.index.match(router.hash_prompt(prompt(17))) == {"a": Match(16, 0)}
     assert decision.reason == "load"  # one candidate and nothing cached: a unique best
+
+
+@pytest.mark.redis
+def test_a_failing_speculative_write_is_logged_and_flush_returns(redis_url, caplog):
+    # A bucket narrower than half the TTL makes every speculative write a ValueError.
+    index = RedisIndex(redis_url, "bad-bucket-model", speculative_bucket_s=1.0)
+    router = Router(RouterConfig(speculative_ttl_s=5.0), MODEL_ID, index=index)
+    index.heartbeat("a", 0)
+    caplog.set_level(logging.ERROR, logger="router.routing")
+    router.route_tokens(prompt(18), views("a"))
+    router.route_tokens(prompt(19), views("a"))
+    router.flush()  # returns: the writer thread survived the first failure
+    assert len([r for r in caplog.records if "speculative entry" in r.getMessage()]) == 2
+    router.close()
+    index.close()
