@@ -11,8 +11,8 @@ after the stream started end it with an ``error`` event and ``[DONE]``. A client
 away cancels the handle calls, which aborts the engine requests and frees their blocks.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI must see the real `Request` type on
+# the methods of the Serve ingress class, or it treats `request` as a query parameter.
 import asyncio
 import enum
 import hmac
@@ -44,7 +44,8 @@ from router.protocol import hash_blocks
 from worker import EngineConfig, SamplingParams
 from worker.loader import load_tokenizer
 
-log = logging.getLogger(__name__)
+# Serve routes the "ray.serve" logger into each replica's log file.
+log = logging.getLogger("ray.serve")
 
 REPLICA_HEADER = "x-prefixserve-replica"
 # /health and /metrics must answer even when the hub or every replica is wedged.
@@ -73,6 +74,18 @@ class _Event(enum.Enum):
     ITEM = "item"
     END = "end"
     FAILED = "failed"
+
+
+def _cancel_quietly(response) -> None:
+    """Cancels a handle call; one that already failed or finished has nothing to cancel.
+
+    ``cancel()`` re-raises the call's own error (e.g. ``BackPressureError``) when the call
+    already failed, which must not replace the error the client gets.
+    """
+    try:
+        response.cancel()
+    except Exception as exc:
+        log.debug("cancel of a finished handle call: %r", exc)
 
 
 def _rejection_error(rejected: dict) -> APIError:
@@ -153,16 +166,18 @@ class Ingress:
     async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt):
         """Starts one engine request; returns (first output, response) or raises APIError."""
         hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
-        response = self._stream_handle.generate.remote(
-            request_id, prompt_ids, params, cache_salt=salt, block_hashes=hashes
-        )
+        response = None
         try:
+            # Serve may refuse in remote() itself (its queue is full) or on the first item.
+            response = self._stream_handle.generate.remote(
+                request_id, prompt_ids, params, cache_salt=salt, block_hashes=hashes
+            )
             first = await response.__anext__()
-        except BackPressureError:
-            response.cancel()
-            raise errors.overloaded("too many queued requests") from None
         except BaseException as exc:
-            response.cancel()
+            if response is not None:
+                _cancel_quietly(response)
+            if isinstance(exc, BackPressureError):
+                raise errors.overloaded("too many queued requests") from None
             if isinstance(
                 exc, (APIError, asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
             ):
@@ -170,7 +185,7 @@ class Ingress:
             log.warning("request %s failed to start: %r", request_id, exc)
             raise errors.unavailable("no replica could take the request") from None
         if "rejected" in first:
-            response.cancel()
+            _cancel_quietly(response)
             raise _rejection_error(first["rejected"])
         return first, response
 
@@ -189,7 +204,7 @@ class Ingress:
         if failures:
             for result in results:
                 if not isinstance(result, BaseException):
-                    result[1].cancel()
+                    _cancel_quietly(result[1])
             raise failures[0]
         return results
 
@@ -210,12 +225,12 @@ class Ingress:
         tasks = [
             asyncio.create_task(pump(i, first, resp)) for i, (first, resp) in enumerate(opened)
         ]
-        num_open = len(tasks)
+        ended: set[int] = set()
         try:
-            while num_open:
+            while len(ended) < len(tasks):
                 event, index, payload = await queue.get()
                 if event is _Event.END:
-                    num_open -= 1
+                    ended.add(index)
                 elif event is _Event.FAILED:
                     raise payload
                 else:
@@ -223,8 +238,9 @@ class Ingress:
         finally:
             for task in tasks:
                 task.cancel()
-            for _, response in opened:
-                response.cancel()
+            for index, (_, response) in enumerate(opened):
+                if index not in ended:  # client gone or a sibling failed: abort the engine request
+                    _cancel_quietly(response)
 
     @staticmethod
     def _check_item(item: dict) -> None:

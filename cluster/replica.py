@@ -28,7 +28,8 @@ from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
 from worker import AsyncEngine, EngineConfig, SamplingParams
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
 
-log = logging.getLogger(__name__)
+# Serve routes the "ray.serve" logger into each replica's log file.
+log = logging.getLogger("ray.serve")
 
 # How long __del__ lets running requests finish before aborting them: short, because Serve
 # only calls it after its own drain (graceful_shutdown_timeout_s) and then kills the actor.
@@ -123,17 +124,8 @@ class EngineReplica:
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     now_s = time.monotonic()
-                    if last_step_s is None:
-                        first_s = out.metrics.get("first_token_time", now_s)
-                        arrival_s = out.metrics.get("arrival_time", first_s)
-                        self.metrics.observe("time_to_first_token_seconds", first_s - arrival_s)
-                    else:
-                        self.metrics.observe("inter_token_latency_seconds", now_s - last_step_s)
+                    self._observe(out, now_s, last_step_s)
                     last_step_s = now_s
-                    if out.finished:
-                        arrival_s = out.metrics.get("arrival_time", now_s)
-                        finished_s = out.metrics.get("finished_time", now_s)
-                        self.metrics.observe("e2e_request_latency_seconds", finished_s - arrival_s)
                     yield output_to_dict(out, self.replica_id, reported)
         except ValueError as exc:
             yield rejection(self.replica_id, RejectKind.INVALID, str(exc))
@@ -144,6 +136,19 @@ class EngineReplica:
         except Exception as exc:  # an engine bug fails this request only, visibly
             log.exception("request %s failed", request_id)
             yield rejection(self.replica_id, RejectKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _observe(self, out: RequestOutput, now_s: float, last_step_s: float | None) -> None:
+        """Latency histograms from the engine's timestamps (missing ones read as now)."""
+        times = {key: value for key, value in out.metrics.items() if value is not None}
+        arrival_s = times.get("arrival_time", now_s)
+        if last_step_s is None:
+            ttft_s = times.get("first_token_time", now_s) - arrival_s
+            self.metrics.observe("time_to_first_token_seconds", ttft_s)
+        else:
+            self.metrics.observe("inter_token_latency_seconds", now_s - last_step_s)
+        if out.finished:
+            e2e_s = times.get("finished_time", now_s) - arrival_s
+            self.metrics.observe("e2e_request_latency_seconds", e2e_s)
 
     def check_health(self) -> None:
         """Serve's health probe: raising marks this replica unhealthy and replaces it."""
