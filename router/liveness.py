@@ -13,7 +13,9 @@ Rules (``state`` is what the index remembers of the replica, ``None`` if nothing
   starts the stream cleanly: its first event is ``cleared`` (a re-announce), or it is
   ``seq == 0`` of a new stream (a fresh engine holds nothing it did not announce).
   Otherwise the replica is *stale*: its batches are ignored until it re-announces.
-* A duplicate or reordered batch (``seq`` not above the last one) is ignored.
+* ``seq == 0`` within a known epoch means the engine restarted without a new epoch (its
+  counter starts at 0 again): old entries are dropped and the batch opens the new stream.
+* Any other duplicate or reordered batch (``seq`` not above the last one) is ignored.
 
 A replica learns that it must re-announce from :class:`ApplyOutcome.STALE`.
 """
@@ -67,6 +69,8 @@ def decide(state: StreamState | None, batch: KVEventBatch) -> tuple[Action, Stre
         # A heartbeat-announced epoch with no batch yet has no entries to drop, but dropping
         # is idempotent and keeps one code path.
         return (Action.DROP_THEN_APPLY if clean else Action.DROP_THEN_STALE), new_state
+    if batch.seq == 0:
+        return Action.DROP_THEN_APPLY, StreamState(state.epoch, 0, stale=False)
     if batch.seq <= state.last_seq:
         return Action.IGNORE, state
     gap = batch.seq != state.last_seq + 1

@@ -155,6 +155,9 @@ local action, stale
 if (not known) or epoch > s_epoch or s_seq == nil then
   stale = not clean
   if clean then action = 'drop_apply' else action = 'drop_stale' end
+elseif seq == 0 then
+  stale = false
+  action = 'drop_apply'
 else
   if seq <= s_seq then return 'ignored' end
   local gap = seq ~= s_seq + 1

@@ -78,12 +78,14 @@ def test_several_replicas_and_apply_many_outcomes_in_order(make_index):
     outcomes = index.apply_many(
         [
             batch("a", 0, stored(blocks[:5])),
-            batch("b", 0, stored(blocks[:2])),
-            batch("b", 0, stored(blocks[:2])),  # duplicate seq
+            batch("b", 0, stored(blocks[:1])),
+            batch("b", 1, stored(blocks[1:2])),
+            batch("b", 1, stored(blocks[2:3])),  # duplicate seq
             batch("c", 7, stored(blocks[:1])),  # joins mid-stream: must re-announce
         ]
     )
     assert outcomes == [
+        ApplyOutcome.APPLIED,
         ApplyOutcome.APPLIED,
         ApplyOutcome.APPLIED,
         ApplyOutcome.IGNORED,
@@ -125,6 +127,18 @@ def test_new_epoch_drops_old_entries_and_old_epoch_is_void(make_index):
     assert index.match(blocks) == {}
     assert index.heartbeat("a", 1) is False
     assert index.apply(batch("a", 0, stored(blocks[:2]), epoch=2)) == ApplyOutcome.APPLIED
+    assert index.match(blocks) == {"a": Match(2, 0)}
+
+
+def test_seq_back_to_zero_is_a_restart_without_a_new_epoch(make_index):
+    index = make_index()
+    blocks = chain(4)
+    index.heartbeat("a", 0)
+    index.apply_many([batch("a", 0, stored(blocks)), batch("a", 1, removed(blocks[3:]))])
+    assert index.match(blocks) == {"a": Match(3, 0)}
+    assert index.apply(batch("a", 0, stored(blocks[:1]))) == ApplyOutcome.APPLIED
+    assert index.match(blocks) == {"a": Match(1, 0)}
+    assert index.apply(batch("a", 1, stored(blocks[1:2]))) == ApplyOutcome.APPLIED
     assert index.match(blocks) == {"a": Match(2, 0)}
 
 
