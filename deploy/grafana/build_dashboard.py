@@ -93,14 +93,19 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     (
         "Router decisions per second",
         "short",
-        [("{{policy}} / {{reason}}", _router(".*decision.*_total", by="policy, reason"))],
+        [
+            (
+                "{{policy}} / {{reason}}",
+                _router(".*decision.*_total", by="policy, reason", extra=', policy!=""'),
+            )
+        ],
     ),
     (
         "Router fallbacks and index errors per second",
         "short",
         [
-            ("fallback decisions", _router(".*decision.*_total", extra=', reason="fallback"')),
-            ("fallback counters", _router(".*fallback.*_total")),
+            ("fallback (reason label)", _router(".*decision.*_total", extra=', reason="fallback"')),
+            ("fallback (counter)", _router(".*fallback.*_total")),
             ("index errors", _router(".*index_error.*_total")),
         ],
     ),
@@ -111,6 +116,16 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
             (
                 "matched / prompt blocks",
                 f"{_router('.*matched_blocks.*_total')} / {_router('.*prompt_blocks.*_total')}",
+            )
+        ],
+    ),
+    (
+        "Router index lookup latency",
+        "s",
+        [
+            (
+                "p99",
+                f"histogram_quantile(0.99, {_router('.*lookup.*_seconds_bucket', by='le')})",
             )
         ],
     ),

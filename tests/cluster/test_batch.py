@@ -157,3 +157,28 @@ def test_resume_drops_a_line_cut_short_by_a_kill(tmp_path):
     output.write_text('{"custom_id": "a"}\ngarbage\n{"custom_id": "c"}\n')
     with pytest.raises(ValueError, match="output line 2"):
         answered_ids(output)
+
+
+@pytest.mark.slow
+def test_dashboard_queries_name_metrics_the_server_exports(tiny_server):
+    """Every engine metric the Grafana dashboard plots is in the live /metrics exposition."""
+    import re
+
+    import httpx
+
+    dashboard = json.loads(
+        (
+            Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefixserve.json"
+        ).read_text()
+    )
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    wanted = {name for e in exprs for name in re.findall(r"(prefixserve:[a-z_]+)\{", e)}
+    exposition = httpx.get(f"{tiny_server.url}/metrics", timeout=30).text
+    exported = set(re.findall(r"^(prefixserve:[a-z_]+)", exposition, flags=re.MULTILINE))
+    assert wanted, "the dashboard names no engine metric"
+    assert wanted <= exported, f"plotted but not exported: {sorted(wanted - exported)}"
+    router_patterns = {p for e in exprs for p in re.findall(r'__name__=~"([^"]+)"', e)}
+    router_exported = {name for name in exported if name.startswith("prefixserve:router_")}
+    if router_exported:  # the router's series appear once it is wired into the app
+        for pattern in router_patterns:
+            assert any(re.fullmatch(pattern, name) for name in router_exported), pattern
