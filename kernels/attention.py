@@ -67,9 +67,13 @@ def paged_attention(
 
 
 def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[..., nblocks] block ids -> [..., nblocks * block_size, Hkv, D]."""
-    g = cache[blocks]
-    return g.reshape(*blocks.shape[:-1], -1, cache.shape[2], cache.shape[3])
+    """[..., nblocks] block ids -> [..., nblocks * block_size, Hkv, D].
+
+    ``index_select`` on a 2-D view copies whole blocks at memory speed; advanced indexing
+    on the 4-D cache was measured 4x slower.
+    """
+    flat = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return flat.view(*blocks.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
 
 def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -107,15 +111,21 @@ def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: fl
     m = query.new_full((num_kv_heads * num_items, tile, 1), _MASKED)
     denom = query.new_zeros(num_kv_heads * num_items, tile, 1)
     max_pos = int(pos.max()) if num_items else -1
-    tables = meta.block_tables.long()[seq_idx]  # [I, max_blocks]
+    tables = meta.block_tables.long()  # [S, max_blocks]
+    one_item_per_seq = num_items == len(lens)  # decodes: skip the per-item copy
     pos_b = pos.repeat(num_kv_heads, 1)[:, :, None]  # [Hkv * I, T, 1]
     for c in range(max_pos // chunk + 1):
         b0 = c * blocks_per_chunk
         blocks = tables[:, b0 : b0 + blocks_per_chunk]
         if blocks.shape[1] < blocks_per_chunk:  # table shorter than a chunk: pad with block 0
             blocks = F.pad(blocks, (0, blocks_per_chunk - blocks.shape[1]))
-        k = _gather_kv(k_cache, blocks).permute(2, 0, 3, 1).reshape(-1, head_dim, chunk)
-        v = _gather_kv(v_cache, blocks).permute(2, 0, 1, 3).reshape(-1, chunk, head_dim)
+        # One gather per sequence, [Hkv, S, D, C] and [Hkv, S, C, D], then one view per item.
+        k = _gather_kv(k_cache, blocks).permute(2, 0, 3, 1)
+        v = _gather_kv(v_cache, blocks).permute(2, 0, 1, 3)
+        if not one_item_per_seq:
+            k, v = k[:, seq_idx], v[:, seq_idx]
+        k = k.reshape(-1, head_dim, chunk)
+        v = v.reshape(-1, chunk, head_dim)
         scores = torch.bmm(q_items, k)  # [Hkv * I, T, C]
         key_pos = torch.arange(c * chunk, (c + 1) * chunk)
         scores.masked_fill_(key_pos[None, None, :] > pos_b, _MASKED)
