@@ -247,19 +247,26 @@ def run(ns: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    num_failed = asyncio.run(
-        run_batch(
-            pending,
-            Path(ns.output),
-            url=ns.url,
-            api_key=ns.api_key or os.environ.get(API_KEY_ENV),
-            model=ns.model,
-            concurrency=ns.concurrency,
-            ordered=ns.ordered,
-            max_retries=ns.max_retries,
-            show_progress=not ns.no_progress,
+    try:
+        num_failed = asyncio.run(
+            run_batch(
+                pending,
+                Path(ns.output),
+                url=ns.url,
+                api_key=ns.api_key or os.environ.get(API_KEY_ENV),
+                model=ns.model,
+                concurrency=ns.concurrency,
+                ordered=ns.ordered,
+                max_retries=ns.max_retries,
+                show_progress=not ns.no_progress,
+            )
         )
-    )
+    except ValueError as exc:
+        print(f"prefixserve batch: error: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:  # only the model lookup raises; requests are retried
+        print(f"prefixserve batch: cannot reach {ns.url}: {exc}", file=sys.stderr)
+        return 1
     if num_failed:
         print(
             f"prefixserve batch: {num_failed} request(s) still failing after retries; "

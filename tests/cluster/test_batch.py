@@ -182,3 +182,22 @@ def test_dashboard_queries_name_metrics_the_server_exports(tiny_server):
     if router_exported:  # the router's series appear once it is wired into the app
         for pattern in router_patterns:
             assert any(re.fullmatch(pattern, name) for name in router_exported), pattern
+
+
+def test_unreachable_cluster_and_bad_flags_exit_nonzero_without_output(tmp_path, capsys):
+    import socket
+
+    from cluster.cli import main
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    input_path, output_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_requests(input_path, 2)
+    base = ["batch", "--input", str(input_path), "--output", str(output_path), "--no-progress"]
+    url = ["--url", f"http://127.0.0.1:{closed_port}"]
+    assert main([*base, *url]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+    assert main([*base, *url, "--concurrency", "0"]) == 2
+    assert "concurrency must be >= 1" in capsys.readouterr().err
+    assert not output_path.exists() or output_path.read_text() == ""
