@@ -1,17 +1,20 @@
 """Routing decision latency and throughput of one router process, embedded vs Redis index.
 
 A decision here is everything the router does per request: hash the prompt's blocks
-(``router.protocol.hash_blocks``), one index lookup, the ``prefix`` policy, and the
-speculative entry of the chosen replica. Reports p50/p99 per prompt size (1k and 8k
-tokens) and decisions per second for one sequential router, into
+(``router.protocol.hash_blocks``), one index lookup, the ``prefix`` policy, and handing the
+speculative entry of the chosen replica to the router's writer thread (``routing.Router``).
+Reports per prompt size (1k and 8k tokens): wall-clock p50/p99, decisions per second for one
+sequential router, the deciding thread's CPU time per decision (p50/p99), the server-side
+time of the Redis lookup script (SLOWLOG) and CPU per decision of both processes, into
 ``bench/results/router_latency.json`` and a PNG beside it.
 
 The index is filled the way a fleet fills it: ``--num-replicas`` replicas, each holding
 its share of ``--num-prefixes`` shared prefixes (75% of the prompt) plus background blocks,
 all through KV event batches. Requests reuse a random prefix plus a fresh suffix. Without
 ``--redis-url`` a throwaway ``redis-server`` is started on a free loopback port; without the
-binary the Redis rows are skipped (and say so). Numbers depend on the machine's load: the
-JSON records the load average so runs can be compared honestly.
+binary the Redis rows are skipped (and say so). Wall-clock tails depend on the machine's
+load (the JSON records the load average); CPU and server-side times much less so: on an idle
+machine a decision takes about thread CPU + lookup script time + one loopback round trip.
 
     python -m bench.router_latency [--redis-url redis://127.0.0.1:6379/0] [--num-decisions 2000]
 """
