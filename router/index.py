@@ -92,16 +92,6 @@ class PrefixIndex(Protocol):
         ...
 
 
-def leading_run(held: Callable[[BlockHash], bool], block_hashes: Sequence[BlockHash]) -> int:
-    """Number of leading blocks for which ``held`` is true."""
-    count = 0
-    for block_hash in block_hashes:
-        if not held(block_hash):
-            break
-        count += 1
-    return count
-
-
 class FallbackIndex:
     """Wraps a backend so that an unreachable store degrades routing instead of failing it.
 

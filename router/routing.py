@@ -68,15 +68,18 @@ class _SpeculativeWriter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                replica_id, block_hashes = self._queue.get(timeout=WRITER_POLL_S)
+                item = self._queue.get(timeout=WRITER_POLL_S)
             except queue.Empty:
                 continue
-            try:
-                self._index.record_speculative(replica_id, block_hashes, self._ttl_s)
-            except Exception:  # a bug must not kill the thread and leave flush() hanging
-                logger.exception("speculative entry for %s failed", replica_id)
-            finally:
-                self._queue.task_done()
+            self._write(*item)
+
+    def _write(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        try:
+            self._index.record_speculative(replica_id, block_hashes, self._ttl_s)
+        except Exception:  # a bug must not kill the thread and leave flush() hanging
+            logger.exception("speculative entry for %s failed", replica_id)
+        finally:
+            self._queue.task_done()
 
     def flush(self) -> None:
         self._queue.join()
@@ -85,6 +88,12 @@ class _SpeculativeWriter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10 * WRITER_POLL_S)
+        while True:  # what the thread left behind, so that flush() never waits forever
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._write(*item)
 
 
 class Router:
@@ -133,9 +142,11 @@ class Router:
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
     ) -> Decision:
-        start_s = time.perf_counter()
-        matches = self.index.match_or_none(block_hashes) if block_hashes else {}
-        self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
+        matches: dict | None = {}
+        if block_hashes:
+            start_s = time.perf_counter()
+            matches = self.index.match_or_none(block_hashes)
+            self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
         decision = self.policy.choose(block_hashes, num_prompt_tokens, replicas, matches or {})
         if matches is None:
             decision = dataclasses.replace(decision, reason="fallback")
@@ -161,7 +172,7 @@ class Router:
             self._writer.flush()
 
     def close(self) -> None:
-        """Stop the speculative writer thread (pending entries may be dropped)."""
+        """Stop the speculative writer thread after writing what is pending."""
         if self._writer is not None:
             self._writer.close()
 
