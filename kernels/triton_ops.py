@@ -8,7 +8,7 @@ says whether the kernels can run at all.
 
 Where the kernels run
     On a CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set
-    before triton is first imported), which is how the tests run without a GPU. Every
+    before the kernel modules are imported), which is how the tests run without a GPU. Every
     launcher calls ``check_tensor`` on each argument: a tensor of the wrong rank, dtype or
     device raises ``ValueError`` naming the argument, before any kernel starts.
 
@@ -35,9 +35,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Activation and cache dtypes every kernel accepts."""
-INTERPRETER_NUM_SMS = 4
-"""Stand-in SM count for persistent grids under the interpreter: small, so several tiles
-share a program and the persistent loop is exercised by the CPU tests."""
+INTERPRETER_NUM_SMS = 1
+"""Stand-in SM count for persistent grids under the interpreter: one, so the CPU tests'
+small matrices still give each program several tiles and exercise the persistent loop."""
 
 
 def interpreting() -> bool:
