@@ -131,6 +131,8 @@ class BlockPool:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self._on_change = on_change
+        self._device_removed = self._hook("device", False)
+        self._device_stored = self._hook("device", True)
         self.capacity_blocks = capacity_blocks
         self.cached = LRUBlockCache(capacity_blocks, None, self._evicted)
         self.host = LRUBlockCache(
@@ -147,8 +149,8 @@ class BlockPool:
         return lambda block: on_change(block, tier, stored)
 
     def _evicted(self, block: BlockId) -> None:
-        if self._on_change is not None:
-            self._on_change(block, "device", False)
+        if self._device_removed is not None:
+            self._device_removed(block)
         if self.host.capacity_blocks > 0:
             self.host.put(block)
 
@@ -179,9 +181,19 @@ class BlockPool:
 
     def reserve(self, num_blocks: int) -> None:
         """Take ``num_blocks`` free slots, evicting cached blocks (LRU first) to make room."""
-        while self.num_used_blocks + num_blocks > self.capacity_blocks and len(self.cached):
-            self.cached.evict_lru()
-        self.num_overflow_blocks += max(0, self.num_used_blocks + num_blocks - self.capacity_blocks)
+        lru = self.cached._blocks
+        excess = len(self.pinned) + len(lru) + self.num_reserved_blocks + num_blocks
+        excess -= self.capacity_blocks
+        if excess > 0:
+            num_evicted = min(excess, len(lru))
+            removed, host = self._device_removed, self.host
+            for _ in range(num_evicted):  # hot loop: inlined LRUBlockCache.evict_lru
+                block, _ = lru.popitem(last=False)
+                if removed is not None:
+                    removed(block)
+                if host.capacity_blocks:
+                    host.put(block)
+            self.num_overflow_blocks += excess - num_evicted
         self.num_reserved_blocks += num_blocks
 
     def unreserve(self, num_blocks: int) -> None:
@@ -213,8 +225,8 @@ class BlockPool:
                 self._pin(block)  # computed concurrently by another request: share it
                 continue
             self.pinned[block] = 1
-            if self._on_change is not None:
-                self._on_change(block, "device", True)
+            if self._device_stored is not None:
+                self._device_stored(block)
 
     def release(self, blocks: Sequence[BlockId]) -> None:
         """A request finished: unpin its blocks tail first, so the head stays most recent."""

@@ -21,8 +21,8 @@ import time
 
 from bench.sim.calibration import CALIBRATION_PATH, rates_from_samples, record_rates
 
-DECODE_BATCHES = (1, 2, 4, 8)  # enough points to fit the step-time line on a small machine
-DECODE_STEPS = 12  # steps timed per batch size, after the batch's prefills
+DECODE_BATCHES = (1, 4)  # two points fit the step-time line; more cost minutes on a small CPU
+DECODE_STEPS = 6  # steps timed per batch size, after the batch's prefills
 
 
 def _engine(args):
@@ -78,12 +78,15 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     rng = random.Random(0)
+    started = time.perf_counter()
     engine = _engine(args)
+    print(f"engine loaded in {time.perf_counter() - started:.1f} s", flush=True)
     prefill = measure_prefill_tokens_per_s(engine, args.prompt_tokens, args.repeats, rng)
+    print(f"prefill {prefill:.0f} tok/s", flush=True)
     samples = [(b, measure_decode_step_s(engine, b, rng)) for b in DECODE_BATCHES]
     rates = rates_from_samples(
         prefill,
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
     )
     note = f"prefill {args.prompt_tokens}-token prompts; decode samples (batch, step_s): {samples}"
     path = record_rates(rates, CALIBRATION_PATH, note=note)
-    print(f"prefill {prefill:.0f} tok/s; decode steps {samples}; wrote {path}")
+    print(f"decode steps (batch, s): {samples}; wrote {path}")
     return 0
 
 

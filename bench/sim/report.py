@@ -114,6 +114,7 @@ def plot_results(rows: Sequence[dict], out_prefix: Path, subtitle: str) -> list[
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -123,10 +124,15 @@ def plot_results(rows: Sequence[dict], out_prefix: Path, subtitle: str) -> list[
         ("hit_rate", "Cached-token hit rate (dashed: oracle, one infinite cache)", "hit_rate"),
         ("ttft_p90_s", "p90 time to first token, seconds (log scale, lower is better)", "ttft_p90"),
     ):
+        num_cols = min(3, len(workloads))
+        num_rows = -(-len(workloads) // num_cols)
         fig, axes = plt.subplots(
-            1, len(workloads), figsize=(4.2 * len(workloads), 4.2), squeeze=False
+            num_rows, num_cols, figsize=(5.2 * num_cols, 4.2 * num_rows), squeeze=False
         )
-        for ax, workload in zip(axes[0], workloads, strict=True):
+        flat = [ax for row in axes for ax in row]
+        for ax in flat[len(workloads) :]:
+            ax.set_visible(False)
+        for ax, workload in zip(flat, workloads, strict=False):
             _grouped_bars(ax, rows, workload, metric, policies, replica_counts)
             if metric == "hit_rate":
                 oracle = max(r["oracle_hit_rate"] for r in rows if r["workload"] == workload)
@@ -134,7 +140,10 @@ def plot_results(rows: Sequence[dict], out_prefix: Path, subtitle: str) -> list[
                 ax.set_ylim(0, 1)
             else:
                 ax.set_yscale("log")
-        axes[0][0].legend(fontsize=8)
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+                ax.tick_params(axis="y", which="minor", labelsize=7)
+        flat[0].legend(fontsize=8)
         fig.suptitle(f"{title}\n{subtitle} (ours: 'prefix', outlined)", fontsize=11)
         fig.tight_layout()
         path = Path(f"{out_prefix}_{fname}.png")

@@ -127,16 +127,22 @@ class Simulator:
         self._seq = 0
 
     def _make_replica(self, i: int) -> SimReplica:
+        device, host = self.holders, self.host_holders
+
         def on_change(block: BlockId, tier: str, stored: bool) -> None:
-            index = self.holders if tier == "device" else self.host_holders
+            index = device if tier == "device" else host
             if stored:
-                index.setdefault(block, set()).add(i)
-            else:
                 owners = index.get(block)
-                if owners is not None:
-                    owners.discard(i)
-                    if not owners:
-                        del index[block]
+                if owners is None:
+                    index[block] = {i}
+                else:
+                    owners.add(i)
+                return
+            owners = index.get(block)
+            if owners is not None:
+                owners.discard(i)
+                if not owners:
+                    del index[block]
 
         cache = BlockPool(self.config.capacity_blocks, self.config.host_capacity_blocks, on_change)
         return SimReplica(i, f"replica-{i}", cache)
