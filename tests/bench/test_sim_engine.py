@@ -126,3 +126,16 @@ def test_recorded_rates_round_trip_and_a_malformed_file_is_an_error(tmp_path):
     path.write_text('{"rates": {"prefill_tokens_per_s": 1}}')
     with pytest.raises(ValueError, match="malformed"):
         load_rates(path)
+
+
+def test_a_host_tier_raises_the_hit_rate_of_a_cache_starved_cluster():
+    from bench.sim.workloads import zipf_prefixes
+
+    scale = WorkloadScale(4, 96, requests_per_replica=40, seed=2)
+    workload = zipf_prefixes(scale)
+    device_only = Simulator(SimConfig(4, 96, seed=2), RoundRobinPolicy()).run(workload)
+    with_host = Simulator(
+        SimConfig(4, 96, host_capacity_blocks=2048, seed=2), RoundRobinPolicy()
+    ).run(workload)
+    assert with_host.hit_rate > device_only.hit_rate + 0.1
+    assert with_host.oracle_hit_rate == device_only.oracle_hit_rate
