@@ -152,7 +152,12 @@ class ReplicaMetrics:
         }
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=1000,
+    ray_actor_options={"num_cpus": 0},
+    logging_config={"enable_access_log": False},  # one push per replica per second
+)
 class MetricsHub:
     """Latest snapshot of every replica; replicas push, the ingress reads."""
 

@@ -1,0 +1,136 @@
+"""A real local cluster for the Serve tests: Ray, Serve, the app, on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+API_KEY = "test-key-" + os.urandom(4).hex()
+# Replica startup on a loaded 2-core CI machine: model load plus Serve's health checks.
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    api_key: str
+    model: str
+    max_model_len: int
+    max_request_body_bytes: int
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """{metric name: {replica: value}} for the plain series of /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        values: dict[str, dict[str, float]] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or "{" not in line:
+                continue
+            name, rest = line.split("{", 1)
+            labels, value = rest.rsplit("} ", 1)
+            if "le=" in labels:
+                continue
+            replica = labels.split('replica="', 1)[1].split('"', 1)[0]
+            values.setdefault(name, {})[replica] = float(value)
+        return values
+
+
+def start_cluster(engine: dict, cluster: dict, app_name: str):
+    """Starts Ray + Serve + the app; returns (url, teardown)."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({"engine": engine, "cluster": {**cluster, "port": port, "app_name": app_name}})
+    serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        serve.shutdown()
+        ray.shutdown()
+        raise RuntimeError("the cluster did not become healthy in time")
+
+    def teardown() -> None:
+        serve.shutdown()
+        ray.shutdown()
+
+    return url, teardown
+
+
+TINY_MAX_MODEL_LEN = 1024
+TINY_MAX_BODY_BYTES = 64 * 1024
+# Set to "URL API_KEY MODEL" to run the tests against a tiny cluster already running (started
+# with ``python tests/cluster/conftest.py``) while developing, instead of starting one.
+REUSE_ENV = "PREFIXSERVE_TEST_TINY_SERVER"
+
+
+def start_tiny_cluster(folder) -> tuple[Server, object]:
+    """Two replicas of a tiny random llama; API key on; small limits to exercise them."""
+    from worker.testing import make_tiny_model
+
+    model = make_tiny_model(folder, "llama")
+    engine = {
+        "model": model,
+        "num_kv_blocks": 512,
+        "max_num_seqs": 16,
+        "max_model_len": TINY_MAX_MODEL_LEN,
+        "num_threads": 1,
+    }
+    cluster = {
+        "num_replicas": 2,
+        "api_key": API_KEY,
+        "max_ongoing_requests": 24,
+        "max_queued_requests": 64,
+        "max_request_body_bytes": TINY_MAX_BODY_BYTES,
+    }
+    url, teardown = start_cluster(engine, cluster, "tiny")
+    return Server(url, API_KEY, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES), teardown
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    if os.environ.get(REUSE_ENV):
+        url, key, model = os.environ[REUSE_ENV].split()
+        yield Server(url, key, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES)
+        return
+    server, teardown = start_tiny_cluster(tmp_path_factory.mktemp("tiny-llama"))
+    yield server
+    teardown()
+
+
+if __name__ == "__main__":
+    import signal
+    import tempfile
+
+    server, teardown = start_tiny_cluster(tempfile.mkdtemp() + "/tiny-llama")
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    print(f"{REUSE_ENV}='{server.url} {server.api_key} {server.model}'", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        teardown()

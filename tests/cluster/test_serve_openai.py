@@ -1,0 +1,439 @@
+"""The OpenAI API of a real local cluster (Ray Serve, 2 replicas, tiny random model).
+
+One module-scoped cluster (``tiny_server``) serves every test: the official ``openai``
+client for the happy paths, raw HTTP for bad input, disconnects, overload and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPLICA_HEADER = "x-prefixserve-replica"
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def chat(client, model, content=PROMPT, **kw):
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], **kw
+    )
+
+
+def test_chat_and_completions_answer_with_usage(client, model):
+    response = chat(client, model, max_tokens=8, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert response.usage.completion_tokens <= 8
+    assert response.usage.prompt_tokens > 10
+    assert response.usage.prompt_tokens_details.cached_tokens >= 0
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0)
+    assert completion.usage.completion_tokens == 5 or completion.choices[0].finish_reason == "stop"
+    assert isinstance(completion.choices[0].text, str)
+    by_ids = client.completions.create(
+        model=model, prompt=[1, 2, 3, 4], max_tokens=3, temperature=0
+    )
+    assert by_ids.usage.prompt_tokens == 4
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(client, model):
+    whole = chat(client, model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    stream = chat(
+        client,
+        model,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == "length"
+    assert usage.completion_tokens == 12
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_n_2_gives_two_choices(client, model):
+    response = chat(
+        client, model, n=2, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 12  # counted over both choices
+
+
+def test_stop_string_ends_the_output_before_it(client, model):
+    base = (
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    stop = base[len(base) // 2 : len(base) // 2 + 3]
+    assert len(stop) == 3 and stop.strip(), f"need a stop string from {base!r}"
+    cut = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == base[: base.index(stop)]
+
+
+def test_seed_reproduces_sampled_output(client, model):
+    def sample(seed):
+        return (
+            chat(
+                client,
+                model,
+                max_tokens=16,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert sample(1234) == sample(1234)
+    assert sample(1234) != sample(99)
+
+
+def test_logprobs_for_chat_and_completions(client, model):
+    response = chat(
+        client,
+        model,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)  # greedy
+    completion = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+
+
+def test_repeated_prefix_reports_cached_tokens(client, model):
+    # Three identical requests over two replicas: at least one replica sees the prompt twice.
+    content = "Shared system context for caching. " * 8
+    seen: dict[str, int] = {}
+    cached_on_repeat = []
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=2,
+            temperature=0,
+        )
+        replica = raw.headers[REPLICA_HEADER]
+        usage = raw.parse().usage
+        if replica in seen:
+            cached_on_repeat.append(usage.prompt_tokens_details.cached_tokens)
+        seen[replica] = usage.prompt_tokens
+    assert cached_on_repeat and all(c >= 16 for c in cached_on_repeat), cached_on_repeat
+
+
+def test_models_tokenize_detokenize_health_metrics(tiny_server, model):
+    headers = tiny_server.headers
+    ids = httpx.post(
+        f"{tiny_server.url}/tokenize", json={"prompt": "hello world"}, headers=headers
+    ).json()
+    assert ids["count"] == len(ids["tokens"]) > 0
+    text = httpx.post(
+        f"{tiny_server.url}/detokenize", json={"tokens": ids["tokens"]}, headers=headers
+    ).json()
+    assert text["prompt"] == "hello world"
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200  # open without a key
+    metrics = tiny_server.metrics()
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "time_to_first_token_seconds_count",
+        "e2e_request_latency_seconds_count",
+    ):
+        assert len(metrics[f"prefixserve:{name}"]) == 2, name  # one series per replica
+    assert sum(metrics["prefixserve:generation_tokens_total"].values()) > 0
+
+
+def post_raw(server, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json", **server.headers, **(headers or {})}
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, None),
+    ("wrong type", "/v1/chat/completions", body(temperature="hot"), 400, "temperature"),
+    ("missing messages", "/v1/chat/completions", b'{"max_tokens": 3}', 400, "messages"),
+    ("empty messages", "/v1/chat/completions", body(messages=[]), 400, "messages"),
+    ("unknown model", "/v1/chat/completions", body(model="no-such-model"), 404, "model"),
+    ("max_tokens 0", "/v1/chat/completions", body(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens beyond context", "/v1/chat/completions", body(max_tokens=5000), 400, "max_tokens"),
+    (
+        "prompt beyond context",
+        "/v1/completions",
+        json.dumps({"prompt": "word " * 1500, "max_tokens": 1}).encode(),
+        400,
+        "prompt",
+    ),
+    (
+        "token id beyond vocab",
+        "/v1/completions",
+        json.dumps({"prompt": [1, 10**9], "max_tokens": 1}).encode(),
+        400,
+        "prompt",
+    ),
+    ("temperature < 0", "/v1/chat/completions", body(temperature=-1), 400, "temperature"),
+    ("top_p 0", "/v1/chat/completions", body(top_p=0), 400, "top_p"),
+    ("top_p > 1", "/v1/chat/completions", body(top_p=1.5), 400, "top_p"),
+    ("n beyond limit", "/v1/chat/completions", body(n=1000), 400, "n"),
+    (
+        "too many stop strings",
+        "/v1/chat/completions",
+        body(stop=[str(i) for i in range(40)]),
+        400,
+        "stop",
+    ),
+    (
+        "top_logprobs > 20",
+        "/v1/chat/completions",
+        body(logprobs=True, top_logprobs=21),
+        400,
+        "top_logprobs",
+    ),
+    (
+        "logprobs > 20",
+        "/v1/completions",
+        json.dumps({"prompt": "x", "logprobs": 21}).encode(),
+        400,
+        "logprobs",
+    ),
+    (
+        "invalid UTF-8",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\xff\xfe\xfd"}]}',
+        400,
+        None,
+    ),
+    ("body beyond limit", "/v1/chat/completions", body(pad="x" * (128 * 1024)), 413, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "content", "status", "param"),
+    BAD_REQUESTS,
+    ids=[case for case, *_ in BAD_REQUESTS],
+)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(
+    tiny_server, case, path, content, status, param
+):
+    response = post_raw(tiny_server, path, content)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    ok = post_raw(tiny_server, "/v1/chat/completions", body(max_tokens=2))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_api_key_is_required_except_for_health(tiny_server):
+    no_key = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body(max_tokens=1))
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    wrong = post_raw(
+        tiny_server,
+        "/v1/chat/completions",
+        body(max_tokens=1),
+        headers={"Authorization": "Bearer wrong"},
+    )
+    assert wrong.status_code == 401
+    assert httpx.get(f"{tiny_server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+
+
+def total(metrics: dict, name: str) -> float:
+    return sum(metrics[f"prefixserve:{name}"].values())
+
+
+def wait_idle(server, min_generated: float = 0.0, timeout_s: float = 20.0) -> dict:
+    """Metrics once no replica runs, queues or holds anything, and at least ``min_generated``
+    tokens were counted (metrics lag the replicas by up to a push period)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = server.metrics()
+        busy = total(metrics, "num_requests_running") + total(metrics, "num_requests_waiting")
+        usage = total(metrics, "kv_cache_usage_perc")
+        if (
+            busy == 0
+            and usage == 0.0
+            and total(metrics, "generation_tokens_total") >= min_generated
+        ):
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replicas still busy: {metrics}")
+        time.sleep(0.5)
+
+
+def test_client_disconnect_aborts_and_frees_blocks(tiny_server, model):
+    before = wait_idle(tiny_server)
+    generated_before = total(before, "generation_tokens_total")
+    max_tokens = 900
+    payload = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{tiny_server.url}/v1/completions",
+        json=payload,
+        headers=tiny_server.headers,
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [line for _, line in zip(range(6), lines, strict=False)]
+        assert any(line.startswith("data: ") for line in received)
+    # Connection closed mid-stream: the request must be aborted, not run to max_tokens.
+    after = wait_idle(tiny_server, min_generated=generated_before + 1)
+    time.sleep(2.5)  # two more metric pushes: an unaborted request would keep generating
+    after = wait_idle(tiny_server)
+    generated = total(after, "generation_tokens_total") - generated_before
+    assert 0 < generated < max_tokens
+
+
+async def one_stream(client: openai.AsyncOpenAI, model: str, index: int) -> int:
+    stream = await client.chat.completions.create(
+        model=model,
+        max_tokens=24,
+        temperature=0.7,
+        seed=index,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant. " * 4},
+            {"role": "user", "content": f"request {index} " * (1 + index % 7)},
+        ],
+    )
+    finish, usage = None, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+    assert finish in ("stop", "length") and usage is not None
+    return usage.completion_tokens
+
+
+def test_32_concurrent_streams_for_a_while_without_errors_or_leaks(tiny_server, model):
+    duration_s = 20.0
+
+    async def worker(client, index):
+        done = 0
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline:
+            await one_stream(client, model, index * 1000 + done)
+            done += 1
+        return done
+
+    async def run():
+        client = openai.AsyncOpenAI(
+            base_url=f"{tiny_server.url}/v1",
+            api_key=tiny_server.api_key,
+            max_retries=0,
+            timeout=120,
+        )
+        try:
+            return await asyncio.gather(*(worker(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    counts = asyncio.run(run())
+    assert all(count >= 1 for count in counts)
+    wait_idle(tiny_server)  # every block released: KV usage back to 0 on both replicas
+
+
+def test_overload_gets_429_with_retry_after_then_recovers(tiny_server, model):
+    # 2 replicas x 24 ongoing + 64 queued = 112 admitted; the rest must be refused, not hang.
+    payload = {"model": model, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+    num_requests = 200
+
+    async def run():
+        limits = httpx.Limits(max_connections=num_requests)
+        async with httpx.AsyncClient(
+            headers=tiny_server.headers, timeout=120, limits=limits
+        ) as http:
+            return await asyncio.gather(
+                *(
+                    http.post(f"{tiny_server.url}/v1/completions", json=payload)
+                    for _ in range(num_requests)
+                )
+            )
+
+    responses = asyncio.run(run())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429}, statuses
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused, "no request was refused"
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert refused[0].json()["error"]["code"] == "server_overloaded"
+    assert statuses.count(200) >= 48
+    wait_idle(tiny_server)
+    assert post_raw(tiny_server, "/v1/chat/completions", body(max_tokens=2)).status_code == 200

@@ -1,0 +1,90 @@
+"""The README's serve command, run as a new user would: it answers, then Ctrl-C stops it cleanly.
+
+Runs ``prefixserve serve`` (the console script, defaults: bundled SmolLM2 on 2 CPU replicas)
+in a subprocess on a free port, waits for /health, asks a chat completion with the official
+``openai`` client, sends SIGINT and expects exit status 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Two replicas loading SmolLM2 (and converting the GGUF on a fresh cache) on a busy CPU box.
+STARTUP_TIMEOUT_S = 420.0
+SHUTDOWN_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def command() -> list[str]:
+    script = shutil.which("prefixserve")
+    if script is not None:
+        return [script]
+    return [sys.executable, "-m", "cluster.cli"]
+
+
+def test_prefixserve_serve_answers_and_stops_on_ctrl_c(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "PREFIXSERVE_API_KEY"}
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [*command(), "serve", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (healthy(url) and f"{url}/v1" in log_path.read_text()):  # URL printed when ready
+            assert proc.poll() is None, f"serve exited early:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, (
+                f"not ready in time:\n{log_path.read_text()[-4000:]}"
+            )
+            time.sleep(1.0)
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        response = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+        )
+        answer = response.choices[0].message.content
+        assert answer and answer.strip(), response
+        assert response.usage.prompt_tokens_details.cached_tokens is not None
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=SHUTDOWN_TIMEOUT_S) == 0, log_path.read_text()[-4000:]
+        assert "prefixserve: stopped" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
