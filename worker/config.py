@@ -43,6 +43,8 @@ class EngineConfig:
     """Seed for requests that give none; sampling is keyed by (seed, position)."""
     deterministic: bool = True
     """Batch-invariant numerics: outputs independent of batch, cache hits and chunking."""
+    kernel_backend: str = "auto"
+    """``torch``, ``triton`` or ``auto`` (Triton on CUDA, torch on CPU): ``kernels/ops.py``."""
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
@@ -67,6 +69,8 @@ class EngineConfig:
              f"must be at least block_size ({self.block_size}), got {self.max_num_batched_tokens}")
         need(self.dtype in _DTYPES, "dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend",
+             f"must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
         knobs = [k for k in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction") if getattr(self, k) is not None]
         need(len(knobs) <= 1, "num_kv_blocks", f"set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction (got {', '.join(knobs)})")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", f"must be at least 2, got {self.num_kv_blocks}")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.ops import select_backend
 from worker.config import EngineConfig
 from worker.models.llama import CausalLM, ModelSpec
 from worker.scheduler import ScheduledBatch
@@ -43,12 +44,18 @@ class ModelRunner:
         self.spec = spec
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.model = CausalLM(spec, weights, config.deterministic, max_positions=max_model_len)
+        self.device = torch.device(config.device)
+        weights = {k: v.to(self.device) for k, v in weights.items()}
+        self.ops = select_backend(config.kernel_backend, config.deterministic, config.device)
+        self.model = CausalLM(spec, weights, self.ops, max_positions=max_model_len)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._decide_num_blocks()
         shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = config.torch_dtype
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(spec.num_layers)]
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(spec.num_layers)
+        ]
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             self.num_blocks, self.block_size, self.num_blocks * self.block_size,
@@ -82,9 +89,12 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
         shape = (blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.spec.num_layers)]
+        dev, dtype = self.device, self.config.torch_dtype
+        caches = [(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
+                  for _ in range(self.spec.num_layers)]
         meta = self._metadata([list(range(blocks))], [0], [n])
-        self.model.forward(torch.zeros(n, dtype=torch.long), torch.arange(n), caches, meta, torch.tensor([n - 1]))
+        self.model.forward(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta,
+                           torch.tensor([n - 1], device=dev))
         del caches
         gc.collect()
 
@@ -98,11 +108,12 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         lens = [s + c for s, c in zip(starts, counts, strict=True)]
+        dev = self.device
         return AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            block_tables=torch.tensor(padded, dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc_list=qsl,
             seq_lens_list=lens,
         )
@@ -124,9 +135,10 @@ class ModelRunner:
                 sampling_reqs.append(i)
         meta = self._metadata(tables, starts, batch.num_new_tokens)
         t0 = time.perf_counter()
+        dev = self.device
         logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-            self.kv_caches, meta, torch.tensor(sampling_rows, dtype=torch.long),
+            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches, meta, torch.tensor(sampling_rows, dtype=torch.long, device=dev),
         )
         self.last_forward_s = time.perf_counter() - t0
-        return logits, sampling_reqs
+        return logits.cpu(), sampling_reqs

@@ -5,8 +5,8 @@ RMSNorm over each query/key head ("QK norm"), Llama 3 may scale rotary frequenci
 runs on a flat batch of tokens (no padding, no batch dimension) and reads and writes the
 paged KV cache through ``kernels``; transformers' modules are never used at serving time.
 
-Linear layers go through ``self.linear``: the batch-invariant tiled path in deterministic
-mode, the plain GEMM otherwise (``kernels/linear.py`` explains why).
+Every kernel call goes through ``self.ops`` (``kernels/ops.py``): the torch CPU path or the
+Triton kernels, each batch-invariant in deterministic mode.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionMetadata, paged_attention
-from kernels.cache import store_kv
-from kernels.linear import batch_invariant_linear, plain_linear
-from kernels.norm import rms_norm
-from kernels.rotary import apply_rotary, build_cos_sin_cache
+from kernels.attention import AttentionMetadata
+from kernels.ops import KernelBackend
+from kernels.rotary import build_cos_sin_cache
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -95,12 +93,11 @@ class ModelSpec:
 class CausalLM:
     """Weights plus a forward pass over the paged cache. Not an nn.Module: nothing trains."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], deterministic: bool, max_positions: int):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], ops: KernelBackend, max_positions: int):
         self.spec = spec
-        self.deterministic = deterministic
-        self.linear = batch_invariant_linear if deterministic else plain_linear
-        dtype = weights["model.embed_tokens.weight"].dtype
-        self.cos_sin = build_cos_sin_cache(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, dtype)
+        self.ops = ops
+        emb = weights["model.embed_tokens.weight"]
+        self.cos_sin = build_cos_sin_cache(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, emb.dtype).to(emb.device)
         self.scale = spec.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
@@ -136,27 +133,27 @@ class CausalLM:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Runs the flat batch; returns float32 logits for the rows in ``logits_indices``."""
-        s = self.spec
+        s, ops = self.spec, self.ops
         n = input_ids.shape[0]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         x = F.embedding(input_ids, self.embed)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h, residual = rms_norm(x, layer["input_norm"], s.rms_norm_eps, residual)
-            qkv = self.linear(h, layer["qkv"], layer["qkv_bias"])
+            h, residual = ops.rms_norm(x, layer["input_norm"], s.rms_norm_eps, residual)
+            qkv = ops.linear(h, layer["qkv"], layer["qkv_bias"])
             q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
             if s.qk_norm:
-                q = rms_norm(q, layer["q_norm"], s.rms_norm_eps)[0]
-                k = rms_norm(k, layer["k_norm"], s.rms_norm_eps)[0]
-            q, k = apply_rotary(q, k, positions, self.cos_sin)
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.deterministic)
-            x = self.linear(attn.reshape(n, q_size), layer["o"])
-            h, residual = rms_norm(x, layer["post_norm"], s.rms_norm_eps, residual)
-            gate_up = self.linear(h, layer["gate_up"])
+                q = ops.rms_norm(q.reshape(-1, s.head_dim), layer["q_norm"], s.rms_norm_eps)[0].view(n, s.num_heads, s.head_dim)
+                k = ops.rms_norm(k.reshape(-1, s.head_dim), layer["k_norm"], s.rms_norm_eps)[0].view(n, s.num_kv_heads, s.head_dim)
+            q, k = ops.rotary(q, k, positions, self.cos_sin)
+            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale)
+            x = ops.linear(attn.reshape(n, q_size), layer["o"])
+            h, residual = ops.rms_norm(x, layer["post_norm"], s.rms_norm_eps, residual)
+            gate_up = ops.linear(h, layer["gate_up"])
             inter = gate_up.shape[1] // 2
-            x = self.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
-        h, _ = rms_norm(x, self.final_norm, s.rms_norm_eps, residual)
-        return self.linear(h[logits_indices], self.lm_head).float()
+            x = ops.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
+        h, _ = ops.rms_norm(x, self.final_norm, s.rms_norm_eps, residual)
+        return ops.linear(h[logits_indices], self.lm_head).float()
