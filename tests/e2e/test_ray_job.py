@@ -3,9 +3,11 @@
 Starts ``ray start --head --block`` on loopback (every port free and derived, its own temp
 dir, so it never meets another Ray on the machine), submits
 ``ray job submit --working-dir <repo> -- prefixserve serve --address auto ...``, asks a chat
-completion over HTTP, submits ``prefixserve batch`` as a second job, then stops the deploy
-job and SIGTERMs the head it started (which takes down every process of that node). Never
-``ray stop``: that would kill other Ray instances on a shared machine.
+completion over HTTP, submits ``prefixserve batch`` as a second job, then ``serve deploy``s
+the Helm chart's rendered serveConfigV2 (deployment options, placement-group bundles, args)
+onto the same cluster and chats again. Finally it stops the deploy job and SIGTERMs the head
+it started (which takes down every process of that node). Never ``ray stop``: that would
+kill other Ray instances on a shared machine. The chart step is skipped only without helm.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ SHUTDOWN_TIMEOUT_S = 60.0
 # Never upload these with the working dir: helm binaries, caches, results.
 UPLOAD_EXCLUDES = [".tools", ".git", "bench/results", "**/__pycache__", "*.egg-info"]
 NUM_BATCH_REQUESTS = 5
+# The dashboard answers before its job agent is ready; a first submit can fail on a busy box.
+SUBMIT_ATTEMPTS = 3
+SUBMIT_RETRY_S = 5.0
 
 
 def free_ports(count: int) -> list[int]:
@@ -70,14 +75,72 @@ def wait_healthy(url: str, head: subprocess.Popen, log: Path) -> None:
         time.sleep(1.0)
 
 
+def chat(url: str) -> dict:
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    reply = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "Hello there"}],
+              "max_tokens": 8, "temperature": 0},
+        timeout=120,
+    )  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] >= 1
+    return body
+
+
+def run_batch_job(submit: list[str], env: dict, url: str, tmp_path: Path) -> None:
+    batch_in, batch_out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    batch_in.write_text(
+        "".join(
+            json.dumps({"id": f"b{i}", "prompt": f"Item {i}:", "max_tokens": 4}) + "\n"
+            for i in range(NUM_BATCH_REQUESTS)
+        )
+    )
+    batch = subprocess.run(
+        [*submit, "--", *prefixserve_command().split(), "batch", "--input", str(batch_in),
+         "--output", str(batch_out), "--url", url, "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    assert batch.returncode == 0, batch.stdout[-3000:] + batch.stderr[-3000:]
+    answers = [json.loads(line) for line in batch_out.read_text().splitlines()]
+    assert sorted(a["custom_id"] for a in answers) == [f"b{i}" for i in range(NUM_BATCH_REQUESTS)]
+    assert all(a["response"]["status_code"] == 200 for a in answers)
+
+
+def chart_serve_config(model: str, cache_dir: Path, http_port: int) -> dict | None:
+    """The Helm chart's serveConfigV2 for a one-replica CPU deployment; None without helm."""
+    from tests.deploy import chart
+
+    if chart.install_helm()[0] is None:
+        return None
+    values = {
+        "serve": {"appName": "chart"},
+        "engine": {"model": model, "device": "cpu", "dtype": "float32",
+                   "kvCacheMemoryFraction": None, "numKvBlocks": 256, "maxModelLen": 512},
+        "cluster": {"numReplicas": 1, "numCpusPerReplica": 1},
+        "gpuWorkers": {"enabled": False},
+        "cpuWorkers": {"enabled": True, "cpus": 1},
+        "redis": {"enabled": False},
+        "modelCache": {"mountPath": str(cache_dir)},
+    }  # fmt: skip
+    config = chart.serve_config(chart.render(values=values))
+    # Kubernetes exposes 0.0.0.0:8000 through a Service; here Serve already listens on loopback.
+    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
+    return config
+
+
 def test_serve_and_batch_as_ray_jobs(tmp_path):
     from worker.testing import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", "llama")
     gcs, dashboard, client, agent, agent_grpc, metrics, env_agent, http = free_ports(8)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFIXSERVE_API_KEY")}
-    # Loopback-only test cluster: no token auth (Ray >= 2.5x enables it by default), no telemetry.
+    # Loopback-only test cluster: no token auth (Ray >= 2.5x enables it by default), no
+    # telemetry; the repo on PYTHONPATH so `serve deploy` finds cluster.app uninstalled too.
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     temp_dir = tempfile.mkdtemp(prefix="/tmp/rj")  # short: Ray's socket paths have a length cap
     head_log = tmp_path / "head.log"
     with head_log.open("w") as log:
@@ -107,45 +170,60 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
             assert time.monotonic() < deadline, "ray head did not come up"
             time.sleep(1.0)
 
-        subprocess.run(
-            [*submit, "--submission-id", serve_job, "--no-wait", "--",
-             *prefixserve_command().split(), "serve", "--address", "auto", "--host", "127.0.0.1",
-             "--port", str(http), "--model", model, "--num-replicas", "1", "--num-kv-blocks", "256",
-             "--max-model-len", "512"],
-            env=job_env, check=True, capture_output=True, timeout=JOB_TIMEOUT_S,
-        )  # fmt: skip
+        # 1. Deploy as a Ray job; 2. a chat completion over HTTP; 3. a batch as a Ray job.
+        for attempt in range(SUBMIT_ATTEMPTS):
+            serve_job = f"serve-{uuid.uuid4().hex[:8]}"
+            submitted = subprocess.run(
+                [*submit, "--submission-id", serve_job, "--no-wait", "--",
+                 *prefixserve_command().split(), "serve", "--address", "auto", "--host", "127.0.0.1",
+                 "--port", str(http), "--model", model, "--num-replicas", "1",
+                 "--num-kv-blocks", "256", "--max-model-len", "512"],
+                env=job_env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+            )  # fmt: skip
+            if submitted.returncode == 0 or attempt == SUBMIT_ATTEMPTS - 1:
+                break
+            time.sleep(SUBMIT_RETRY_S)
+        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         wait_healthy(url, head, head_log)
+        chat(url)
+        run_batch_job(submit, job_env, url, tmp_path)
 
-        reply = httpx.post(
-            f"{url}/v1/chat/completions",
-            json={"model": httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"],
-                  "messages": [{"role": "user", "content": "Hello there"}],
-                  "max_tokens": 8, "temperature": 0},
-            timeout=120,
-        )  # fmt: skip
-        assert reply.status_code == 200, reply.text
-        body = reply.json()
-        assert body["choices"][0]["message"]["content"]
-        assert body["usage"]["completion_tokens"] >= 1
+        # 4. The Helm chart's serveConfigV2 (deployment options, bundles, args) through
+        #    `serve deploy`, replacing the job's app on the same Serve instance.
+        config = chart_serve_config(model, tmp_path / "cache", http)
+        if config is not None:
+            subprocess.run([*ray_cli(), "job", "stop", serve_job], env=job_env,
+                           capture_output=True, timeout=SHUTDOWN_TIMEOUT_S, check=True)  # fmt: skip
+            config_path = tmp_path / "chart-serve-config.yaml"
+            config_path.write_text(json.dumps(config))
+            serve = shutil.which("serve") or "serve"
+            deployed = subprocess.run(
+                [serve, "deploy", str(config_path), "--address", address],
+                env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+            )  # fmt: skip
+            assert deployed.returncode == 0, deployed.stderr[-3000:]
+            deadline, status = time.monotonic() + STARTUP_TIMEOUT_S, {}
+            while True:  # the job's app goes away, the chart's comes up
+                with contextlib.suppress(httpx.HTTPError, KeyError, IndexError):
+                    status = httpx.get(f"{address}/api/serve/applications/", timeout=10).json()
+                    if list(status["applications"]) == ["chart"] and (
+                        status["applications"]["chart"]["status"] == "RUNNING"
+                    ):
+                        break
+                assert time.monotonic() < deadline, f"chart config not running: {status}"
+                time.sleep(1.0)
+            chat(url)
+            deployment = status["applications"]["chart"]["deployments"]["EngineReplica"]
+            assert [r["state"] for r in deployment["replicas"]] == ["RUNNING"]
+            # The chart's per-replica bundles took effect: Serve made the replica a placement
+            # group (it makes none without placement_group_bundles).
+            from ray.util.state import list_placement_groups
 
-        batch_in, batch_out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-        batch_in.write_text(
-            "".join(
-                json.dumps({"id": f"b{i}", "prompt": f"Item {i}:", "max_tokens": 4}) + "\n"
-                for i in range(NUM_BATCH_REQUESTS)
-            )
-        )
-        batch = subprocess.run(
-            [*submit, "--", *prefixserve_command().split(), "batch", "--input", str(batch_in),
-             "--output", str(batch_out), "--url", url, "--no-progress"],
-            env=job_env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
-        )  # fmt: skip
-        assert batch.returncode == 0, batch.stdout[-3000:] + batch.stderr[-3000:]
-        answers = [json.loads(line) for line in batch_out.read_text().splitlines()]
-        assert sorted(a["custom_id"] for a in answers) == [
-            f"b{i}" for i in range(NUM_BATCH_REQUESTS)
-        ]
-        assert all(a["response"]["status_code"] == 200 for a in answers)
+            groups = list_placement_groups(address=address, detail=True)
+            created = [
+                [b["unit_resources"] for b in g.bundles] for g in groups if g.state == "CREATED"
+            ]
+            assert created == [[{"CPU": 1.0}]], groups
     finally:
         subprocess.run(
             [*ray_cli(), "job", "stop", serve_job], env=job_env, capture_output=True,
