@@ -14,7 +14,6 @@ away cancels the handle calls, which aborts the engine requests and frees their 
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type on
 # the methods of the Serve ingress class, or it treats `request` as a query parameter.
 import asyncio
-import enum
 import hmac
 import logging
 import os
@@ -24,11 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import errors
 from cluster.config import API_KEY_ENV, ClusterConfig
+from cluster.engine_client import EngineClient, check_item
 from cluster.errors import APIError
 from cluster.metrics import any_replica_serving, render_prometheus
 from cluster.openai_protocol import (
@@ -40,8 +39,7 @@ from cluster.openai_protocol import (
     resolve_max_tokens,
 )
 from cluster.responses import ResponseBuilder
-from router.protocol import hash_blocks
-from worker import EngineConfig, SamplingParams
+from worker import EngineConfig
 from worker.loader import load_tokenizer
 
 # Serve routes the "ray.serve" logger into each replica's log file.
@@ -70,35 +68,6 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return errors.bad_request(str(exc)).to_response()
 
 
-class _Event(enum.Enum):
-    ITEM = "item"
-    END = "end"
-    FAILED = "failed"
-
-
-def _cancel_quietly(response) -> None:
-    """Cancels a handle call; one that already failed or finished has nothing to cancel.
-
-    ``cancel()`` re-raises the call's own error (e.g. ``BackPressureError``) when the call
-    already failed, which must not replace the error the client gets.
-    """
-    try:
-        response.cancel()
-    except Exception as exc:
-        log.debug("cancel of a finished handle call: %r", exc)
-
-
-def _rejection_error(rejected: dict) -> APIError:
-    kind, message = rejected["kind"], rejected["message"]
-    if kind == "invalid":
-        return errors.from_value_error(ValueError(message))
-    if kind == "overloaded":
-        return errors.overloaded("engine queue full")
-    if kind == "dead":
-        return errors.unavailable(f"replica unavailable: {message}")
-    return errors.internal(message)
-
-
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
@@ -107,8 +76,6 @@ class Ingress:
     ) -> None:
         self.engine_config = EngineConfig(**engine_config)
         self.cluster = ClusterConfig(**cluster_config)
-        self._engine = engine
-        self._stream_handle = engine.options(stream=True)
         self._hub = metrics_hub
         self._api_key = self.cluster.api_key or os.environ.get(API_KEY_ENV) or None
         # Ask a replica rather than guess: hashes, limits and names must match the engine's.
@@ -117,6 +84,9 @@ class Ingress:
         self.max_model_len: int = info["max_model_len"]
         self.block_size: int = info["block_size"]
         self.vocab_size: int = info["vocab_size"]
+        self.engines = EngineClient(
+            engine.options(stream=True), block_size=self.block_size, model_id=self.model_id
+        )
         self.served_name = self.cluster.served_model_name or self.model_id
         self.accepted_names = {self.served_name}
         if self.cluster.served_model_name is None:
@@ -163,100 +133,14 @@ class Ingress:
                     f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param
                 )
 
-    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt):
-        """Starts one engine request; returns (first output, response) or raises APIError."""
-        hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
-        response = None
-        try:
-            # Serve may refuse in remote() itself (its queue is full) or on the first item.
-            response = self._stream_handle.generate.remote(
-                request_id, prompt_ids, params, cache_salt=salt, block_hashes=hashes
-            )
-            first = await response.__anext__()
-        except BaseException as exc:
-            if response is not None:
-                _cancel_quietly(response)
-            if isinstance(exc, BackPressureError):
-                raise errors.overloaded("too many queued requests") from None
-            if isinstance(
-                exc, (APIError, asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
-            ):
-                raise
-            log.warning("request %s failed to start: %r", request_id, exc)
-            raise errors.unavailable("no replica could take the request") from None
-        if "rejected" in first:
-            _cancel_quietly(response)
-            raise _rejection_error(first["rejected"])
-        return first, response
-
-    async def _open_all(self, request_id: str, prompts: list[list[int]], params: list, salt):
-        """Starts every prompt's engine request at once; on any failure cancels the rest."""
-        sub_ids = (
-            [request_id]
-            if len(prompts) == 1
-            else [f"{request_id}-{i}" for i in range(len(prompts))]
-        )
-        results = await asyncio.gather(
-            *(self._open(*call, salt) for call in zip(sub_ids, prompts, params, strict=True)),
-            return_exceptions=True,
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            for result in results:
-                if not isinstance(result, BaseException):
-                    _cancel_quietly(result[1])
-            raise failures[0]
-        return results
-
-    @staticmethod
-    async def _merge(opened: list):
-        """(prompt index, output dict) from every stream as they arrive; raises on failure."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, first: dict, response) -> None:
-            try:
-                await queue.put((_Event.ITEM, index, first))
-                async for item in response:
-                    await queue.put((_Event.ITEM, index, item))
-                await queue.put((_Event.END, index, None))
-            except Exception as exc:
-                await queue.put((_Event.FAILED, index, exc))
-
-        tasks = [
-            asyncio.create_task(pump(i, first, resp)) for i, (first, resp) in enumerate(opened)
-        ]
-        ended: set[int] = set()
-        try:
-            while len(ended) < len(tasks):
-                event, index, payload = await queue.get()
-                if event is _Event.END:
-                    ended.add(index)
-                elif event is _Event.FAILED:
-                    raise payload
-                else:
-                    yield index, payload
-        finally:
-            for task in tasks:
-                task.cancel()
-            for index, (_, response) in enumerate(opened):
-                if index not in ended:  # client gone or a sibling failed: abort the engine request
-                    _cancel_quietly(response)
-
-    @staticmethod
-    def _check_item(item: dict) -> None:
-        if "rejected" in item:
-            raise _rejection_error(item["rejected"])
-        if item.get("error"):
-            raise errors.internal(f"the engine failed this request: {item['error']}")
-
     async def _respond(self, body, builder: ResponseBuilder, opened: list) -> Response:
         replicas = ",".join(dict.fromkeys(first["replica_id"] for first, _ in opened))
         headers = {REPLICA_HEADER: replicas}
-        items = self._merge(opened)
+        items = self.engines.merge(opened)
         if not body.stream:
             try:
                 async for index, item in items:
-                    self._check_item(item)
+                    check_item(item)
                     builder.add(index, item)
             except APIError:
                 raise
@@ -269,7 +153,7 @@ class Ingress:
         async def events():
             try:
                 async for index, item in items:
-                    self._check_item(item)
+                    check_item(item)
                     for event in builder.stream_events(index, item):
                         yield event
             except APIError as exc:
@@ -315,7 +199,7 @@ class Ingress:
         )
         params = body.sampling_params(max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        opened = await self._open_all(request_id, [prompt_ids], [params], body.cache_salt)
+        opened = await self.engines.open_all(request_id, [prompt_ids], [params], body.cache_salt)
         builder = ResponseBuilder(
             chat=True,
             request_id=request_id,
@@ -354,7 +238,7 @@ class Ingress:
             )
             params.append(body.sampling_params(max_tokens))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        opened = await self._open_all(request_id, prompts, params, body.cache_salt)
+        opened = await self.engines.open_all(request_id, prompts, params, body.cache_salt)
         builder = ResponseBuilder(
             chat=False,
             request_id=request_id,

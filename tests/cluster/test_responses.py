@@ -113,3 +113,44 @@ def test_batched_completion_choices_are_numbered_by_prompt():
     assert len(choices) == 4
     assert choices[3]["text"] == "q" and choices[3]["index"] == 3
     assert b.full_response()["usage"]["prompt_tokens"] == 5
+
+
+def test_replica_output_dict_carries_only_what_is_new_and_finishes_once():
+    from cluster.replica import output_to_dict
+    from worker.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
+
+    logprobs = [TokenLogprob(5, -0.1, [(5, -0.1)]), TokenLogprob(6, -0.2, [(6, -0.2), (7, -2.0)])]
+    done = CompletionOutput(
+        0,
+        "ab",
+        [5, 6],
+        new_text="b",
+        new_token_ids=[6],
+        logprobs=logprobs,
+        finish_reason=FinishReason.STOP,
+        stop_reason="x",
+    )
+    running = CompletionOutput(1, "c", [9], new_text="c", new_token_ids=[9])
+    out = RequestOutput("r", [1, 2, 3], [done, running], num_cached_tokens=2)
+    reported: set[int] = set()
+    first = output_to_dict(out, "rep", reported)
+    assert first["replica_id"] == "rep" and first["num_prompt_tokens"] == 3
+    assert first["num_cached_tokens"] == 2
+    assert first["outputs"][0]["logprobs"] == [[6, -0.2, [[6, -0.2], [7, -2.0]]]]
+    assert first["outputs"][0]["finish_reason"] == "stop" and first["outputs"][0]["text"] == "ab"
+    assert first["outputs"][1]["text"] is None
+    again = output_to_dict(out, "rep", reported)
+    assert [c["index"] for c in again["outputs"]] == [1]  # a finished choice is not repeated
+
+
+def test_replica_rejections_map_to_statuses():
+    from cluster.engine_client import rejection_error
+
+    def status(kind: str) -> int:
+        return rejection_error({"kind": kind, "message": "max_tokens=5 too many"}).status
+
+    assert status("invalid") == 400 and status("overloaded") == 429
+    assert status("dead") == 503 and status("internal") == 500
+    invalid = rejection_error({"kind": "invalid", "message": "max_tokens=5 too many"})
+    assert invalid.param == "max_tokens"
+    assert rejection_error({"kind": "overloaded", "message": ""}).retry_after_s >= 1

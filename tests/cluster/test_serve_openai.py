@@ -349,6 +349,7 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_server, model):
         timeout=60,
     ) as response:
         assert response.status_code == 200
+        assert response.headers[REPLICA_HEADER]  # the load generator reads the serving replica
         lines = response.iter_lines()
         received = [line for _, line in zip(range(6), lines, strict=False)]
         assert any(line.startswith("data: ") for line in received)
