@@ -18,6 +18,7 @@ from cluster.config import ClusterConfig, configs_from_args
 from cluster.ingress import Ingress
 from cluster.metrics import MetricsHub
 from cluster.replica import EngineReplica
+from cluster.request_router import request_router_config
 from router.config import RouterConfig
 from worker.config import EngineConfig
 
@@ -32,16 +33,14 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 # (which aborts what is left) and then killing the actor.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 15.0
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
+# How often Serve collects each replica's routing stats (queue, prefill rate) for the
+# router: often enough to see a burst build up, rarely enough to cost the controller little.
+ROUTING_STATS_PERIOD_S = 1.0
 
 
 def request_router_options(router: RouterConfig) -> dict:
-    """Serve deployment options that install the request router (none yet: Serve's default).
-
-    Hook for the router wiring: return ``{"request_router_config": {...}}`` built from
-    ``router`` and the engine replicas get routed by it.
-    """
-    del router
-    return {}
+    """Serve deployment options that install ``cluster.request_router`` for ``router``."""
+    return {"request_router_config": request_router_config(router, ROUTING_STATS_PERIOD_S)}
 
 
 def build_app_from_configs(
@@ -64,7 +63,7 @@ def build_app_from_configs(
     }
     engine_dict = dataclasses.asdict(engine)
     replicas = EngineReplica.options(**replica_options).bind(
-        engine_dict, hub, cluster.served_model_name or ""
+        engine_dict, hub, cluster.served_model_name or "", dataclasses.asdict(router)
     )
     return Ingress.options(
         num_replicas=1,

@@ -24,7 +24,10 @@ import time
 
 from ray import serve
 
+from cluster.index_actor import make_cluster_index
+from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
+from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
 
@@ -95,7 +98,13 @@ def rejection(replica_id: str, kind: RejectKind, message: str) -> dict:
 class EngineReplica:
     """One engine; Serve runs ``num_replicas`` of these behind the ingress's handle."""
 
-    async def __init__(self, engine_config: dict, metrics_hub=None, model_name: str = "") -> None:
+    async def __init__(
+        self,
+        engine_config: dict,
+        metrics_hub=None,
+        model_name: str = "",
+        router_config: dict | None = None,
+    ) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.engine = AsyncEngine(EngineConfig(**engine_config), replica_id=self.replica_id)
@@ -103,6 +112,17 @@ class EngineReplica:
         self.metrics = ReplicaMetrics()
         self._hub = metrics_hub
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
+        self._kv_publisher = None
+        if router_config is not None:  # KV events and heartbeats to the prefix index
+            router = RouterConfig(**router_config)
+            self._kv_publisher = ReplicaKVPublisher(
+                self.engine.drain_kv_events,
+                make_cluster_index(context.app_name, router, self.engine.model_id),
+                self.replica_id,
+                heartbeat_timeout_s=router.heartbeat_timeout_s,
+                retry_interval_s=router.redis_retry_interval_s,
+            )
+            self._kv_publisher.start()
         log.info("replica %s serving %s", self.replica_id, self.engine.model_id)
 
     async def generate(
@@ -157,7 +177,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """Serve's routing-stats hook: what the request router reads per replica."""
-        return self.engine.stats().to_dict()
+        return {**self.engine.stats().to_dict(), "model_id": self.engine.model_id}
 
     def drain_kv_events(self) -> list:
         """KV event batches since the last call (``router.protocol.KVEventBatch``)."""
@@ -192,6 +212,9 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         self._push_task.cancel()
+        if self._kv_publisher is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._kv_publisher.close(), 2.0)
         if self._hub is not None:
             with contextlib.suppress(Exception):
                 snapshot = self.metrics_snapshot()

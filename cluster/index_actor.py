@@ -1,0 +1,173 @@
+"""The embedded prefix index as one Ray actor per Serve application, and its client.
+
+Owns where the default (``embedded``) index lives in a cluster and how routers and replicas
+reach it. ``IndexActor`` hosts one ``router.embedded_index.EmbeddedIndex``; its name is
+derived from the application's name (``index_actor_name``), so two applications never
+share an index and nothing uses a fixed global name. It is detached, so it outlives
+whichever replica or router process created it first; every process creates it lazily
+with ``get_if_exists``, and it is registered with the Serve controller so that
+``serve.shutdown()`` kills it.
+
+``ActorIndexClient`` is a synchronous ``PrefixIndex`` over the actor, for threads that may
+block (the router's lookup thread, the replica's publisher thread): lookups wait at most
+``RouterConfig.redis_socket_timeout_s`` and writes ``redis_write_timeout_s``.
+
+How it fails: every Ray failure (timeout, dead or unreachable actor, actor not yet created)
+becomes ``IndexUnavailableError``, which ``router.index.FallbackIndex`` turns into routing
+by load. A dead actor is re-created by the next call that probes it; ``generation`` then
+grows, which tells a replica's publisher to re-announce everything it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import ray
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+from router.config import RouterConfig
+from router.embedded_index import EmbeddedIndex
+from router.index import IndexUnavailableError, Match, ReplicaId
+from router.liveness import ApplyOutcome
+from router.protocol import BlockHash, KVEventBatch
+
+log = logging.getLogger("ray.serve")
+
+INDEX_ACTOR_PREFIX = "prefixserve-index:"
+# Calls are microseconds of dict work; a few threads keep one large re-announce from
+# delaying every lookup behind it (EmbeddedIndex is thread-safe).
+INDEX_ACTOR_MAX_CONCURRENCY = 8
+
+
+def index_actor_name(app_name: str) -> str:
+    """The index actor's name for one Serve application (namespace ``serve``)."""
+    if not app_name:
+        raise ValueError("app_name must be a non-empty string")
+    return INDEX_ACTOR_PREFIX + app_name
+
+
+@ray.remote(num_cpus=0, max_concurrency=INDEX_ACTOR_MAX_CONCURRENCY)
+class IndexActor:
+    """One ``EmbeddedIndex`` shared by every process of an application."""
+
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self._index = EmbeddedIndex(heartbeat_timeout_s=heartbeat_timeout_s)
+
+    def apply(self, batch: KVEventBatch) -> ApplyOutcome:
+        return self._index.apply(batch)
+
+    def apply_many(self, batches: Sequence[KVEventBatch]) -> list[ApplyOutcome]:
+        return self._index.apply_many(batches)
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
+        return self._index.match(block_hashes)
+
+    def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
+        return self._index.heartbeat(replica_id, epoch, now)
+
+    def remove_replica(self, replica_id: ReplicaId) -> None:
+        self._index.remove_replica(replica_id)
+
+    def replicas(self) -> list[ReplicaId]:
+        return self._index.replicas()
+
+    def record_speculative(
+        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
+    ) -> None:
+        self._index.record_speculative(replica_id, block_hashes, ttl_s)
+
+    def sweep(self, now: float | None = None) -> list[ReplicaId]:
+        return self._index.sweep(now)
+
+
+def get_or_create_index_actor(app_name: str, config: RouterConfig):
+    """The application's index actor, created (detached) if no process has yet."""
+    actor = IndexActor.options(
+        name=index_actor_name(app_name),
+        namespace=SERVE_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+    ).remote(config.heartbeat_timeout_s)
+    try:  # private Serve API (the one Ray's own prefix router uses): best effort
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller._register_shutdown_cleanup_actor.remote(actor)
+    except Exception as exc:  # noqa: BLE001 - cleanup registration never blocks serving
+        log.debug("could not register the index actor for cleanup: %r", exc)
+    return actor
+
+
+class ActorIndexClient:
+    """Blocking ``PrefixIndex`` over the application's ``IndexActor``; thread-safe."""
+
+    def __init__(self, app_name: str, config: RouterConfig) -> None:
+        self.app_name = app_name
+        self.config = config
+        self.lookup_timeout_s = config.redis_socket_timeout_s
+        self.write_timeout_s = config.redis_write_timeout_s
+        self.generation = 0
+        """Grows each time the client reaches a different actor (first one included)."""
+        self._lock = threading.Lock()
+        self._actor = None
+        self._actor_id = None
+
+    def _handle(self):
+        with self._lock:
+            if self._actor is None:
+                actor = get_or_create_index_actor(self.app_name, self.config)
+                if actor._actor_id != self._actor_id:
+                    self.generation += 1
+                    self._actor_id = actor._actor_id
+                self._actor = actor
+            return self._actor
+
+    def _call(self, method: str, timeout_s: float, *args):
+        try:
+            ref = getattr(self._handle(), method).remote(*args)
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise IndexUnavailableError(f"index actor {method} took over {timeout_s}s") from exc
+        except (ray.exceptions.RayActorError, ValueError) as exc:
+            with self._lock:  # dead or not found: resolve (and maybe re-create) next time
+                self._actor = None
+            raise IndexUnavailableError(f"index actor unreachable: {exc!r}") from exc
+        except ray.exceptions.RayError as exc:
+            raise IndexUnavailableError(f"index actor call failed: {exc!r}") from exc
+
+    def apply(self, batch: KVEventBatch) -> ApplyOutcome:
+        return self._call("apply", self.write_timeout_s, batch)
+
+    def apply_many(self, batches: Sequence[KVEventBatch]) -> list[ApplyOutcome]:
+        return self._call("apply_many", self.write_timeout_s, list(batches))
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
+        return self._call("match", self.lookup_timeout_s, list(block_hashes))
+
+    def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
+        return self._call("heartbeat", self.write_timeout_s, replica_id, epoch, now)
+
+    def remove_replica(self, replica_id: ReplicaId) -> None:
+        self._call("remove_replica", self.write_timeout_s, replica_id)
+
+    def replicas(self) -> list[ReplicaId]:
+        return self._call("replicas", self.write_timeout_s)
+
+    def record_speculative(
+        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
+    ) -> None:
+        self._call(
+            "record_speculative", self.write_timeout_s, replica_id, list(block_hashes), ttl_s
+        )
+
+    def sweep(self, now: float | None = None) -> list[ReplicaId]:
+        return self._call("sweep", self.write_timeout_s, now)
+
+
+def make_cluster_index(app_name: str, config: RouterConfig, model_id: str):
+    """The backend ``config.index_backend`` names, reachable from any process of the app."""
+    if config.index_backend == "redis":
+        from router.index import make_index
+
+        return make_index(config, model_id)
+    return ActorIndexClient(app_name, config)

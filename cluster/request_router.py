@@ -1,0 +1,209 @@
+"""Ray Serve's ``RequestRouter`` for the engine replicas: ``router.routing.Router`` in Serve.
+
+Owns the per-request decision of every ``DeploymentHandle`` to ``EngineReplica`` (the
+ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (hashed once at
+the ingress) and prompt length from the call's arguments, builds one
+``router.policy.ReplicaView`` per candidate from the replica's Serve routing stats
+(``EngineReplica.record_routing_stats``) plus this router's own count of requests it sent
+that have not finished, and lets ``Router.route`` decide: one index lookup, the configured
+policy (``prefix`` by default, or ``round_robin``/``least_loaded``/``pow2``), a speculative
+entry for the chosen replica. Other calls (``describe``) carry no blocks and go by load.
+
+The chosen replica is returned as the first rank and every other candidate as the second,
+so Serve falls through to the least loaded of the others when the chosen one is full.
+
+How it fails: the lookup runs in a worker thread with a short timeout (see
+``cluster.index_actor``); an unreachable index makes the decision by load alone, logged
+once and counted (reason ``fallback``) until the index answers again. With the Redis
+backend the Redis keys are namespaced by model, which this router learns from the
+replicas' routing stats; until a replica has reported, requests go by load.
+``router_metrics_snapshot`` returns this process's router metrics for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.index_actor import make_cluster_index
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.policy import ReplicaView
+from router.protocol import ReplicaStats
+from router.routing import Router
+
+log = logging.getLogger("ray.serve")
+
+ROUTER_CLASS_PATH = "cluster.request_router:PrefixAwareRequestRouter"
+# Routers alive in this process, for router_metrics_snapshot (one per handle's deployment).
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes], int]:
+    """(block hashes, prompt tokens) of a ``generate`` call; ``([], 0)`` for other calls."""
+    if pending_request is None:
+        return [], 0
+    kwargs = pending_request.kwargs or {}
+    hashes = kwargs.get("block_hashes")
+    if not isinstance(hashes, list):
+        return [], 0
+    prompt = kwargs.get("prompt_token_ids")
+    if prompt is None and len(pending_request.args) > 1:
+        prompt = pending_request.args[1]
+    num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+    return hashes, num_prompt_tokens
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    """Routes each request where the configured policy says (predicted TTFT by default)."""
+
+    def initialize_state(self, router_config: dict | None = None) -> None:
+        self.config = RouterConfig(**(router_config or {}))
+        self.metrics = RouterMetrics()
+        self._router: Router | None = None
+        self._router_lock = threading.Lock()
+        self._inflight_lock = threading.Lock()
+        self._inflight_by_request: dict[str, str] = {}
+        self._inflight_by_replica: dict[str, int] = {}
+        _ROUTERS.add(self)
+
+    # ---------------------------------------------------------------------- the decision
+    def _get_router(self, replicas: list[RunningReplica]) -> Router | None:
+        if self._router is not None:
+            return self._router
+        model_id = ""
+        if self.config.index_backend == "redis":
+            model_id = next(
+                (r.routing_stats.get("model_id") for r in replicas if r.routing_stats), None
+            )
+            if not model_id:
+                return None
+        with self._router_lock:
+            if self._router is None:
+                index = make_cluster_index(self.app_name, self.config, model_id)
+                self._router = Router(self.config, model_id, index=index, metrics=self.metrics)
+        return self._router
+
+    def _views(self, replicas: list[RunningReplica]) -> list[ReplicaView]:
+        with self._inflight_lock:
+            counts = dict(self._inflight_by_replica)
+        return [
+            ReplicaView(
+                r.replica_id.unique_id,
+                ReplicaStats.from_dict(r.routing_stats or {}),
+                counts.get(r.replica_id.unique_id, 0),
+            )
+            for r in replicas
+        ]
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Without this Serve retries a full set of replicas in a tight loop.
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        hashes, num_prompt_tokens = request_blocks(pending_request)
+        views = self._views(candidate_replicas)
+        router = self._get_router(candidate_replicas)
+        if router is None:
+            decision = None
+        elif hashes:  # one index round trip: off the event loop
+            decision = await asyncio.to_thread(router.route, hashes, num_prompt_tokens, views)
+        else:
+            decision = router.route([], num_prompt_tokens, views)
+        if decision is None:
+            return [candidate_replicas]
+        chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
+        others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]
+        return [chosen, others] if others else [chosen]
+
+    # ------------------------------------------------------------ in-flight bookkeeping
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
+        key = pending_request.metadata.internal_request_id
+        unique_id = replica_id.unique_id
+        with self._inflight_lock:
+            if key in self._inflight_by_request:
+                return
+            self._inflight_by_request[key] = unique_id
+            self._inflight_by_replica[unique_id] = self._inflight_by_replica.get(unique_id, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        with self._inflight_lock:
+            unique_id = self._inflight_by_request.pop(internal_request_id, None)
+            if unique_id is None:
+                return
+            left = self._inflight_by_replica.get(unique_id, 1) - 1
+            if left > 0:
+                self._inflight_by_replica[unique_id] = left
+            else:
+                self._inflight_by_replica.pop(unique_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = {rid.unique_id for rid in self._replica_id_set}
+        super().update_replicas(replicas)
+        gone = before - {rid.unique_id for rid in self._replica_id_set}
+        router = self._router
+        if gone and router is not None:  # their entries stop counting now, not at timeout
+            for unique_id in gone:
+                self._event_loop.run_in_executor(None, router.index.remove_replica, unique_id)
+
+    def close(self) -> None:
+        if self._router is not None:
+            self._router.close()
+
+
+def _merge(total: dict, snapshot: dict) -> dict:
+    if not total:
+        return snapshot
+    counts: dict[tuple[str, str], int] = {}
+    for row in total["decisions"] + snapshot["decisions"]:
+        key = (row["policy"], row["reason"])
+        counts[key] = counts.get(key, 0) + row["count"]
+    merged = dict(total)
+    merged["decisions"] = [
+        {"policy": p, "reason": r, "count": c} for (p, r), c in sorted(counts.items())
+    ]
+    for name in (
+        "num_prompt_blocks",
+        "num_matched_blocks",
+        "num_index_errors",
+        "num_fallback_decisions",
+        "num_dropped_speculations",
+    ):
+        merged[name] = total[name] + snapshot[name]
+    prompt = merged["num_prompt_blocks"]
+    merged["matched_block_ratio"] = merged["num_matched_blocks"] / prompt if prompt else None
+    latency, other = dict(total["lookup_latency_ms"]), snapshot["lookup_latency_ms"]
+    latency["counts"] = [a + b for a, b in zip(latency["counts"], other["counts"], strict=True)]
+    latency["sum"] += other["sum"]
+    latency["count"] += other["count"]
+    merged["lookup_latency_ms"] = latency
+    return merged
+
+
+def router_metrics_snapshot() -> dict | None:
+    """``RouterMetrics.snapshot()`` summed over this process's routers; None without one."""
+    total: dict = {}
+    for request_router in list(_ROUTERS):
+        total = _merge(total, request_router.metrics.snapshot())
+    return total or None
+
+
+def request_router_config(config: RouterConfig, stats_period_s: float) -> dict:
+    """``request_router_config`` deployment option that installs this router."""
+    import dataclasses
+
+    return {
+        "request_router_class": ROUTER_CLASS_PATH,
+        "request_router_kwargs": {"router_config": dataclasses.asdict(config)},
+        "request_routing_stats_period_s": stats_period_s,
+        "request_routing_stats_timeout_s": max(stats_period_s, 1.0) * 5,
+    }
