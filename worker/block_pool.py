@@ -10,6 +10,10 @@ Invariants (checked by ``check_invariants``, which the stress test calls every s
 - A hit is served only if the block's stored tokens equal the request's tokens, so a hash
   collision costs a recompute, never a wrong answer.
 
+With a host tier attached (``attach_host``), a cached block that the device reuses is first
+copied to host memory (``worker/host_cache.py``), and ``load_host_prefix`` brings host blocks
+back on a hit. A hash lives in exactly one tier.
+
 Allocation failures raise ``NoFreeBlocksError``; the scheduler answers them with preemption.
 """
 
@@ -20,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.protocol import BlockHash, EventKind, KVEvent, Tier
+from worker.host_cache import HostKVCache, KVMover
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -47,6 +52,11 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._events: list[KVEvent] = []
         self.num_collisions = 0
+        self.host: HostKVCache | None = None
+
+    def attach_host(self, num_slots: int, mover: KVMover) -> None:
+        """Give evicted prefix blocks a second life in host memory (``num_slots`` blocks)."""
+        self.host = HostKVCache(num_slots, mover, self._events)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -74,6 +84,34 @@ class BlockPool:
                 break
             hits.append(block)
         return hits
+
+    def load_host_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int) -> list[Block]:
+        """Bring host blocks ``start, start + 1, ...`` back to the device while they match.
+
+        Each returned block holds one reference. Stops at the first miss, or when no device
+        block is free (allocating may evict device blocks to the host, possibly dropping a
+        later host block of this same prefix: the loop checks each one when it gets there).
+        """
+        if self.host is None or not self.enable_prefix_caching:
+            return []
+        bs, loaded = self.block_size, []
+        for i in range(start, len(block_hashes)):
+            h, toks = block_hashes[i], token_ids[i * bs : (i + 1) * bs]
+            if h not in self.host or not self.host.matches(h, toks):
+                break
+            try:
+                [block] = self.allocate(1)
+            except NoFreeBlocksError:
+                break
+            if h not in self.host:  # the allocation just pushed it out of the host tier
+                self.free([block])
+                break
+            block.token_ids = self.host.load(h, block.block_id)
+            block.block_hash = h
+            self._cached[h] = block.block_id
+            self._events.append(KVEvent(EventKind.STORED, (h,), Tier.DEVICE))
+            loaded.append(block)
+        return loaded
 
     # -- reference counting ------------------------------------------------------------------
     def touch(self, blocks: Sequence[Block]) -> None:
@@ -112,12 +150,16 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block.block_id
+        if self.host is not None:
+            self.host.discard(block_hash)  # recomputed on the device: one tier holds it
         self._events.append(KVEvent(EventKind.STORED, (block_hash,), Tier.DEVICE))
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             self._events.append(KVEvent(EventKind.REMOVED, (block.block_hash,), Tier.DEVICE))
+            if self.host is not None:
+                self.host.save(block.block_id, block.block_hash, block.token_ids)
             block.block_hash = None
             block.token_ids = None
 
@@ -128,12 +170,18 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash, block.token_ids = None, None
         self._cached.clear()
+        if self.host is not None:
+            self.host.clear()
         self._events.append(KVEvent(EventKind.CLEARED))
         return True
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Everything the cache can serve now (for re-announcing to a fresh index)."""
+        """Everything the device tier can serve now (for re-announcing to a fresh index)."""
         return list(self._cached)
+
+    def host_hashes(self) -> list[BlockHash]:
+        """Everything the host tier can serve now."""
+        return self.host.hashes() if self.host is not None else []
 
     def take_events(self) -> list[KVEvent]:
         """This step's changes, with consecutive events of one kind merged."""
@@ -155,3 +203,8 @@ class BlockPool:
         for h, block_id in self._cached.items():
             if self.blocks[block_id].block_hash != h:
                 raise AssertionError(f"hash map points at block {block_id} which holds another hash")
+        if self.host is not None:
+            self.host.check_invariants()
+            both = set(self._cached) & set(self.host.hashes())
+            if both:
+                raise AssertionError(f"{len(both)} hashes are held by both tiers")

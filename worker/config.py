@@ -48,6 +48,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
+    host_kv_cache_bytes: int | None = None
+    """Second KV tier in host RAM for evicted prefix blocks (pinned on CUDA); None: off."""
     max_waiting_requests: int = 1024
     """Bound on the waiting queue; past it ``add_request`` raises ``EngineOverloadedError``."""
     max_logprobs: int = 20
@@ -77,6 +79,8 @@ class EngineConfig:
         need(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be positive, got {self.kv_cache_bytes}")
         frac = self.kv_cache_memory_fraction
         need(frac is None or 0.0 < frac <= 0.95, "kv_cache_memory_fraction", f"must be in (0, 0.95], got {frac}")
+        need(self.host_kv_cache_bytes is None or self.host_kv_cache_bytes > 0, "host_kv_cache_bytes",
+             f"must be positive, got {self.host_kv_cache_bytes}")
         need(self.max_waiting_requests > 0, "max_waiting_requests", f"must be positive, got {self.max_waiting_requests}")
         need(0 <= self.max_logprobs <= 20, "max_logprobs", f"must be in [0, 20], got {self.max_logprobs}")
         need(self.num_threads is None or self.num_threads > 0, "num_threads", f"must be positive, got {self.num_threads}")

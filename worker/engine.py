@@ -48,6 +48,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, spec, weights, self.max_model_len)
         self.block_size = config.block_size
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        if self.runner.host_kv is not None:
+            self.pool.attach_host(self.runner.num_host_blocks, self.runner)
         self.scheduler = Scheduler(config, self.pool)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.metrics = EngineMetrics()
@@ -190,8 +192,15 @@ class LLMEngine:
         out, self._kv_batches = self._kv_batches, []
         return out
 
+    def host_to_device_tokens_per_s(self) -> float:
+        host = self.pool.host
+        if host is None or not host.counters.blocks_loaded or self.runner.load_seconds_total <= 0:
+            return 0.0
+        return host.counters.blocks_loaded * self.block_size / self.runner.load_seconds_total
+
     def stats(self) -> ReplicaStats:
         return ReplicaStats(
+            host_to_device_tokens_per_s=self.host_to_device_tokens_per_s(),
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             kv_usage=self.pool.usage, prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
             decode_tokens_per_s=self.metrics.decode_tokens_per_s,
@@ -211,5 +220,19 @@ class LLMEngine:
             "generation_tokens_total": self.metrics.generation_tokens_total,
             "num_free_blocks": self.pool.num_free_blocks,
             "num_total_blocks": self.pool.num_blocks,
+            **self._host_metrics(),
+        }
+
+    def _host_metrics(self) -> dict[str, float]:
+        host = self.pool.host
+        if host is None:
+            return {}
+        per_block = self.runner.bytes_per_block
+        return {
+            "host_cache_hits_total": self.scheduler.counters.host_cache_hits_tokens,
+            "host_kv_blocks_used": len(host),
+            "host_kv_blocks_total": host.num_slots,
+            "kv_offload_bytes_total": host.counters.blocks_saved * per_block,
+            "kv_onload_bytes_total": host.counters.blocks_loaded * per_block,
         }
 

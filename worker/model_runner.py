@@ -50,17 +50,34 @@ class ModelRunner:
         self.model = CausalLM(spec, weights, self.ops, max_positions=max_model_len)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._decide_num_blocks()
-        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        block_shape = (self.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = config.torch_dtype
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(spec.num_layers)
-        ]
+        # One tensor [layers, K/V, blocks, ...]: a block's KV across all layers moves in one copy.
+        self.kv = torch.zeros(spec.num_layers, 2, self.num_blocks, *block_shape, dtype=dtype, device=self.device)
+        self.kv_caches = [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(spec.num_layers)]
+        self.host_kv: torch.Tensor | None = None
+        self.num_host_blocks = (config.host_kv_cache_bytes or 0) // self.bytes_per_block
+        if config.host_kv_cache_bytes is not None:
+            if self.num_host_blocks < 1:
+                raise ValueError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block ({self.bytes_per_block} bytes)")
+            self.host_kv = torch.zeros(self.num_host_blocks, spec.num_layers, 2, *block_shape, dtype=dtype,
+                                       pin_memory=self.device.type == "cuda")
+            log.info("host KV tier: %d blocks (%.1f MiB)", self.num_host_blocks, self.num_host_blocks * self.bytes_per_block / 2**20)
+        self.load_seconds_total = 0.0
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             self.num_blocks, self.block_size, self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
         )
+
+    # -- host tier (worker/host_cache.py's KVMover) --------------------------------------------
+    def save(self, block_id: int, slot: int) -> None:
+        self.host_kv[slot].copy_(self.kv[:, :, block_id], non_blocking=False)
+
+    def load(self, slot: int, block_id: int) -> None:
+        t0 = time.perf_counter()
+        self.kv[:, :, block_id].copy_(self.host_kv[slot], non_blocking=True)
+        self.load_seconds_total += time.perf_counter() - t0
 
     @property
     def bytes_per_block(self) -> int:

@@ -40,6 +40,9 @@ class ScheduledBatch:
 class SchedulerCounters:
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hits_tokens: int = 0
+    """Hits from either tier."""
+    host_cache_hits_tokens: int = 0
+    """The part of the hits brought back from the host tier."""
     num_preemptions: int = 0
 
 
@@ -116,10 +119,13 @@ class Scheduler:
                 break
             # Never a full hit: the last token is recomputed so the step yields its logits.
             max_hit_blocks = (req.num_tokens - 1) // self.pool.block_size
-            hits = self.pool.find_cached_prefix(req.block_hashes[:max_hit_blocks], req.all_token_ids)
+            hashes = req.block_hashes[:max_hit_blocks]
+            hits = self.pool.find_cached_prefix(hashes, req.all_token_ids)
+            self.pool.touch(hits)
+            host_hits = self.pool.load_host_prefix(hashes, req.all_token_ids, start=len(hits))
+            hits += host_hits
             num_hit_tokens = len(hits) * self.pool.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            self.pool.touch(hits)
             needed = -(-(num_hit_tokens + num_new) // self.pool.block_size) - len(hits)
             try:
                 fresh = self.pool.allocate(needed)
@@ -134,6 +140,7 @@ class Scheduler:
                 req.num_cached_tokens = min(num_hit_tokens, len(req.prompt_token_ids))
                 self.counters.prefix_cache_queries_tokens += len(req.prompt_token_ids)
                 self.counters.prefix_cache_hits_tokens += req.num_cached_tokens
+                self.counters.host_cache_hits_tokens += len(host_hits) * self.pool.block_size
             self.running.append(req)
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
