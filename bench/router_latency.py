@@ -5,12 +5,13 @@ A decision here is everything the router does per request: hash the prompt's blo
 speculative entry of the chosen replica to the router's writer thread (``routing.Router``).
 Reports per prompt size (1k and 8k tokens): wall-clock p50/p99, decisions per second for one
 sequential router, the deciding thread's CPU time per decision (p50/p99), the server-side
-time of the Redis lookup script (SLOWLOG) and CPU per decision of both processes, into
+time of the Redis lookup script (commandstats) and CPU per decision of both processes, into
 ``bench/results/router_latency.json`` and a PNG beside it.
 
 The index is filled the way a fleet fills it: ``--num-replicas`` replicas, each holding
 its share of ``--num-prefixes`` shared prefixes (75% of the prompt) plus background blocks,
-all through KV event batches. Requests reuse a random prefix plus a fresh suffix. Without
+all through KV event batches. Requests reuse a random prefix plus a fresh suffix; replica
+loads drift as bounded random walks; replicas heartbeat every second (untimed). Without
 ``--redis-url`` a throwaway ``redis-server`` is started on a free loopback port; without the
 binary the Redis rows are skipped (and say so). Wall-clock tails depend on the machine's
 load (the JSON records the load average); CPU and server-side times much less so: on an idle
@@ -46,8 +47,13 @@ MODEL_ID = "bench-model"
 PROMPT_SIZES = (1024, 8192)
 SHARED_FRACTION = 0.75  # of each prompt: a system prompt / document reused across requests
 VOCAB_SIZE = 50_000
-TARGET_P99_MS = 2.0
-SLOWLOG_MAX_LEN = 200_000  # every command of one timed loop (~25 per decision)  # issue 6's budget per decision, hashing included
+TARGET_P99_MS = 2.0  # issue 6's budget per decision, hashing included
+# Replicas heartbeat this often (untimed); the index declares them dead after 10 s.
+HEARTBEAT_INTERVAL_S = 1.0
+# Lookups replayed alone after the timed loop to read the server's own time per lookup.
+NUM_REPLAYED_LOOKUPS = 300
+MAX_QUEUED_TOKENS = 8192  # a replica's prefill backlog: up to ~1 s at 8000 tokens/s
+QUEUE_STEP_TOKENS = 256  # how far a backlog moves between two decisions
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
@@ -99,20 +105,33 @@ def _populate(router: Router, rng: random.Random, args, prefixes: dict[int, list
         router.index.apply_many(batches[start : start + 64])
 
 
-def _views(rng: random.Random, num_replicas: int) -> list[ReplicaView]:
-    return [
-        ReplicaView(
-            f"replica-{i}",
-            ReplicaStats(
-                num_waiting=rng.randrange(4),
-                num_running=rng.randrange(32),
-                num_queued_prefill_tokens=rng.randrange(8192),
-                prefill_tokens_per_s=8000.0,
-            ),
-            num_inflight=rng.randrange(3),
+def _view_stream(rng: random.Random, num_replicas: int, num_views: int) -> list[list[ReplicaView]]:
+    """Replica loads that drift (a bounded random walk per replica) rather than jump: load
+    drawn afresh per request would scatter every prefix over every replica, which no real
+    fleet's stats do between two reports."""
+    queued = [rng.randrange(MAX_QUEUED_TOKENS) for _ in range(num_replicas)]
+    views = []
+    for _ in range(num_views):
+        queued = [
+            min(MAX_QUEUED_TOKENS, max(0, q + rng.randrange(-QUEUE_STEP_TOKENS, QUEUE_STEP_TOKENS)))
+            for q in queued
+        ]
+        views.append(
+            [
+                ReplicaView(
+                    f"replica-{i}",
+                    ReplicaStats(
+                        num_waiting=q // 2048,
+                        num_running=16,
+                        num_queued_prefill_tokens=q,
+                        prefill_tokens_per_s=8000.0,
+                    ),
+                    num_inflight=rng.randrange(3),
+                )
+                for i, q in enumerate(queued)
+            ]
         )
-        for i in range(num_replicas)
-    ]
+    return views
 
 
 def _redis_cpu_s(redis_url: str | None) -> float:
@@ -127,41 +146,20 @@ def _redis_cpu_s(redis_url: str | None) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def _slowlog_reset(redis_url: str | None) -> None:
-    """Log every command's server-side duration (a throwaway server only, see ``main``)."""
+def _server_us_per_lookup(redis_url: str | None, router: Router, lookups: list) -> float | None:
+    """Mean server-side microseconds of the lookup script (Redis commandstats, inner commands
+    included), replaying lookups alone so no other script is counted."""
     if redis_url is None:
-        return
+        return None
     client = redis.Redis.from_url(redis_url)
     try:
-        client.config_set("slowlog-log-slower-than", 0)
-        client.config_set("slowlog-max-len", SLOWLOG_MAX_LEN)
-        client.slowlog_reset()
+        client.config_resetstat()
+        for block_hashes in lookups:
+            router.index.inner.match(block_hashes)
+        stats = client.info("commandstats")["cmdstat_evalsha"]
     finally:
         client.close()
-
-
-def _script_durations_us(redis_url: str | None, router: Router) -> dict:
-    """p50/p99 server-side microseconds of the lookup and speculative scripts."""
-    empty = {"match": (None, None), "speculative": (None, None)}
-    if redis_url is None:
-        return empty
-    inner = router.index.inner
-    names = {inner._match.sha.encode(): "match", inner._speculative.sha.encode(): "speculative"}
-    client = redis.Redis.from_url(redis_url)
-    try:
-        entries = client.slowlog_get(SLOWLOG_MAX_LEN)
-        client.config_set("slowlog-log-slower-than", 10_000)
-    finally:
-        client.close()
-    durations: dict[str, list[int]] = {"match": [], "speculative": []}
-    for entry in entries:
-        words = entry["command"].split(b" ")
-        if words[0].lower() == b"evalsha" and len(words) > 1 and words[1] in names:
-            durations[names[words[1]]].append(entry["duration"])
-    return {
-        name: ((float(np.percentile(d, 50)), float(np.percentile(d, 99))) if d else (None, None))
-        for name, d in durations.items()
-    }
+    return float(stats["usec"]) / float(stats["calls"])
 
 
 def _measure(router: Router, rng, args, prefixes, prompt_tokens: int, redis_url) -> dict:
@@ -170,20 +168,25 @@ def _measure(router: Router, rng, args, prefixes, prompt_tokens: int, redis_url)
     hash_ms, route_ms, cpu_ms, num_matched = [], [], [], 0
     fallbacks_before = router.metrics.snapshot()["num_fallback_decisions"]
     # Requests are drawn up front so that the timed loop and its CPU time hold router work only.
-    requests = [
-        (
-            rng.choice(shared) + [rng.randrange(VOCAB_SIZE) for _ in range(num_suffix)],
-            _views(rng, args.num_replicas),
-        )
-        for _ in range(args.warmup + args.num_decisions)
+    num_requests = args.warmup + args.num_decisions
+    token_lists = [
+        rng.choice(shared) + [rng.randrange(VOCAB_SIZE) for _ in range(num_suffix)]
+        for _ in range(num_requests)
     ]
+    requests = list(
+        zip(token_lists, _view_stream(rng, args.num_replicas, num_requests), strict=True)
+    )
+    last_heartbeat_s = 0.0
     for i, (tokens, views) in enumerate(requests):
+        if time.monotonic() - last_heartbeat_s > HEARTBEAT_INTERVAL_S:  # as live replicas do
+            for view in views:
+                router.index.heartbeat(view.replica_id, 0)
+            last_heartbeat_s = time.monotonic()
         if i == args.warmup:
             router.flush()
             total_start = time.perf_counter()
             cpu_start_s = time.process_time()
             redis_cpu_start_s = _redis_cpu_s(redis_url)
-            _slowlog_reset(redis_url)
         c0 = time.thread_time()
         t0 = time.perf_counter()
         blocks = hash_blocks(tokens, router.config.block_size, MODEL_ID)
@@ -197,9 +200,13 @@ def _measure(router: Router, rng, args, prefixes, prompt_tokens: int, redis_url)
             route_ms.append((t2 - t1) * 1e3)
             num_matched += decision.matched_blocks
     router.flush()
-    server_us = _script_durations_us(redis_url, router)
     router_cpu_s = time.process_time() - cpu_start_s
     redis_cpu_s = _redis_cpu_s(redis_url) - redis_cpu_start_s
+    replayed = [
+        hash_blocks(tokens, router.config.block_size, MODEL_ID)
+        for tokens, _ in requests[-NUM_REPLAYED_LOOKUPS:]
+    ]
+    server_us = _server_us_per_lookup(redis_url, router, replayed)
     decision_s = float(np.sum(hash_ms) + np.sum(route_ms)) / 1e3
     total = np.array(hash_ms) + np.array(route_ms)
     return {
@@ -218,10 +225,8 @@ def _measure(router: Router, rng, args, prefixes, prompt_tokens: int, redis_url)
         # costs the router without waiting for a CPU or for Redis.
         "thread_cpu_p50_ms": float(np.percentile(cpu_ms, 50)),
         "thread_cpu_p99_ms": float(np.percentile(cpu_ms, 99)),
-        # Server-side execution time of the lookup script (Redis SLOWLOG, threshold 0).
-        "redis_lookup_server_p50_us": server_us["match"][0],
-        "redis_lookup_server_p99_us": server_us["match"][1],
-        "redis_speculative_server_p50_us": server_us["speculative"][0],
+        # Server-side execution time of one lookup script (commandstats mean, replayed).
+        "redis_lookup_server_mean_us": server_us,
         "matched_block_ratio": num_matched / (args.num_decisions * (prompt_tokens // 16)),
         "loop_wall_s": time.perf_counter() - total_start,
         # CPU time per decision does not depend on what else the machine runs: on an idle
@@ -259,11 +264,11 @@ def run_backend(backend: str, redis_url: str | None, args) -> list[dict]:
             f"{backend:9s} {size:5d} tokens: p50 {row['p50_ms']:.3f} ms  p99 {row['p99_ms']:.3f}"
             f" ms  (hash p50 {row['hash_p50_ms']:.3f}, route p50 {row['route_p50_ms']:.3f})"
             f"  {row['decisions_per_s']:.0f} decisions/s, {row['num_fallback_decisions']} fallbacks"
+            f", matched {row['matched_block_ratio']:.2f}"
             f"; CPU/decision: router {row['router_cpu_ms_per_decision']:.3f} ms,"
             f" redis {row['redis_cpu_ms_per_decision']:.3f} ms; thread CPU p50/p99"
             f" {row['thread_cpu_p50_ms']:.3f}/{row['thread_cpu_p99_ms']:.3f} ms;"
-            f" lookup script p50/p99 {row['redis_lookup_server_p50_us']}/"
-            f"{row['redis_lookup_server_p99_us']} us"
+            f" lookup script {row['redis_lookup_server_mean_us']} us"
         )
         rows.append(row)
     for rid in router.index.replicas():

@@ -70,7 +70,9 @@ MATCH_LUA = (
     + """
 local joined = ARGV[4]
 local num_blocks = #joined / 16
-local FIRST_CHUNK, MAX_CHUNK = 8, 1024
+-- 32 blocks (512 tokens) cost about as much as one block per SMISMEMBER; doubling from
+-- there keeps a long hit to a handful of calls per replica.
+local FIRST_CHUNK, MAX_CHUNK = 32, 1024
 local reps = redis.call('HGETALL', KEYS[1])
 local out = {}
 local hashes = {}
@@ -94,24 +96,32 @@ for i = 1, #reps, 2 do
         for j = 1, #more do hashes[#hashes + 1] = more[j] end
       end
       local n = b - a + 1
-      local on_dev = {}
-      local all_dev = has_d
+      local on_dev, on_host = {}, {}
+      local first_miss = 1
       if has_d then
+        first_miss = n + 1
         local d = redis.call('SMISMEMBER', dkey, unpack(hashes, a, b))
         for j = 1, n do
           on_dev[j] = d[j] == 1
-          all_dev = all_dev and on_dev[j]
+          if first_miss > n and not on_dev[j] then first_miss = j end
         end
       end
-      local on_host = {}
-      if not all_dev then
+      if first_miss <= n then
+        -- Only the part of the chunk past the device run can need the other sets, and none
+        -- of it when they lack its first block (the common miss: one probe per set).
+        local lo = a + first_miss - 1
+        local any = false
         for _, key in ipairs(skeys) do
-          local s = redis.call('SMISMEMBER', key, unpack(hashes, a, b))
-          for j = 1, n do on_dev[j] = on_dev[j] or s[j] == 1 end
+          any = any or redis.call('SISMEMBER', key, hashes[lo]) == 1
         end
-        if has_h then
-          local h = redis.call('SMISMEMBER', hkey, unpack(hashes, a, b))
-          for j = 1, n do on_host[j] = h[j] == 1 end
+        if has_h then any = any or redis.call('SISMEMBER', hkey, hashes[lo]) == 1 end
+        for _, key in ipairs(any and skeys or {}) do
+          local s = redis.call('SMISMEMBER', key, unpack(hashes, lo, b))
+          for j = first_miss, n do on_dev[j] = on_dev[j] or s[j - first_miss + 1] == 1 end
+        end
+        if any and has_h then
+          local h = redis.call('SMISMEMBER', hkey, unpack(hashes, lo, b))
+          for j = first_miss, n do on_host[j] = h[j - first_miss + 1] == 1 end
         end
       end
       for j = 1, n do
