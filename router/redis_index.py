@@ -22,9 +22,8 @@ vanished entirely expire by themselves. Scripts touch keys they derive from the 
 so this needs a standalone Redis (not Redis Cluster).
 
 How it fails: lookups use a short socket timeout (writes a longer one) and no retries but
-one immediate reconnect; an unreachable or
-stalled Redis raises ``IndexUnavailableError`` (wrap in ``index.FallbackIndex`` to route
-by load meanwhile). Liveness deadlines use the callers' clocks, so routers and replicas
+one immediate reconnect; an unreachable or stalled Redis raises ``IndexUnavailableError``
+(wrap in ``index.FallbackIndex`` to route by load meanwhile). Liveness deadlines use the callers' clocks, so routers and replicas
 should agree on wall time to well under ``heartbeat_timeout_s``.
 """
 
@@ -45,13 +44,11 @@ from router.redis_scripts import (
     HEARTBEAT_LUA,
     MATCH_LUA,
     REMOVE_LUA,
+    SPEC_BUCKETS_AHEAD,
     SPECULATIVE_LUA,
     SWEEP_LUA,
 )
 
-# Speculative entries sit in sets bucketed by expiry; lookups read the current bucket and this
-# many after it (keep in sync with SPEC_BUCKETS_AHEAD in redis_scripts).
-SPEC_BUCKETS_AHEAD = 2
 # Per-replica keys outlive the liveness deadline by this factor: the sweep normally deletes
 # them first; the TTL only reclaims memory when no router is left to sweep.
 KEY_TTL_FACTOR = 3.0

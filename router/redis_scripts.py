@@ -14,11 +14,15 @@ per-replica keys from the prefix, hence standalone Redis only. A script that fai
 
 from __future__ import annotations
 
-_HELPERS = """
+# Speculative entries live in sets bucketed by expiry time; a lookup reads the buckets that
+# can still hold live entries: the current one and this many after it, so a speculative ttl
+# may be up to this many bucket widths.
+SPEC_BUCKETS_AHEAD = 2
+
+_HELPERS = (
+    f"local SPEC_BUCKETS_AHEAD = {SPEC_BUCKETS_AHEAD}\n"
+    + """
 local prefix, now, bucket_s = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
--- Speculative entries live in sets bucketed by expiry time; a lookup reads the buckets that
--- can still hold live entries: the current one and the next two.
-local SPEC_BUCKETS_AHEAD = 2
 local current_bucket = math.floor(now / bucket_s)
 
 local function spec_key(rid, bucket)
@@ -60,6 +64,7 @@ local function refresh(rid, ttl_ms)
   redis.call('PEXPIRE', KEYS[1], ttl_ms)
 end
 """
+)
 
 # ARGV[4]: the request's block hashes joined. Returns {replica, device_blocks, host_blocks,
 # ...} for live replicas holding the first block. Chunks start small and double, so a miss
