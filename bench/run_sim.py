@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     rows, header = run(args)
     header["wall_s"] = round(time.perf_counter() - started, 1)
     tag = args.tag or time.strftime("%Y%m%d", time.gmtime())
+    lines = report.verdicts(rows)
+    header["verdicts_on_ours"] = lines
     path = report.write_results(rows, header, args.out_dir / f"sim_{tag}.json")
     print(report.markdown_table(rows))
     if not args.no_plots:
@@ -145,7 +147,6 @@ def main(argv=None) -> int:
         for png in report.plot_results(rows, args.out_dir / f"sim_{tag}", subtitle):
             print(f"wrote {png}")
     print(f"wrote {path} in {header['wall_s']} s")
-    lines = report.verdicts(rows)
     print("\nWhere ours misses the bars (95% of oracle hit rate, max/mean <= 1.2, lowest p90):")
     print("\n".join(f"- {line}" for line in lines) if lines else "- nowhere")
     return 0
