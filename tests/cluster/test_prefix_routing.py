@@ -1,0 +1,219 @@
+"""Prefix-aware routing in a real local cluster: more cached tokens than round robin, and an
+index that dies costs routing quality, never serving.
+
+One Ray instance (loopback only) serves the module. Each routing policy gets its own
+application of 2 tiny-llama replicas; the same shared-prefix workload (5 long system
+prompts x 3 questions, sent one at a time, round by round) goes through the OpenAI API and
+the test sums ``usage.prompt_tokens_details.cached_tokens``. With 5 prompts alternating
+over 2 replicas, round robin sends every second request of a prompt to the replica that
+has not seen it; prefix routing sends them all to the one that has.
+
+The first test needs no Ray: the replica's KV stream re-announces what it holds to an
+index that lost it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+from cluster.kv_publisher import ReplicaKVPublisher
+from router.embedded_index import EmbeddedIndex
+from router.liveness import ApplyOutcome
+from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
+from tests.cluster.conftest import STARTUP_TIMEOUT_S, free_port
+
+BLOCK_SIZE = 16
+NUM_SYSTEM_PROMPTS = 5  # odd, so round robin alternates each prompt between the 2 replicas
+NUM_QUESTIONS = 3
+SYSTEM_TOKENS = 20 * BLOCK_SIZE
+QUESTION_TOKENS = 24
+# Token ids of ordinary words in the SmolLM2 vocabulary (clear of the special tokens).
+TOKEN_RANGE = (1000, 40000)
+
+
+# ------------------------------------------------------------------------ no Ray needed
+def _batch(seq: int, *events: KVEvent) -> KVEventBatch:
+    return KVEventBatch("engine", seq, tuple(events))
+
+
+def test_replica_stream_reannounces_what_it_holds_to_an_index_that_lost_it():
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    pending = [
+        _batch(0, KVEvent(EventKind.STORED, (a, b))),
+        _batch(1, KVEvent(EventKind.STORED, (c,), Tier.HOST)),
+    ]
+
+    def drain():
+        out = list(pending)
+        pending.clear()
+        return out
+
+    first = EmbeddedIndex()
+    publisher = ReplicaKVPublisher(drain, first, "r1", 10.0, 1.0, epoch=7)
+    sent = publisher.drain_once()
+    assert [batch.seq for batch in sent] == [0, 1, 2]  # renumbered, then the opening announce
+    assert sent[-1].events[0].kind == EventKind.CLEARED
+    assert all(batch.replica_epoch == 7 for batch in sent)
+    publisher.publisher.run_once()
+    assert first.match([a, b, c])["r1"].device_blocks == 2
+    assert first.match([a, b, c])["r1"].host_blocks == 1
+
+    # The index restarts empty; the next batch it sees is out of the blue, so it asks for a
+    # re-announce, which rebuilds the full view (the removal of b included).
+    second = EmbeddedIndex()
+    publisher.index.inner = second
+    pending.append(_batch(2, KVEvent(EventKind.REMOVED, (b,))))
+    publisher.drain_once()
+    assert publisher.publisher.run_once() == [ApplyOutcome.STALE]
+    assert second.match([a, b]) == {}
+    publisher.drain_once()
+    assert publisher.publisher.run_once() == [ApplyOutcome.APPLIED]
+    assert second.match([a])["r1"].device_blocks == 1
+    assert second.match([a, b]).get("r1").num_blocks == 1
+    assert second.match([c])["r1"].host_blocks == 1
+
+
+# ----------------------------------------------------------------- the real cluster
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from worker.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    port = free_port()
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield model, port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _start_app(model: str, port: int, policy: str) -> str:
+    from ray import serve
+
+    from cluster.app import build_app
+
+    name = f"routing-{policy}"
+    engine = {
+        "model": model,
+        "num_kv_blocks": 256,
+        "max_num_seqs": 8,
+        "max_model_len": 1024,
+        "num_threads": 1,
+        "block_size": BLOCK_SIZE,
+    }
+    cluster = {"num_replicas": 2, "port": port, "app_name": name}
+    app = build_app({"engine": engine, "cluster": cluster, "router": {"policy": policy}})
+    serve.run(app, name=name, route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"application {name} did not become healthy in time")
+
+
+def _workload(seed: int) -> list[list[int]]:
+    """Prompts round by round: every system prompt's first question, then the second..."""
+    rng = random.Random(seed)
+    systems = [
+        [rng.randrange(*TOKEN_RANGE) for _ in range(SYSTEM_TOKENS)]
+        for _ in range(NUM_SYSTEM_PROMPTS)
+    ]
+    return [
+        system + [rng.randrange(*TOKEN_RANGE) for _ in range(QUESTION_TOKENS)]
+        for _ in range(NUM_QUESTIONS)
+        for system in systems
+    ]
+
+
+def _complete(url: str, prompt: list[int]) -> httpx.Response:
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 1, "temperature": 0},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _cached_tokens(url: str, prompts: list[list[int]]) -> int:
+    return sum(
+        _complete(url, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        for prompt in prompts
+    )
+
+
+@pytest.fixture(scope="module")
+def cached_by_policy(ray_cluster) -> dict[str, int]:
+    """Cached prompt tokens of the same workload under each policy (fresh replicas each)."""
+    from ray import serve
+
+    model, port = ray_cluster
+    results = {}
+    for policy in ("round_robin", "prefix"):
+        url = _start_app(model, port, policy)
+        results[policy] = _cached_tokens(url, _workload(seed=1))
+        print(f"cached tokens with {policy}: {results[policy]}")
+        if policy != "prefix":
+            serve.delete(f"routing-{policy}")
+    return results
+
+
+@pytest.mark.slow
+def test_prefix_routing_caches_clearly_more_than_round_robin(cached_by_policy):
+    # Every repeat of a system prompt can hit all of its blocks: 5 prompts x 2 repeats.
+    ideal = NUM_SYSTEM_PROMPTS * (NUM_QUESTIONS - 1) * SYSTEM_TOKENS
+    assert cached_by_policy["prefix"] >= 0.8 * ideal, cached_by_policy
+    assert cached_by_policy["prefix"] >= 1.5 * cached_by_policy["round_robin"], cached_by_policy
+
+
+@pytest.mark.slow
+def test_dead_index_still_serves_and_the_index_comes_back(ray_cluster, cached_by_policy):
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from cluster.index_actor import index_actor_name
+
+    url = f"http://127.0.0.1:{ray_cluster[1]}"
+    name = index_actor_name("routing-prefix")
+    ray.kill(ray.get_actor(name, namespace=SERVE_NAMESPACE), no_restart=True)
+    prompts = _workload(seed=2)[:NUM_SYSTEM_PROMPTS]
+    served_by = {}
+    for prompt in prompts:  # no index: every request is still served (by load)
+        served_by[tuple(prompt)] = _complete(url, prompt).headers["x-prefixserve-replica"]
+
+    # The replicas' publishers re-create the index and re-announce what they hold.
+    model_id = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            index = ray.get_actor(name, namespace=SERVE_NAMESPACE)
+            found = {
+                key: ray.get(index.match.remote(hash_blocks(list(key), BLOCK_SIZE, model_id)))
+                for key in served_by
+            }
+            known = ray.get(index.replicas.remote())
+            if len(known) == 2 and all(served_by[key] in found[key] for key in served_by):
+                break
+        except (ValueError, ray.exceptions.RayActorError):
+            pass
+        assert time.monotonic() < deadline, "the index did not relearn the replicas' blocks"
+        time.sleep(0.5)
