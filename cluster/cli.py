@@ -4,8 +4,9 @@
 (vLLM's flag names where the meaning is the same; a flag left out keeps the dataclass
 default), validates them before touching Ray (a bad flag exits with status 2 and the
 message naming the field), starts a local Ray instance or joins ``--address``, runs the
-application and blocks until SIGINT/SIGTERM, then deletes the application and, if it
-started Ray itself, shuts Serve and Ray down.
+application and blocks until SIGINT/SIGTERM. Then it drains (in-flight requests get
+``DRAIN_TIMEOUT_S`` to finish; the rest end with finish_reason ``abort`` and ``[DONE]``),
+deletes the application and, if it started Ray itself, shuts Serve and Ray down.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import threading
 
 from cluster.config import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, configs_from_args
 
+# On Ctrl-C, in-flight requests get this long to finish before they are aborted.
+DRAIN_TIMEOUT_S = 5.0
+# A call to the metrics hub during shutdown; it answers in milliseconds unless wedged.
+DRAIN_CALL_TIMEOUT_S = 5.0
 # Other modules add subcommands by exposing ``add_parser(subparsers)`` that registers a
 # parser whose defaults set ``handler`` (a function of the parsed namespace returning an exit
 # code). A hook whose module is not there yet is skipped.
@@ -210,6 +215,30 @@ def _wait_for_signal() -> None:
         pass
 
 
+def _drain(app_name: str) -> None:
+    """Lets in-flight requests finish for ``DRAIN_TIMEOUT_S``, then has the replicas abort
+    the rest, so every open stream ends with a final chunk and ``[DONE]``."""
+    import time
+
+    from ray import serve
+
+    from cluster.metrics import METRICS_PUSH_PERIOD_S, num_busy_requests
+
+    try:
+        hub = serve.get_deployment_handle("MetricsHub", app_name)
+        hub.begin_drain.remote(DRAIN_TIMEOUT_S).result(timeout_s=DRAIN_CALL_TIMEOUT_S)
+        # Replicas learn of the drain on their next push and report idle on the one after.
+        deadline_s = time.monotonic() + DRAIN_TIMEOUT_S + 3 * METRICS_PUSH_PERIOD_S
+        time.sleep(2 * METRICS_PUSH_PERIOD_S)
+        while time.monotonic() < deadline_s:
+            snapshots = hub.snapshots.remote().result(timeout_s=DRAIN_CALL_TIMEOUT_S)
+            if num_busy_requests(snapshots) == 0:
+                return
+            time.sleep(METRICS_PUSH_PERIOD_S / 2)
+    except Exception as exc:  # draining is a courtesy; shutdown goes on regardless
+        print(f"prefixserve: drain skipped: {exc!r}", file=sys.stderr, flush=True)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     try:
         engine, cluster, router = configs_from_args(args_from_namespace(ns))
@@ -244,6 +273,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         )
         _wait_for_signal()
         print("prefixserve: shutting down", flush=True)
+        _drain(cluster.app_name)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
         try:

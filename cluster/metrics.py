@@ -159,13 +159,28 @@ class ReplicaMetrics:
     logging_config={"enable_access_log": False},  # one push per replica per second
 )
 class MetricsHub:
-    """Latest snapshot of every replica; replicas push, the ingress reads."""
+    """Latest snapshot of every replica; replicas push, the ingress reads.
+
+    Also relays a drain order (``begin_drain``, sent by ``prefixserve serve`` on Ctrl-C) to
+    every replica as the answer to its next push, because Serve offers no way to call all
+    replicas of a deployment and gives user code no signal before it drains a replica.
+    """
 
     def __init__(self) -> None:
         self._snapshots: dict[str, tuple[float, dict]] = {}
+        self._drain_until_s: float | None = None
 
-    def report(self, replica_id: str, snapshot: dict) -> None:
-        self._snapshots[replica_id] = (time.monotonic(), snapshot)
+    def report(self, replica_id: str, snapshot: dict) -> float | None:
+        """Stores the snapshot; returns the seconds left to drain, or None when serving."""
+        now_s = time.monotonic()
+        self._snapshots[replica_id] = (now_s, snapshot)
+        if self._drain_until_s is None:
+            return None
+        return max(0.0, self._drain_until_s - now_s)
+
+    def begin_drain(self, drain_timeout_s: float) -> None:
+        """Replicas end their in-flight requests (finish_reason abort) after this long."""
+        self._drain_until_s = time.monotonic() + drain_timeout_s
 
     def snapshots(self) -> dict[str, dict]:
         now = time.monotonic()
@@ -173,6 +188,15 @@ class MetricsHub:
             if now - seen_at > STALE_AFTER_S:
                 del self._snapshots[replica_id]
         return {replica_id: snap for replica_id, (_, snap) in self._snapshots.items()}
+
+
+def num_busy_requests(snapshots: dict[str, dict]) -> int:
+    """Requests running or waiting over every replica that reported."""
+    return sum(
+        int(snap.get("engine", {}).get("num_requests_running", 0))
+        + int(snap.get("engine", {}).get("num_requests_waiting", 0))
+        for snap in snapshots.values()
+    )
 
 
 class _SnapshotCollector:

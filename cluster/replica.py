@@ -37,6 +37,8 @@ log = logging.getLogger("ray.serve")
 # How long __del__ lets running requests finish before aborting them: short, because Serve
 # only calls it after its own drain (graceful_shutdown_timeout_s) and then kills the actor.
 SHUTDOWN_DRAIN_S = 2.0
+# How often a draining replica checks whether its last requests finished on their own.
+DRAIN_POLL_S = 0.1
 
 
 class RejectKind(str, enum.Enum):
@@ -111,6 +113,8 @@ class EngineReplica:
         self.model_name = model_name or self.engine.model_id
         self.metrics = ReplicaMetrics()
         self._hub = metrics_hub
+        self._in_flight: set[str] = set()
+        self._drain_task: asyncio.Task | None = None
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
         self._kv_publisher = None
         if router_config is not None:  # KV events and heartbeats to the prefix index
@@ -137,6 +141,7 @@ class EngineReplica:
         del block_hashes  # read by the request router from the call's arguments, not here
         reported: set[int] = set()
         last_step_s: float | None = None
+        self._in_flight.add(request_id)
         try:
             stream = self.engine.generate(
                 request_id, prompt_token_ids, params, cache_salt=cache_salt
@@ -156,6 +161,8 @@ class EngineReplica:
         except Exception as exc:  # an engine bug fails this request only, visibly
             log.exception("request %s failed", request_id)
             yield rejection(self.replica_id, RejectKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._in_flight.discard(request_id)
 
     def _observe(self, out: RequestOutput, now_s: float, last_step_s: float | None) -> None:
         """Latency histograms from the engine's timestamps (missing ones read as now)."""
@@ -203,15 +210,32 @@ class EngineReplica:
             return
         while True:
             try:
-                await self._hub.report.remote(self.replica_id, self.metrics_snapshot())
+                drain_left_s = await self._hub.report.remote(
+                    self.replica_id, self.metrics_snapshot()
+                )
+                if drain_left_s is not None and self._drain_task is None:
+                    self._drain_task = asyncio.get_running_loop().create_task(
+                        self._end_in_flight(drain_left_s)
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the hub restarting costs metrics, never serving
                 log.debug("metrics push failed: %s", exc)
             await asyncio.sleep(METRICS_PUSH_PERIOD_S)
 
+    async def _end_in_flight(self, grace_s: float) -> None:
+        """Drain order: let requests finish for ``grace_s``, then abort the rest, so their
+        streams end with finish_reason "abort" instead of being cut when Serve kills us."""
+        deadline_s = time.monotonic() + grace_s
+        while self._in_flight and time.monotonic() < deadline_s:
+            await asyncio.sleep(DRAIN_POLL_S)
+        for request_id in list(self._in_flight):
+            self.engine.abort(request_id)
+
     async def __del__(self) -> None:
         self._push_task.cancel()
+        if self._drain_task is not None:
+            self._drain_task.cancel()
         if self._kv_publisher is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._kv_publisher.close(), 2.0)

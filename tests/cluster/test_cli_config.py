@@ -178,3 +178,18 @@ def test_router_snapshot_renders_as_router_series():
     assert "prefixserve:router_matched_blocks_total 3.0" in text
     assert "prefixserve:router_prompt_blocks_total 4.0" in text
     assert "prefixserve:router_lookup_latency_seconds_count 1.0" in text
+
+
+def test_metrics_hub_relays_a_drain_order_and_drops_stale_replicas(monkeypatch):
+    from cluster import metrics
+
+    hub = metrics.MetricsHub.func_or_class()
+    busy = {"engine": {"num_requests_running": 2, "num_requests_waiting": 1}, "alive": True}
+    assert hub.report("r1", busy) is None  # serving: no drain
+    hub.begin_drain(5.0)
+    assert 4.0 < hub.report("r1", busy) <= 5.0
+    assert metrics.num_busy_requests(hub.snapshots()) == 3
+    later_s = metrics.time.monotonic() + metrics.STALE_AFTER_S + 1.0
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: later_s)
+    assert hub.snapshots() == {}  # a replica that stopped pushing no longer counts
+    assert hub.report("r2", busy) == 0.0  # the drain deadline has passed

@@ -168,3 +168,17 @@ def test_error_helpers_give_openai_bodies_and_statuses():
     assert errors.param_of("max_tokens=9 plus the prompt's 5 tokens exceeds") == "max_tokens"
     assert errors.param_of("EngineConfig.max_model_len: too big") is None
     assert errors.param_of("something else happened") is None
+
+
+def test_unknown_routes_and_methods_get_openai_errors():
+    from fastapi.testclient import TestClient
+
+    from cluster.ingress import app
+
+    client = TestClient(app)
+    missing = client.get("/v1/no-such-endpoint")
+    assert missing.status_code == 404
+    assert set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    wrong_method = client.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["message"]

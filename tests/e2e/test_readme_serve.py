@@ -9,12 +9,14 @@ the real bundled model; the rest use a tiny random one.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -39,6 +41,21 @@ def healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def read_stream(url: str, model: str, lines: list[str]) -> None:
+    """Streams a long completion into ``lines`` (one entry per SSE data line)."""
+    payload = {
+        "model": model,
+        "prompt": "Once upon a time",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=300) as response:
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
 
 
 def command() -> list[str]:
@@ -97,9 +114,26 @@ def test_prefixserve_serve_answers_and_stops_on_ctrl_c(tmp_path):
             cached.append(repeat.usage.prompt_tokens_details.cached_tokens)
         assert max(cached) >= 16, cached
 
+        # Ctrl-C with a long stream in flight: the stream must end cleanly (a finish_reason,
+        # then [DONE]) rather than be cut off, and the server must exit with status 0.
+        stream_lines: list[str] = []
+        streamer = threading.Thread(target=read_stream, args=(url, model, stream_lines))
+        streamer.start()
+        deadline = time.monotonic() + 120
+        while not any('"text"' in line for line in stream_lines):  # tokens are flowing
+            assert streamer.is_alive() and time.monotonic() < deadline, stream_lines
+            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=SHUTDOWN_TIMEOUT_S) == 0, log_path.read_text()[-4000:]
         assert "prefixserve: stopped" in log_path.read_text()
+        streamer.join(timeout=30)
+        assert stream_lines[-1] == "data: [DONE]", stream_lines[-3:]
+        finishes = [
+            json.loads(line[6:])["choices"][0]["finish_reason"]
+            for line in stream_lines[:-1]
+            if line.startswith("data: {")
+        ]
+        assert finishes[-1] in ("abort", "length"), stream_lines[-3:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
