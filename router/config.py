@@ -61,6 +61,10 @@ class RouterConfig:
     """Read timeout of event, heartbeat and sweep calls (a re-announce can be large)."""
     redis_retry_interval_s: float = 1.0
     """While Redis is unreachable, how often one call probes it again (others skip it)."""
+    miss_cost_factor: float = 2.0
+    """Weight of the prefill a miss causes, in the choice (not in the reported TTFT): 1 prices
+    only the request's own wait; 2 also charges the delay that prefill adds for the requests
+    queued behind it, so a prefix moves to another replica only when that pays for both."""
     tie_tolerance_s: float = 0.005
     """Predicted TTFTs this close count as a tie, settled by rendezvous hashing."""
     seed: int = 0
@@ -97,5 +101,7 @@ class RouterConfig:
         ):
             _check_positive(name, getattr(self, name))
         _check_non_negative("tie_tolerance_s", self.tie_tolerance_s)
+        if not isinstance(self.miss_cost_factor, (int, float)) or not 1.0 <= self.miss_cost_factor <= 10.0:
+            raise ValueError(f"miss_cost_factor must be in [1, 10], got {self.miss_cost_factor!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -98,8 +98,10 @@ class TTFTModel:
         ) * self.decode_step_s(stats)
 
     def predicted_ttft_s(
-        self, view: ReplicaView, match: Match | None, num_prompt_tokens: int
+        self, view: ReplicaView, match: Match | None, num_prompt_tokens: int, miss_cost_factor: float = 1.0
     ) -> float:
+        """``miss_cost_factor`` > 1 also charges the prefill a miss adds to that replica's queue
+        (the delay it imposes on the requests behind it); 1 is the request's own TTFT."""
         stats = view.stats
         num_device_tokens = num_host_tokens = 0
         if match is not None:
@@ -111,7 +113,7 @@ class TTFTModel:
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
         return (
             self.queue_s(view)
-            + num_miss_tokens / self.prefill_tokens_per_s(stats)
+            + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
             + num_host_tokens / host_rate
         )
 
@@ -136,26 +138,32 @@ class PrefixPolicy:
     def __init__(self, config: RouterConfig) -> None:
         self.model = TTFTModel(config)
         self.tie_tolerance_s = config.tie_tolerance_s
+        self.miss_cost_factor = config.miss_cost_factor
 
     def choose(self, block_hashes, num_prompt_tokens, replicas, matches) -> Decision:
         _check(replicas, num_prompt_tokens)
         scored = [
-            (self.model.predicted_ttft_s(v, matches.get(v.replica_id), num_prompt_tokens), v)
+            (self.model.predicted_ttft_s(v, matches.get(v.replica_id), num_prompt_tokens, self.miss_cost_factor), v)
             for v in replicas
         ]
-        best_s = min(ttft_s for ttft_s, _ in scored)
-        tied = [(t, v) for t, v in scored if t <= best_s + self.tie_tolerance_s]
-        longest = max(_matched(matches, v.replica_id) for _, v in tied)
-        tied = [(t, v) for t, v in tied if _matched(matches, v.replica_id) == longest]
+        best_s = min(score for score, _ in scored)
+        tied = [v for score, v in scored if score <= best_s + self.tie_tolerance_s]
+        longest = max(_matched(matches, v.replica_id) for v in tied)
+        tied = [v for v in tied if _matched(matches, v.replica_id) == longest]
         if len(tied) == 1:
-            ttft_s, view = tied[0]
+            view = tied[0]
             reason = "prefix" if longest > 0 else "load"
         else:
+            # Equal cost and equal match: the least loaded, then rendezvous on the first block,
+            # so a hot prefix held by several replicas spreads over them and a cold one lands
+            # on a replica every router agrees on.
+            least = min(_load(v) for v in tied)
             key = block_hashes[0] if block_hashes else b""
-            chosen_id = rendezvous_pick(key, [v.replica_id for _, v in tied])
-            ttft_s, view = next((t, v) for t, v in tied if v.replica_id == chosen_id)
+            chosen_id = rendezvous_pick(key, [v.replica_id for v in tied if _load(v) == least])
+            view = next(v for v in tied if v.replica_id == chosen_id)
             any_match = any(_matched(matches, v.replica_id) for v in replicas)
             reason = "tie" if any_match else "cold"
+        ttft_s = self.model.predicted_ttft_s(view, matches.get(view.replica_id), num_prompt_tokens)
         return Decision(view.replica_id, ttft_s, longest, reason)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 
@@ -48,25 +49,26 @@ def test_rendezvous_moves_only_the_removed_replicas_prefixes():
     assert moved and all(before[k] == "r4" for k in moved)
 
 
-def test_hot_prefix_spills_exactly_when_that_lowers_predicted_ttft():
-    policy = make_policy(CONFIG)
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_hot_prefix_spills_exactly_when_that_lowers_the_priced_ttft(factor):
+    """Spill when the holder's queue costs more than re-prefilling elsewhere, the miss's
+    prefill weighted by ``miss_cost_factor`` (1: the request's own TTFT only)."""
+    config = dataclasses.replace(CONFIG, miss_cost_factor=factor)
+    policy = make_policy(config)
     blocks = prompt_blocks(1, num_blocks=128)  # 2048 tokens
     num_tokens = 2048
     matches = {"holder": Match(device_blocks=120)}  # holds 1920 tokens
     rate = CONFIG.default_prefill_tokens_per_s
-    cold_ttft_s = num_tokens / rate
+    cold_cost_s = factor * num_tokens / rate
     # queue_s such that the holder is 10 ms better, then 10 ms worse than the empty replica.
     for margin_s, expected in ((-0.01, "holder"), (0.01, "other")):
-        queued_s = cold_ttft_s - (num_tokens - 1920) / rate + margin_s
+        queued_s = cold_cost_s - factor * (num_tokens - 1920) / rate + margin_s
         holder = idle("holder", num_queued_prefill_tokens=round(queued_s * rate))
         decision = policy.choose(blocks, num_tokens, [holder, idle("other")], matches)
         assert decision.replica_id == expected
-        model = TTFTModel(CONFIG)
-        best_s = min(
-            model.predicted_ttft_s(holder, matches["holder"], num_tokens),
-            model.predicted_ttft_s(idle("other"), None, num_tokens),
-        )
-        assert decision.predicted_ttft_s == pytest.approx(best_s)
+        chosen = holder if expected == "holder" else idle("other")
+        own_ttft_s = TTFTModel(CONFIG).predicted_ttft_s(chosen, matches.get(expected), num_tokens)
+        assert decision.predicted_ttft_s == pytest.approx(own_ttft_s)  # reported unweighted
         assert decision.reason == ("prefix" if expected == "holder" else "load")
         assert decision.matched_blocks == (120 if expected == "holder" else 0)
 
