@@ -55,6 +55,8 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self._groups: dict[str, list[Request]] = {}
         self._event_seq = itertools.count()
+        self.replica_epoch = time.time_ns()
+        """Changes whenever an engine starts, so an index drops what a previous run announced."""
         self._kv_batches: list[KVEventBatch] = []
         self._unseeded = itertools.count()
         log.info("engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s",
@@ -186,7 +188,7 @@ class LLMEngine:
     def _collect_events(self) -> None:
         events = self.pool.take_events()
         if events:
-            self._kv_batches.append(KVEventBatch(self.replica_id, next(self._event_seq), tuple(events)))
+            self._kv_batches.append(KVEventBatch(self.replica_id, next(self._event_seq), tuple(events), self.replica_epoch))
 
     def drain_kv_events(self) -> list[KVEventBatch]:
         out, self._kv_batches = self._kv_batches, []
