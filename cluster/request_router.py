@@ -16,15 +16,18 @@ How it fails: the lookup runs in a worker thread with a short timeout (see
 ``cluster.index_actor``); an unreachable index makes the decision by load alone, logged
 once and counted (reason ``fallback``) until the index answers again. With the Redis
 backend the Redis keys are namespaced by model, which this router learns from the
-replicas' routing stats; until a replica has reported, requests go by load.
+replicas' routing stats; until a replica has reported, the policy decides without matches
+(by load; the ``prefix`` policy then settles ties by rendezvous on the first block).
 ``router_metrics_snapshot`` returns this process's router metrics for ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
+import time
 import weakref
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -32,7 +35,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster.index_actor import make_cluster_index
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.policy import ReplicaView
+from router.policy import ReplicaView, make_policy
 from router.protocol import ReplicaStats
 from router.routing import Router
 
@@ -41,6 +44,9 @@ log = logging.getLogger("ray.serve")
 ROUTER_CLASS_PATH = "cluster.request_router:PrefixAwareRequestRouter"
 # Routers alive in this process, for router_metrics_snapshot (one per handle's deployment).
 _ROUTERS: weakref.WeakSet = weakref.WeakSet()
+# A one-line summary of the router metrics in the replica log this often, for clusters that
+# scrape no /metrics; rare enough to be noise-free.
+METRICS_LOG_PERIOD_S = 60.0
 
 
 def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes], int]:
@@ -65,10 +71,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.config = RouterConfig(**(router_config or {}))
         self.metrics = RouterMetrics()
         self._router: Router | None = None
+        self._load_policy = make_policy(self.config)
+        """Decides, with no index, until the Redis namespace (the model) is known."""
         self._router_lock = threading.Lock()
         self._inflight_lock = threading.Lock()
         self._inflight_by_request: dict[str, str] = {}
         self._inflight_by_replica: dict[str, int] = {}
+        self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         _ROUTERS.add(self)
 
     # ---------------------------------------------------------------------- the decision
@@ -114,16 +123,31 @@ class PrefixAwareRequestRouter(RequestRouter):
         views = self._views(candidate_replicas)
         router = self._get_router(candidate_replicas)
         if router is None:
-            decision = None
+            decision = self._load_policy.choose(hashes, num_prompt_tokens, views, {})
+            self.metrics.record_decision(self.config.policy, "fallback", len(hashes), 0)
         elif hashes:  # one index round trip: off the event loop
             decision = await asyncio.to_thread(router.route, hashes, num_prompt_tokens, views)
         else:
             decision = router.route([], num_prompt_tokens, views)
-        if decision is None:
-            return [candidate_replicas]
+        self._maybe_log_metrics()
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]
         return [chosen, others] if others else [chosen]
+
+    def _maybe_log_metrics(self) -> None:
+        now_s = time.monotonic()
+        if now_s < self._next_metrics_log_s:
+            return
+        self._next_metrics_log_s = now_s + METRICS_LOG_PERIOD_S
+        snap = self.metrics.snapshot()
+        log.info(
+            "router %s: decisions %s, matched-block ratio %s, fallbacks %d, index errors %d",
+            self.config.policy,
+            {f"{row['policy']}/{row['reason']}": row["count"] for row in snap["decisions"]},
+            snap["matched_block_ratio"],
+            snap["num_fallback_decisions"],
+            snap["num_index_errors"],
+        )
 
     # ------------------------------------------------------------ in-flight bookkeeping
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
@@ -199,8 +223,6 @@ def router_metrics_snapshot() -> dict | None:
 
 def request_router_config(config: RouterConfig, stats_period_s: float) -> dict:
     """``request_router_config`` deployment option that installs this router."""
-    import dataclasses
-
     return {
         "request_router_class": ROUTER_CLASS_PATH,
         "request_router_kwargs": {"router_config": dataclasses.asdict(config)},

@@ -4,7 +4,8 @@ index that dies costs routing quality, never serving.
 One Ray instance (loopback only) serves the module. Each routing policy gets its own
 application of 2 tiny-llama replicas; the same shared-prefix workload (5 long system
 prompts x 3 questions, sent one at a time, round by round) goes through the OpenAI API and
-the test sums ``usage.prompt_tokens_details.cached_tokens``. With 5 prompts alternating
+the test sums ``usage.prompt_tokens_details.cached_tokens``. A third application routes
+through a real ``redis-server`` index, which is stopped and started again under it. With 5 prompts alternating
 over 2 replicas, round robin sends every second request of a prompt to the replica that
 has not seen it; prefix routing sends them all to the one that has.
 
@@ -22,6 +23,7 @@ import pytest
 
 from cluster.kv_publisher import ReplicaKVPublisher
 from router.embedded_index import EmbeddedIndex
+from router.index import IndexUnavailableError
 from router.liveness import ApplyOutcome
 from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
 from tests.cluster.conftest import STARTUP_TIMEOUT_S, free_port
@@ -31,6 +33,11 @@ NUM_SYSTEM_PROMPTS = 5  # odd, so round robin alternates each prompt between the
 NUM_QUESTIONS = 3
 SYSTEM_TOKENS = 20 * BLOCK_SIZE
 QUESTION_TOKENS = 24
+# A user's think time between requests. Without it the next request can reach the router
+# before Serve reports the previous one finished; that in-flight request costs a decode step
+# (20 ms) in the predicted TTFT, more than the tiny model takes to prefill a whole system
+# prompt, so the policy would rightly send the repeat elsewhere.
+THINK_TIME_S = 0.1
 # Token ids of ordinary words in the SmolLM2 vocabulary (clear of the special tokens).
 TOKEN_RANGE = (1000, 40000)
 
@@ -101,12 +108,15 @@ def ray_cluster(tmp_path_factory):
     ray.shutdown()
 
 
-def _start_app(model: str, port: int, policy: str) -> str:
+def _start_app(model: str, port: int, policy: str, redis_url: str | None = None) -> str:
     from ray import serve
 
     from cluster.app import build_app
 
-    name = f"routing-{policy}"
+    name = f"routing-{policy}" if redis_url is None else "routing-redis"
+    router = {"policy": policy}
+    if redis_url is not None:
+        router.update(index_backend="redis", redis_url=redis_url)
     engine = {
         "model": model,
         "num_kv_blocks": 256,
@@ -116,7 +126,9 @@ def _start_app(model: str, port: int, policy: str) -> str:
         "block_size": BLOCK_SIZE,
     }
     cluster = {"num_replicas": 2, "port": port, "app_name": name}
-    app = build_app({"engine": engine, "cluster": cluster, "router": {"policy": policy}})
+    app = build_app({"engine": engine, "cluster": cluster, "router": router})
+    for other in serve.status().applications:  # one application on "/" at a time
+        serve.delete(other)
     serve.run(app, name=name, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -155,25 +167,23 @@ def _complete(url: str, prompt: list[int]) -> httpx.Response:
 
 
 def _cached_tokens(url: str, prompts: list[list[int]]) -> int:
-    return sum(
-        _complete(url, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-        for prompt in prompts
-    )
+    num_cached_tokens = 0
+    for prompt in prompts:
+        usage = _complete(url, prompt).json()["usage"]
+        num_cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+        time.sleep(THINK_TIME_S)
+    return num_cached_tokens
 
 
 @pytest.fixture(scope="module")
 def cached_by_policy(ray_cluster) -> dict[str, int]:
     """Cached prompt tokens of the same workload under each policy (fresh replicas each)."""
-    from ray import serve
-
     model, port = ray_cluster
     results = {}
     for policy in ("round_robin", "prefix"):
         url = _start_app(model, port, policy)
         results[policy] = _cached_tokens(url, _workload(seed=1))
         print(f"cached tokens with {policy}: {results[policy]}")
-        if policy != "prefix":
-            serve.delete(f"routing-{policy}")
     return results
 
 
@@ -217,3 +227,48 @@ def test_dead_index_still_serves_and_the_index_comes_back(ray_cluster, cached_by
             pass
         assert time.monotonic() < deadline, "the index did not relearn the replicas' blocks"
         time.sleep(0.5)
+
+
+def _wait_until_indexed(index, served_by: dict[tuple, str], model_id: str) -> None:
+    """Until the index knows both replicas and which one holds each served prompt."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            held = {
+                key: index.match(hash_blocks(list(key), BLOCK_SIZE, model_id)) for key in served_by
+            }
+            if len(index.replicas()) == 2 and all(served_by[k] in held[k] for k in served_by):
+                return
+        except IndexUnavailableError:
+            pass
+        assert time.monotonic() < deadline, "the index did not relearn the replicas' blocks"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_redis_index_routes_and_relearns_after_redis_restarts(ray_cluster, tmp_path):
+    from ray import serve
+
+    from router.redis_index import RedisIndex
+    from tests.router.conftest import RedisServer
+
+    model, port = ray_cluster
+    redis_server = RedisServer(str(tmp_path))
+    redis_server.start()
+    try:
+        url = _start_app(model, port, "prefix", redis_url=redis_server.url)
+        cached = _cached_tokens(url, _workload(seed=3))
+        print(f"cached tokens with prefix over redis: {cached}")
+        assert cached >= 0.8 * NUM_SYSTEM_PROMPTS * (NUM_QUESTIONS - 1) * SYSTEM_TOKENS
+
+        model_id = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        index = RedisIndex(redis_server.url, model_id, socket_timeout_s=1.0)
+        redis_server.stop()  # Redis down: routing by load, serving as usual
+        served_by = {}
+        for prompt in _workload(seed=4)[:NUM_SYSTEM_PROMPTS]:
+            served_by[tuple(prompt)] = _complete(url, prompt).headers["x-prefixserve-replica"]
+        redis_server.start()  # back, empty: the replicas re-announce what they hold
+        _wait_until_indexed(index, served_by, model_id)
+        serve.delete("routing-redis")
+    finally:
+        redis_server.stop()
