@@ -96,6 +96,14 @@ _FLAGS = [
         float,
         "KV cache as a fraction of free memory (default 0.2).",
     ),
+    (
+        "--host-kv-cache-bytes",
+        "engine",
+        "host_kv_cache_bytes",
+        int,
+        "Second KV tier in host RAM for evicted prefix blocks, in bytes (default off).",
+    ),
+    ("--kernel-backend", "engine", "kernel_backend", str, "auto (default: triton on CUDA, torch on CPU), torch or triton."),
     ("--dtype", "engine", "dtype", str, "float32 (default on CPU), float16 or bfloat16."),
     ("--device", "engine", "device", str, "cpu (default) or cuda."),
     ("--seed", "engine", "seed", int, "Seed for requests that give none (default 0)."),
@@ -255,7 +263,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         # Logical CPUs, not cores: the replicas' CPU reservations must fit even on a small
         # machine (the engines then share its cores).
         needed = math.ceil(cluster.num_replicas * cluster.num_cpus_per_replica) + 1
-        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+        # A local cluster stays on loopback: nothing it runs listens on another address.
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, _node_ip_address="127.0.0.1")
     else:
         ray.init(address=cluster.ray_address)
     try:

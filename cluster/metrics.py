@@ -109,6 +109,9 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens processed.",
     "generation_tokens": "Tokens generated.",
     "num_preemptions": "Requests preempted for lack of KV blocks.",
+    "host_cache_hits": "Prompt tokens of prefix-cache hits served from the host KV tier.",
+    "kv_offload_bytes": "KV bytes copied from the device tier to the host tier.",
+    "kv_onload_bytes": "KV bytes copied from the host tier back to the device tier.",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Time to first token.", TTFT_BUCKETS_S),

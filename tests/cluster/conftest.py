@@ -57,7 +57,7 @@ def start_cluster(engine: dict, cluster: dict, app_name: str):
     from cluster.app import build_app
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({"engine": engine, "cluster": {**cluster, "port": port, "app_name": app_name}})
     serve.run(app, name=app_name, route_prefix="/", blocking=False)
