@@ -6,7 +6,8 @@ derived from the application's name (``index_actor_name``), so two applications 
 share an index and nothing uses a fixed global name. It is detached, so it outlives
 whichever replica or router process created it first; every process creates it lazily
 with ``get_if_exists``, and it is registered with the Serve controller so that
-``serve.shutdown()`` kills it.
+``serve.shutdown()`` kills it; after ``IDLE_EXIT_S`` without a live replica (the
+application was deleted) it ends itself.
 
 ``ActorIndexClient`` is a synchronous ``PrefixIndex`` over the actor, for threads that may
 block (the router's lookup thread, the replica's publisher thread): lookups wait at most
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import ray
@@ -39,6 +41,10 @@ INDEX_ACTOR_PREFIX = "prefixserve-index:"
 # Calls are microseconds of dict work; a few threads keep one large re-announce from
 # delaying every lookup behind it (EmbeddedIndex is thread-safe).
 INDEX_ACTOR_MAX_CONCURRENCY = 8
+# With no live replica for this long the application is gone (deleted, or its replicas
+# all dead for far longer than a restart takes): the actor ends itself instead of leaking.
+# A later call re-creates it, empty, and replicas re-announce.
+IDLE_EXIT_S = 600.0
 
 
 def index_actor_name(app_name: str) -> str:
@@ -52,8 +58,21 @@ def index_actor_name(app_name: str) -> str:
 class IndexActor:
     """One ``EmbeddedIndex`` shared by every process of an application."""
 
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(self, heartbeat_timeout_s: float, idle_exit_s: float = IDLE_EXIT_S) -> None:
         self._index = EmbeddedIndex(heartbeat_timeout_s=heartbeat_timeout_s)
+        self._idle_exit_s = idle_exit_s
+        threading.Thread(target=self._exit_when_idle, name="index-idle-exit", daemon=True).start()
+
+    def _exit_when_idle(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            time.sleep(min(self._idle_exit_s, 10.0))
+            if self._index.replicas():
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= self._idle_exit_s:
+                log.warning("prefix index: no live replica for %.0f s, exiting", self._idle_exit_s)
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
 
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
         return self._index.apply(batch)
