@@ -29,8 +29,10 @@ should agree on wall time to well under ``heartbeat_timeout_s``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
+from urllib.parse import urlparse
 
 import redis
 from redis.backoff import NoBackoff
@@ -73,6 +75,9 @@ def namespace(model_id: str) -> str:
     return f"prefixserve:{HASH_VERSION}:{model_id}:"
 
 
+REDIS_PASSWORD_ENV = "PREFIXSERVE_REDIS_PASSWORD"
+"""Where the password of an external Redis comes from when its URL carries none."""
+
 class RedisIndex:
     """``PrefixIndex`` backed by Redis; safe to share between threads (pooled client)."""
 
@@ -106,8 +111,14 @@ class RedisIndex:
         self._connect()
 
     def _make_client(self, timeout_s: float) -> redis.Redis:
+        # A password in the URL wins; else PREFIXSERVE_REDIS_PASSWORD (the Helm chart sets it
+        # from a Secret so the password never appears in the Serve config).
+        extra = {}
+        if not urlparse(self.redis_url).password and os.environ.get(REDIS_PASSWORD_ENV):
+            extra["password"] = os.environ[REDIS_PASSWORD_ENV]
         return redis.Redis.from_url(
             self.redis_url,
+            **extra,
             socket_timeout=timeout_s,
             socket_connect_timeout=self.socket_timeout_s,
             # One immediate retry on a broken connection (a pooled socket that died with a

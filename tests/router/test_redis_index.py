@@ -88,3 +88,22 @@ def test_make_index_builds_the_configured_backend(redis_url):
     assert isinstance(index, RedisIndex)
     assert index.prefix == "prefixserve:v1:factory-model:"
     index.close()
+
+
+@pytest.mark.redis
+def test_password_comes_from_the_environment_when_the_url_has_none(tmp_path, clock, monkeypatch):
+    from tests.router.conftest import RedisServer
+
+    server = RedisServer(str(tmp_path))
+    server.start()
+    try:
+        redis.Redis(host="127.0.0.1", port=server.port).config_set("requirepass", "s3cret")
+        monkeypatch.delenv("PREFIXSERVE_REDIS_PASSWORD", raising=False)
+        with pytest.raises(IndexUnavailableError):
+            RedisIndex(server.url, "auth-model", clock=clock).match(chain(2))
+        monkeypatch.setenv("PREFIXSERVE_REDIS_PASSWORD", "s3cret")
+        index = RedisIndex(server.url, "auth-model", clock=clock)
+        index.apply(batch("r0", 0, stored(chain(2))))
+        assert index.match(chain(2))["r0"] == Match(device_blocks=2)
+    finally:
+        server.stop()
