@@ -11,7 +11,8 @@ application was deleted) it ends itself.
 
 ``ActorIndexClient`` is a synchronous ``PrefixIndex`` over the actor, for threads that may
 block (the router's lookup thread, the replica's publisher thread): lookups wait at most
-``RouterConfig.redis_socket_timeout_s`` and writes ``redis_write_timeout_s``.
+``RouterConfig.redis_socket_timeout_s`` (at least ``MIN_ACTOR_LOOKUP_TIMEOUT_S``) and
+writes ``redis_write_timeout_s``.
 
 How it fails: every Ray failure (timeout, dead or unreachable actor, actor not yet created)
 becomes ``IndexUnavailableError``, which ``router.index.FallbackIndex`` turns into routing
@@ -45,6 +46,10 @@ INDEX_ACTOR_MAX_CONCURRENCY = 8
 # all dead for far longer than a restart takes): the actor ends itself instead of leaking.
 # A later call re-creates it, empty, and replicas re-announce.
 IDLE_EXIT_S = 600.0
+# Floor of the lookup timeout. A Python actor behind the GIL stalls for tens of ms now and
+# then (a re-announce being applied, a GC pause, a busy CPU), and one timeout costs a whole
+# ``redis_retry_interval_s`` of routing without the index; a rare 200 ms wait costs less.
+MIN_ACTOR_LOOKUP_TIMEOUT_S = 0.2
 
 
 def index_actor_name(app_name: str) -> str:
@@ -123,7 +128,7 @@ class ActorIndexClient:
     def __init__(self, app_name: str, config: RouterConfig) -> None:
         self.app_name = app_name
         self.config = config
-        self.lookup_timeout_s = config.redis_socket_timeout_s
+        self.lookup_timeout_s = max(config.redis_socket_timeout_s, MIN_ACTOR_LOOKUP_TIMEOUT_S)
         self.write_timeout_s = config.redis_write_timeout_s
         self.generation = 0
         """Grows each time the client reaches a different actor (first one included)."""
