@@ -116,7 +116,8 @@ def _start_app(model: str, port: int, policy: str, redis_url: str | None = None)
     name = f"routing-{policy}" if redis_url is None else "routing-redis"
     router = {"policy": policy}
     if redis_url is not None:
-        router.update(index_backend="redis", redis_url=redis_url)
+        # 50 ms (the default) is tight for a Python thread on 2 busy CI cores.
+        router.update(index_backend="redis", redis_url=redis_url, redis_socket_timeout_s=0.2)
     engine = {
         "model": model,
         "num_kv_blocks": 256,
