@@ -9,8 +9,8 @@ through a real ``redis-server`` index, which is stopped and started again under 
 over 2 replicas, round robin sends every second request of a prompt to the replica that
 has not seen it; prefix routing sends them all to the one that has.
 
-The first test needs no Ray: the replica's KV stream re-announces what it holds to an
-index that lost it.
+The first two tests need no Ray: the replica's KV stream re-announces what it holds to an
+index that lost it, and the router metrics of a process render as Prometheus series.
 """
 
 from __future__ import annotations
@@ -82,6 +82,27 @@ def test_replica_stream_reannounces_what_it_holds_to_an_index_that_lost_it():
     assert second.match([a])["r1"].device_blocks == 1
     assert second.match([a, b]).get("r1").num_blocks == 1
     assert second.match([c])["r1"].host_blocks == 1
+
+
+def test_router_metrics_of_a_process_sum_up_and_render_for_prometheus():
+    from cluster.metrics import render_prometheus
+    from cluster.request_router import _merge
+    from router.metrics import RouterMetrics
+
+    first, second = RouterMetrics(), RouterMetrics()
+    first.record_decision("prefix", "prefix", 10, 8)
+    first.record_lookup(0.3)
+    second.record_decision("prefix", "fallback", 10, 0)
+    second.record_decision("prefix", "prefix", 20, 20)
+    second.record_lookup(3.0)
+    merged = _merge(_merge({}, first.snapshot()), second.snapshot())
+    assert merged["matched_block_ratio"] == 28 / 40
+    assert merged["num_fallback_decisions"] == 1
+    assert merged["lookup_latency_ms"]["count"] == 2
+    text = render_prometheus({}, merged).decode()
+    assert 'prefixserve:router_decisions_total{policy="prefix",reason="prefix"} 2.0' in text
+    assert "prefixserve:router_fallback_decisions_total 1.0" in text
+    assert "prefixserve:router_lookup_latency_seconds_count 2.0" in text
 
 
 # ----------------------------------------------------------------- the real cluster
