@@ -5,7 +5,7 @@ ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (has
 the ingress) and prompt length from the call's arguments, builds one
 ``router.policy.ReplicaView`` per candidate from the replica's Serve routing stats
 (``EngineReplica.record_routing_stats``) plus this router's own count of requests it sent
-that have not finished, and lets ``Router.route`` decide: one index lookup, the configured
+that have not finished (counted from the decision on), and lets ``Router.route`` decide: one index lookup, the configured
 policy (``prefix`` by default, or ``round_robin``/``least_loaded``/``pow2``), a speculative
 entry for the chosen replica. Other calls (``describe``) carry no blocks and go by load.
 
@@ -47,6 +47,11 @@ _ROUTERS: weakref.WeakSet = weakref.WeakSet()
 # A one-line summary of the router metrics in the replica log this often, for clusters that
 # scrape no /metrics; rare enough to be noise-free.
 METRICS_LOG_PERIOD_S = 60.0
+# A decision counts as in flight on its replica from the moment it is made: Serve confirms
+# (on_request_routed) only after the replica accepted, a round trip later, and a burst
+# decided meanwhile would all pile onto one replica. One never confirmed (the caller gave
+# up before it was sent) stops counting after this long.
+UNCONFIRMED_DECISION_TTL_S = 5.0
 
 
 def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes], int]:
@@ -77,6 +82,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._inflight_lock = threading.Lock()
         self._inflight_by_request: dict[str, str] = {}
         self._inflight_by_replica: dict[str, int] = {}
+        self._unconfirmed: dict[str, tuple[str, float]] = {}
+        """Internal request id -> (replica decided on, monotonic expiry) until Serve sends it."""
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         _ROUTERS.add(self)
 
@@ -98,8 +105,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         return self._router
 
     def _views(self, replicas: list[RunningReplica]) -> list[ReplicaView]:
+        now_s = time.monotonic()
         with self._inflight_lock:
             counts = dict(self._inflight_by_replica)
+            for key, (unique_id, expiry_s) in list(self._unconfirmed.items()):
+                if expiry_s <= now_s:
+                    del self._unconfirmed[key]
+                else:
+                    counts[unique_id] = counts.get(unique_id, 0) + 1
         return [
             ReplicaView(
                 r.replica_id.unique_id,
@@ -129,6 +142,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             decision = await asyncio.to_thread(router.route, hashes, num_prompt_tokens, views)
         else:
             decision = router.route([], num_prompt_tokens, views)
+        if pending_request is not None:
+            expiry_s = time.monotonic() + UNCONFIRMED_DECISION_TTL_S
+            with self._inflight_lock:
+                key = pending_request.metadata.internal_request_id
+                self._unconfirmed[key] = (decision.replica_id, expiry_s)
         self._maybe_log_metrics()
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]
@@ -154,6 +172,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         key = pending_request.metadata.internal_request_id
         unique_id = replica_id.unique_id
         with self._inflight_lock:
+            self._unconfirmed.pop(key, None)
             if key in self._inflight_by_request:
                 return
             self._inflight_by_request[key] = unique_id
@@ -161,6 +180,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._inflight_lock:
+            self._unconfirmed.pop(internal_request_id, None)
             unique_id = self._inflight_by_request.pop(internal_request_id, None)
             if unique_id is None:
                 return
