@@ -38,6 +38,7 @@ from cluster.openai_protocol import (
     parse_body,
     resolve_max_tokens,
 )
+from cluster.request_router import router_metrics_snapshot
 from cluster.responses import ResponseBuilder
 from worker import EngineConfig
 from worker.loader import load_tokenizer
@@ -303,4 +304,5 @@ class Ingress:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         snapshots = await self._snapshots()
-        return Response(render_prometheus(snapshots or {}), media_type="text/plain; version=0.0.4")
+        body = render_prometheus(snapshots or {}, router_metrics_snapshot())
+        return Response(body, media_type="text/plain; version=0.0.4")
