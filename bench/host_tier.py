@@ -60,13 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     prefix_blocks = args.prefix_tokens // 16
     common = dict(model=args.model, device=args.device, max_num_batched_tokens=args.prefix_tokens + 64,
                   max_model_len=max(4096, args.prefix_tokens + 128))
-    # The device pool holds one long prompt and little more, so filler evicts the prefix.
-    engine = LLMEngine(EngineConfig(**common, num_kv_blocks=prefix_blocks + 40,
-                                    host_kv_cache_bytes=None if False else 1))  # placeholder, replaced below
-    per_block = engine.runner.bytes_per_block
+    recompute_engine = LLMEngine(EngineConfig(**common, num_kv_blocks=prefix_blocks + 40, enable_prefix_caching=False))
+    per_block = recompute_engine.runner.bytes_per_block
+    # The device pool holds one long prompt and little more, so filler evicts the prefix;
+    # the host tier holds two.
     engine = LLMEngine(EngineConfig(**common, num_kv_blocks=prefix_blocks + 40,
                                     host_kv_cache_bytes=per_block * (prefix_blocks + 64) * 2))
-    recompute_engine = LLMEngine(EngineConfig(**common, num_kv_blocks=prefix_blocks + 40, enable_prefix_caching=False))
     vocab = engine.spec.vocab_size
     rows = {"device_hit": [], "host_hit": [], "recompute": []}
     outputs = {}
