@@ -1,4 +1,8 @@
-"""Writing new tokens' K/V into the paged cache through a slot mapping (torch path)."""
+"""Writing new tokens' K/V into the paged cache through a slot mapping (torch CPU path).
+
+The CPU cache is head-major, ``[num_kv_heads, num_blocks, block_size, head_dim]``
+(``kernels/attention.py`` says why).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each new token's K/V into its slot (``block * block_size + offset``)."""
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value
+    """Write each new token's K/V ([N, Hkv, D]) into its slot (``block * block_size + offset``)."""
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    k_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = key.transpose(0, 1)
+    v_cache.view(num_kv_heads, -1, head_dim)[:, slot_mapping] = value.transpose(0, 1)

@@ -35,6 +35,9 @@ class KernelBackend:
     store_kv: Callable
     attention: Callable
     """attention(query, k_cache, v_cache, meta: AttentionMetadata, scale) -> [N, Hq, D]"""
+    head_major_cache: bool
+    """Cache layout: ``[Hkv, blocks, block_size, D]`` (torch CPU) or ``[blocks, block_size,
+    Hkv, D]`` (Triton, ``kernels/reference.py``)."""
 
 
 def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend:
@@ -50,6 +53,7 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
             rotary=apply_rotary,
             store_kv=torch_store_kv,
             attention=lambda q, kc, vc, meta, scale: torch_attention.paged_attention(q, kc, vc, meta, scale, deterministic),
+            head_major_cache=True,
         )
     from kernels import triton_ops
 
@@ -73,4 +77,5 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
         rotary=rotary,
         store_kv=store_kv,
         attention=attention,
+        head_major_cache=False,
     )

@@ -50,11 +50,12 @@ class ModelRunner:
         self.model = CausalLM(spec, weights, self.ops, max_positions=max_model_len)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._decide_num_blocks()
-        block_shape = (self.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = config.torch_dtype
-        # One tensor [layers, K/V, blocks, ...]: a block's KV across all layers moves in one copy.
-        self.kv = torch.zeros(spec.num_layers, 2, self.num_blocks, *block_shape, dtype=dtype, device=self.device)
+        # One tensor [layers, K/V, (cache layout of the backend)]: a block's KV across all layers
+        # moves in one copy. ``_block`` indexes one block in it.
+        self.kv = torch.zeros(spec.num_layers, 2, *self._cache_shape(self.num_blocks), dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(spec.num_layers)]
+        block_shape = tuple(self.kv[self._block(0)].shape[2:])
         self.host_kv: torch.Tensor | None = None
         self.num_host_blocks = (config.host_kv_cache_bytes or 0) // self.bytes_per_block
         if config.host_kv_cache_bytes is not None:
@@ -70,13 +71,24 @@ class ModelRunner:
             self.num_blocks * self.bytes_per_block / 2**20,
         )
 
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        s = self.spec
+        if self.ops.head_major_cache:
+            return (s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
+        return (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+
+    def _block(self, block_id: int) -> tuple:
+        """Index of one block (all layers, K and V) in ``self.kv``, in the backend's layout."""
+        every = slice(None)
+        return (every, every, every, block_id) if self.ops.head_major_cache else (every, every, block_id)
+
     # -- host tier (worker/host_cache.py's KVMover) --------------------------------------------
     def save(self, block_id: int, slot: int) -> None:
-        self.host_kv[slot].copy_(self.kv[:, :, block_id], non_blocking=False)
+        self.host_kv[slot].copy_(self.kv[self._block(block_id)], non_blocking=False)
 
     def load(self, slot: int, block_id: int) -> None:
         t0 = time.perf_counter()
-        self.kv[:, :, block_id].copy_(self.host_kv[slot], non_blocking=True)
+        self.kv[self._block(block_id)].copy_(self.host_kv[slot], non_blocking=True)
         self.load_seconds_total += time.perf_counter() - t0
 
     @property
@@ -105,7 +117,7 @@ class ModelRunner:
         """One forward of a full token budget, so its activations are counted as used memory."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
-        shape = (blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = self._cache_shape(blocks)
         dev, dtype = self.device, self.config.torch_dtype
         caches = [(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
                   for _ in range(self.spec.num_layers)]

@@ -16,8 +16,19 @@ from kernels.attention import AttentionMetadata, paged_attention
 from kernels.cache import store_kv
 from kernels.linear import batch_invariant_linear
 from kernels.norm import rms_norm
-from kernels.reference import matmul_ref, paged_attention_ref, rms_norm_ref, rotary_ref, store_kv_ref
+from kernels.reference import (
+    matmul_ref,
+    paged_attention_ref,
+    rms_norm_ref,
+    rotary_ref,
+    store_kv_ref,
+)
 from kernels.rotary import apply_rotary, build_cos_sin_cache
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The reference's block-major cache in the CPU path's head-major layout."""
+    return cache.permute(2, 0, 1, 3).contiguous()
 
 
 def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int):
@@ -50,14 +61,14 @@ def test_paged_attention_matches_reference(group, deterministic, block_size):
     shape = (64, block_size, num_kv, head_dim)
     k_cache, v_cache = torch.randn(shape), torch.randn(shape)
     q = torch.randn(meta.query_start_loc_list[-1], num_kv * group, head_dim)
-    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5, deterministic)
+    out = paged_attention(q, head_major(k_cache), head_major(v_cache), meta, head_dim**-0.5, deterministic)
     ref = paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, head_dim**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_is_batch_and_chunk_invariant():
     num_kv, group, head_dim, bs = 3, 3, 64, 16
-    shape = (96, bs, num_kv, head_dim)
+    shape = (num_kv, 96, bs, head_dim)
     k_cache, v_cache = torch.randn(shape), torch.randn(shape)
     ctx = random.randint(150, 400)
     meta_full = make_meta([(ctx, ctx)], bs, 96)
@@ -83,11 +94,11 @@ def test_store_kv_matches_reference():
     shape = (8, 16, 2, 64)
     slots = torch.tensor(random.sample(range(8 * 16), 20))
     k, v = torch.randn(20, 2, 64), torch.randn(20, 2, 64)
-    a = (torch.zeros(shape), torch.zeros(shape))
+    a = (head_major(torch.zeros(shape)), head_major(torch.zeros(shape)))
     b = (torch.zeros(shape), torch.zeros(shape))
     store_kv(k, v, *a, slots)
     store_kv_ref(k, v, *b, slots)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(a[0], head_major(b[0])) and torch.equal(a[1], head_major(b[1]))
 
 
 def test_linear_is_batch_invariant_and_correct():
