@@ -31,6 +31,21 @@ PROMPTS = [
 ]
 
 
+def run(engine: LLMEngine, prompts: dict | None = None, *, check_invariants: bool = False) -> dict:
+    """Submit ``{request_id: (token_ids, params)}`` (if given), step until idle, return the
+    finished ``RequestOutput``s by id; optionally check the block pool after every step."""
+    for rid, (ids, params) in (prompts or {}).items():
+        engine.add_request(rid, ids, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check_invariants:
+            engine.pool.check_invariants()
+    return done
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from tests.worker.helpers import run
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.sampling_params import SamplingParams
@@ -22,16 +23,6 @@ LONG_PROMPT = (
     + "Question: which box holds the most marbles, and how many?"
 )
 
-
-def run(engine: LLMEngine, prompts: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for rid, (ids, params) in prompts.items():
-        engine.add_request(rid, ids, params)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def engine(**overrides) -> LLMEngine:

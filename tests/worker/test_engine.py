@@ -7,19 +7,11 @@ import asyncio
 import pytest
 
 import router.protocol
+from tests.worker.helpers import run
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import FinishReason
 from worker.sampling_params import SamplingParams
-
-
-def run_all(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +32,9 @@ def test_shared_system_prompt_is_served_from_cache(smol_engine):
     assert len(sys_ids) == 400
     greedy = SamplingParams(temperature=0, max_tokens=4)
     smol_engine.add_request("first", sys_ids + tok.encode(" Question: what is 2+2?"), greedy)
-    first = run_all(smol_engine)["first"]
+    first = run(smol_engine)["first"]
     smol_engine.add_request("second", sys_ids + tok.encode(" Question: name a color."), greedy)
-    second = run_all(smol_engine)["second"]
+    second = run(smol_engine)["second"]
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens >= 384
 
@@ -55,15 +47,15 @@ def test_hash_collision_is_caught_not_served(tiny_models, monkeypatch):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a_ids, b_ids = list(range(100, 148)), list(range(300, 348))
     engine.add_request("a", a_ids, greedy)
-    run_all(engine)
+    run(engine)
     engine.add_request("b", b_ids, greedy)
-    b = run_all(engine)["b"]
+    b = run(engine)["b"]
     assert b.num_cached_tokens == 0, "a block with other tokens must never be served"
     assert engine.pool.num_collisions >= 1
     monkeypatch.setattr("worker.request.hash_blocks", router.protocol.hash_blocks)
     fresh = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=64))
     fresh.add_request("b", b_ids, greedy)
-    assert run_all(fresh)["b"].token_ids == b.token_ids
+    assert run(fresh)["b"].token_ids == b.token_ids
 
 
 @pytest.mark.parametrize(
@@ -82,7 +74,7 @@ def test_bad_input_is_rejected_and_others_keep_running(tiny_engine, prompt, para
     tiny_engine.step()
     with pytest.raises(ValueError, match=match):
         tiny_engine.add_request(f"bad-{match}", prompt, params)
-    out = run_all(tiny_engine)[f"ok-{match}"]
+    out = run(tiny_engine)[f"ok-{match}"]
     assert len(out.token_ids) == 6
 
 
@@ -109,28 +101,28 @@ def test_engine_config_errors_name_the_field():
 def test_stop_strings_tokens_and_lengths(tiny_engine):
     base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tiny_engine.add_request("free", [11, 12, 13], base)
-    free = run_all(tiny_engine)["free"].outputs[0]
+    free = run(tiny_engine)["free"].outputs[0]
     assert free.finish_reason == FinishReason.LENGTH and len(free.token_ids) == 24
     # A stop string taken from the middle of the free-running text: output ends right before it.
     text = free.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
         tiny_engine.add_request("stop", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
-        out = run_all(tiny_engine)["stop"].outputs[0]
+        out = run(tiny_engine)["stop"].outputs[0]
         assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
         assert out.text == text[: text.index(stop)]
     tok = free.token_ids[5]
     tiny_engine.add_request("stoptok", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[tok]))
-    out = run_all(tiny_engine)["stoptok"].outputs[0]
+    out = run(tiny_engine)["stoptok"].outputs[0]
     assert out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1] and out.stop_reason == tok
     tiny_engine.add_request("min", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, min_tokens=10, stop_token_ids=[free.token_ids[0]], ignore_eos=True))
-    assert len(run_all(tiny_engine)["min"].token_ids) >= 10
+    assert len(run(tiny_engine)["min"].token_ids) >= 10
 
 
 def test_n_outputs_share_the_prompt_blocks_and_logprobs(tiny_engine):
     prompt = list(range(1000, 1100))
     tiny_engine.add_request("n3", prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=5, ignore_eos=True))
-    out = run_all(tiny_engine)["n3"]
+    out = run(tiny_engine)["n3"]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "independent samples should differ"
     hits_before = tiny_engine.scheduler.counters.prefix_cache_hits_tokens
@@ -145,7 +137,7 @@ def test_penalties_change_greedy_output(tiny_engine):
     tiny_engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     tiny_engine.add_request("pen", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                                                           repetition_penalty=1.9, frequency_penalty=2.0))
-    done = run_all(tiny_engine)
+    done = run(tiny_engine)
     plain, pen = done["plain"].token_ids, done["pen"].token_ids
     assert len(set(pen)) >= len(set(plain))
     assert plain != pen

@@ -10,21 +10,14 @@ import random
 import pytest
 
 from router.protocol import EventKind, Tier
+from tests.worker.helpers import run as run_to_end
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.sampling_params import SamplingParams
 
 
 def run(engine: LLMEngine, prompts: dict) -> dict:
-    for rid, (ids, params) in prompts.items():
-        engine.add_request(rid, ids, params)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.pool.check_invariants()
-    return done
+    return run_to_end(engine, prompts, check_invariants=True)
 
 
 def tiny(tiny_models, **kw) -> LLMEngine:
