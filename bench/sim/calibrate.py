@@ -14,6 +14,7 @@ calibration that fails must not leave a half-written file: the file is written l
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     rng = random.Random(0)
+    load_before = os.getloadavg()
     started = time.perf_counter()
     engine = _engine(args)
     print(f"engine loaded in {time.perf_counter() - started:.1f} s", flush=True)
@@ -92,9 +94,17 @@ def main(argv=None) -> int:
         prefill,
         samples,
         max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        source=f"measured: {args.model} on {args.device} by bench/sim/calibrate.py",
+        source=(
+            f"measured: {args.model} on {args.device}, {args.threads or 'default'} threads, "
+            "by bench/sim/calibrate.py"
+        ),
     )
-    note = f"prefill {args.prompt_tokens}-token prompts; decode samples (batch, step_s): {samples}"
+    # The load average says how much the rates are to be trusted on a shared machine.
+    note = (
+        f"prefill {args.prompt_tokens}-token prompts; decode samples (batch, step_s): {samples}; "
+        f"command: python -m bench.sim.calibrate {' '.join(sys.argv[1:] if argv is None else argv)}; "
+        f"load average (1/5/15 min) before {load_before}, after {os.getloadavg()}"
+    )
     path = record_rates(rates, CALIBRATION_PATH, note=note)
     print(f"decode steps (batch, s): {samples}; wrote {path}")
     return 0
