@@ -11,7 +11,9 @@ Failure model
     waiting queue raises ``EngineOverloadedError``. If a step itself raises, the engine is
     dead: every pending request ends with ``EngineDeadError``, ``is_alive()`` turns False and
     the replica's health check fails so Ray Serve replaces it. A caller that stops iterating
-    (client gone) aborts its request and frees its blocks.
+    (client gone) aborts its request and frees its blocks. Under tensor parallelism a dead
+    worker rank makes the next step raise (the path above) and ``is_alive()`` False at once,
+    even while idle; the loop thread ends the remaining workers when it exits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
+from worker.parallel.workers import WorkerLauncher
 from worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -39,8 +42,8 @@ MAX_BUFFERED_KV_BATCHES = 10_000
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, replica_id: str = "replica-0"):
-        self.engine = LLMEngine(config, replica_id)
+    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None):
+        self.engine = LLMEngine(config, replica_id, launcher)
         self.config = config
         self.replica_id = replica_id
         self.model_id = self.engine.model_id
@@ -63,7 +66,7 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_alive():
-            raise EngineDeadError(f"engine {self.replica_id} is not running: {self._error!r}")
+            raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
         self.engine.validate(prompt_token_ids, params)
         waiting = self._metrics["num_requests_waiting"] + self._pending_adds
         if waiting + params.n > self.config.max_waiting_requests:
@@ -107,7 +110,16 @@ class AsyncEngine:
         return out
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return self._thread.is_alive() and self._error is None and not self.engine.dead_tp_ranks()
+
+    def why_dead(self) -> str:
+        """What ended the engine, for health checks and logs ("" while alive)."""
+        dead_ranks = self.engine.dead_tp_ranks()
+        if dead_ranks:
+            return f"tensor-parallel worker rank(s) {dead_ranks} ended"
+        if self._error is not None:
+            return f"engine loop failed: {self._error!r}"
+        return "" if self._thread.is_alive() else "engine loop stopped"
 
     async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
         """Let running requests finish for up to ``drain_timeout_s``, abort the rest, stop."""
@@ -173,3 +185,4 @@ class AsyncEngine:
                 self._deliver(rid, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"))
         finally:
             self._stop.set()
+            self.engine.shutdown()

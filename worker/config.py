@@ -10,6 +10,8 @@ Names follow vLLM's flags where the meaning is the same (``--block-size``,
   weights and a profile run* (device memory on CUDA, available RAM on CPU).
 
 Setting more than one is an error; the engine logs the blocks and tokens it ends up with.
+With ``tensor_parallel_size`` > 1 the budgets are per rank (each rank holds its share of the
+KV heads), and the ranks agree on the smallest block count any of them can hold.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_MODEL = "smollm2"
+MAX_TENSOR_PARALLEL_SIZE = 64
+"""More ranks than any single node holds GPUs; a larger value is surely a typo."""
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -57,6 +61,8 @@ class EngineConfig:
     """torch intra-op threads on CPU; None keeps torch's default."""
     cache_dir: str | None = None
     """Where converted GGUF models are cached; defaults to ``~/.cache/prefixserve``."""
+    tensor_parallel_size: int = 1
+    """Ranks one replica's model is split over (``worker/parallel``); 1: no splitting."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:
@@ -84,6 +90,11 @@ class EngineConfig:
         need(self.max_waiting_requests > 0, "max_waiting_requests", f"must be positive, got {self.max_waiting_requests}")
         need(0 <= self.max_logprobs <= 20, "max_logprobs", f"must be in [0, 20], got {self.max_logprobs}")
         need(self.num_threads is None or self.num_threads > 0, "num_threads", f"must be positive, got {self.num_threads}")
+        tp = self.tensor_parallel_size
+        need(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE,
+             "tensor_parallel_size", f"must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {tp!r}")
+        need(tp == 1 or self.host_kv_cache_bytes is None, "host_kv_cache_bytes",
+             "the host KV tier does not support tensor_parallel_size > 1 yet; leave it unset")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -4,6 +4,11 @@ One step = schedule -> run the model -> sample -> update requests (stop checks,
 detokenisation, block caching) -> KV events. Bad input is rejected in ``add_request`` with a
 ``ValueError`` before the request touches any engine state, so it can never harm the others.
 The async wrapper (``worker/async_engine.py``) drives ``step()`` from a background thread.
+
+With ``tensor_parallel_size`` > 1 the engine is rank 0: it starts the other ranks through a
+``WorkerLauncher`` (local processes unless the caller passes one, e.g. Ray actors), runs its
+own shard, and sends each step to the others. A rank that dies makes ``step()`` raise and
+``dead_tp_ranks()`` non-empty; ``shutdown()`` ends the workers.
 """
 
 from __future__ import annotations
@@ -20,7 +25,15 @@ from worker.config import EngineConfig
 from worker.loader import load_weights, resolve_model
 from worker.metrics import EngineMetrics
 from worker.model_runner import ModelRunner
+from worker.models.llama import ModelSpec
 from worker.outputs import CompletionOutput, EngineOverloadedError, FinishReason, RequestOutput
+from worker.parallel.sharding import ShardPlan, load_shard, read_spec
+from worker.parallel.workers import (
+    LocalProcessLauncher,
+    TensorParallelGroup,
+    WorkerLauncher,
+    threads_per_rank,
+)
 from worker.request import Request
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
@@ -31,9 +44,14 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, replica_id: str = "replica-0"):
-        if config.num_threads:
+    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None):
+        """``launcher`` starts tensor-parallel ranks 1..N-1; default: local processes."""
+        tp = config.tensor_parallel_size
+        if tp > 1 and config.device == "cpu":
+            torch.set_num_threads(threads_per_rank(config))  # the cores are split between ranks
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.tp: TensorParallelGroup | None = None
         t0 = time.perf_counter()
         resolved = resolve_model(config.model, config.cache_dir)
         self.config = config
@@ -43,9 +61,12 @@ class LLMEngine:
         if config.max_model_len and config.max_model_len > resolved.max_model_len:
             raise ValueError(f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context ({resolved.max_model_len})")
         self.tokenizer = Tokenizer(resolved.path)
-        spec, weights = load_weights(resolved.path, config.torch_dtype)
+        if tp == 1:
+            spec, weights = load_weights(resolved.path, config.torch_dtype)
+            self.runner = ModelRunner(config, spec, weights, self.max_model_len)
+        else:
+            spec = self._start_tensor_parallel(resolved.path, launcher or LocalProcessLauncher(), replica_id)
         self.spec = spec
-        self.runner = ModelRunner(config, spec, weights, self.max_model_len)
         self.block_size = config.block_size
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         if self.runner.host_kv is not None:
@@ -62,6 +83,28 @@ class LLMEngine:
         log.info("engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s",
                  replica_id, self.model_id, time.perf_counter() - t0, self.pool.num_blocks,
                  self.pool.num_blocks * self.block_size, config.deterministic)
+
+    def _start_tensor_parallel(self, model_path: str, launcher: WorkerLauncher, replica_id: str) -> ModelSpec:
+        config = self.config
+        ShardPlan.make(read_spec(model_path), 0, config.tensor_parallel_size)  # sizes fail before any worker starts
+        self.tp = TensorParallelGroup.start(config, model_path, self.max_model_len, launcher, replica_id)
+        try:
+            spec, plan, weights = load_shard(model_path, config.torch_dtype, 0, config.tensor_parallel_size)
+            self.runner = ModelRunner(config, plan.local_spec(spec), weights, self.max_model_len,
+                                      self.tp.comm, plan.vocab_start)
+        except BaseException:
+            self.tp.stop()
+            raise
+        return spec
+
+    def dead_tp_ranks(self) -> list[int]:
+        """Tensor-parallel ranks whose worker has ended; always empty without TP."""
+        return self.tp.dead_ranks() if self.tp is not None else []
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers (nothing to do without TP). Idempotent."""
+        if self.tp is not None:
+            self.tp.stop()
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

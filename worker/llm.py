@@ -7,6 +7,9 @@
 
 Prompts may be strings (tokenised without special tokens) or lists of token ids. Outputs come
 back in the order of the prompts. A progress bar shows while more than one request runs.
+
+``LLM(..., tensor_parallel_size=N)`` starts N-1 local worker processes; ``shutdown()`` (or
+leaving a ``with LLM(...) as llm:`` block) ends them, as does the parent process exiting.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from tqdm import tqdm
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import RequestOutput
+from worker.parallel.workers import WorkerLauncher
 from worker.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+    def __init__(self, model: str = "smollm2", *, launcher: WorkerLauncher | None = None, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options), launcher=launcher)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -55,6 +59,16 @@ class LLM:
                     bar.update()
         bar.close()
         return [done[rid] for rid in order]
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers, if any. The LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         ids = self.tokenizer.apply_chat_template(messages)

@@ -8,6 +8,12 @@ KV sizing happens here because it needs the model's shape: ``num_kv_blocks`` as 
 ``kv_cache_bytes`` divided by the bytes of one block, or a fraction of the memory left after
 the weights and a profile run (``/proc/meminfo`` MemAvailable on CPU, free device memory on
 CUDA). Too little memory for two blocks is a ``ValueError`` that says which knob to raise.
+
+Tensor parallelism: every rank runs a ``ModelRunner`` over its shard with the same config.
+Rank 0's ``execute`` sends the step to the others (``worker/parallel/step_message.py``) before
+running it; the others call ``execute_message`` in their loop (``worker/parallel/workers.py``).
+The ranks agree on the smallest KV block count any of them can hold. A peer that dies makes
+the step's collectives raise, and the exception propagates out of ``execute``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from kernels.attention import AttentionMetadata
 from kernels.ops import select_backend
 from worker.config import EngineConfig
 from worker.models.llama import CausalLM, ModelSpec
+from worker.parallel.communicator import SINGLE_RANK, Communicator
+from worker.parallel.step_message import StepDecoder, StepEncoder, StepInputs, inputs_of
 from worker.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -39,17 +47,22 @@ def available_memory_bytes(device: str) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int,
+                 comm: Communicator = SINGLE_RANK, vocab_start: int = 0):
+        """``spec`` is the shape this rank computes (its shard's, under tensor parallelism)."""
         self.config = config
         self.spec = spec
+        self.comm = comm
+        self._encoder = StepEncoder() if comm.world_size > 1 and comm.rank == 0 else None
+        self._decoder = StepDecoder() if comm.rank > 0 else None
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         weights = {k: v.to(self.device) for k, v in weights.items()}
         self.ops = select_backend(config.kernel_backend, config.deterministic, config.device)
-        self.model = CausalLM(spec, weights, self.ops, max_positions=max_model_len)
+        self.model = CausalLM(spec, weights, self.ops, max_positions=max_model_len, comm=comm, vocab_start=vocab_start)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.num_blocks = self._decide_num_blocks()
+        self.num_blocks = comm.min_int(self._decide_num_blocks())
         dtype = config.torch_dtype
         # One tensor [layers, K/V, (cache layout of the backend)]: a block's KV across all layers
         # moves in one copy. ``_block`` indexes one block in it.
@@ -149,25 +162,23 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs the batch. Returns (logits [num_sampling, vocab], indices into batch.requests)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        starts, tables = [], []
-        sampling_rows, sampling_reqs = [], []
-        for i, (req, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
-            start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start : start + num_new])
-            positions.extend(range(start, start + num_new))
-            starts.append(start)
-            tables.append([b.block_id for b in req.blocks])
-            if start + num_new == req.num_tokens:
-                sampling_rows.append(len(ids) - 1)
-                sampling_reqs.append(i)
-        meta = self._metadata(tables, starts, batch.num_new_tokens)
+        inputs, sampling_reqs = inputs_of(batch)
+        if self._encoder is not None:
+            self.comm.send_step(self._encoder.encode(batch, inputs))
+        return self.run_inputs(inputs).cpu(), sampling_reqs
+
+    def execute_message(self, message: torch.Tensor) -> None:
+        """Ranks 1..N-1: run the step rank 0 sent (its logits stay on rank 0)."""
+        self.run_inputs(self._decoder.decode(message))
+
+    def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
+        positions = [p for start, count in zip(inputs.starts, inputs.counts, strict=True) for p in range(start, start + count)]
+        meta = self._metadata(inputs.tables, inputs.starts, inputs.counts)
         t0 = time.perf_counter()
         dev = self.device
         logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches, meta, torch.tensor(sampling_rows, dtype=torch.long, device=dev),
+            torch.tensor(inputs.token_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches, meta, torch.tensor(inputs.sampling_rows, dtype=torch.long, device=dev),
         )
         self.last_forward_s = time.perf_counter() - t0
-        return logits.cpu(), sampling_reqs
+        return logits

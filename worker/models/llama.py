@@ -7,6 +7,12 @@ paged KV cache through ``kernels``; transformers' modules are never used at serv
 
 Every kernel call goes through ``self.ops`` (``kernels/ops.py``): the torch CPU path or the
 Triton kernels, each batch-invariant in deterministic mode.
+
+Tensor parallelism: given one rank's shard (``worker/parallel/sharding.py``: its spec counts
+only its heads and rows) and a communicator, the same forward pass all-reduces the partial
+sums of ``o_proj`` and ``down_proj``, looks tokens up in its vocabulary rows only (a masked
+lookup, then an all-reduce) and all-gathers the LM head's vocabulary shards into full logits.
+With the single-rank communicator those calls are the identity.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 from kernels.attention import AttentionMetadata
 from kernels.ops import KernelBackend
 from kernels.rotary import build_cos_sin_cache
+from worker.parallel.communicator import SINGLE_RANK, Communicator
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -93,9 +100,13 @@ class ModelSpec:
 class CausalLM:
     """Weights plus a forward pass over the paged cache. Not an nn.Module: nothing trains."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], ops: KernelBackend, max_positions: int):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], ops: KernelBackend, max_positions: int,
+                 comm: Communicator = SINGLE_RANK, vocab_start: int = 0):
+        """``spec`` is the shape this rank computes; ``vocab_start`` its first vocabulary row."""
         self.spec = spec
         self.ops = ops
+        self.comm = comm
+        self.vocab_start = vocab_start
         emb = weights["model.embed_tokens.weight"]
         self.cos_sin = build_cos_sin_cache(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, emb.dtype).to(emb.device)
         self.scale = spec.head_dim**-0.5
@@ -123,6 +134,15 @@ class CausalLM:
             "down": w[p + "mlp.down_proj.weight"],
         }
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(input_ids, self.embed)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.embed.shape[0])
+        x = F.embedding(local_ids.masked_fill(outside, 0), self.embed)
+        x.masked_fill_(outside.unsqueeze(1), 0.0)
+        return self.comm.all_reduce(x)  # exactly one rank holds each row: x + 0 is exact
+
     @torch.inference_mode()
     def forward(
         self,
@@ -136,7 +156,7 @@ class CausalLM:
         s, ops = self.spec, self.ops
         n = input_ids.shape[0]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h, residual = ops.rms_norm(x, layer["input_norm"], s.rms_norm_eps, residual)
@@ -150,10 +170,10 @@ class CausalLM:
             q, k = ops.rotary(q, k, positions, self.cos_sin)
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale)
-            x = ops.linear(attn.reshape(n, q_size), layer["o"])
+            x = self.comm.all_reduce(ops.linear(attn.reshape(n, q_size), layer["o"]))
             h, residual = ops.rms_norm(x, layer["post_norm"], s.rms_norm_eps, residual)
             gate_up = ops.linear(h, layer["gate_up"])
             inter = gate_up.shape[1] // 2
-            x = ops.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
+            x = self.comm.all_reduce(ops.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"]))
         h, _ = ops.rms_norm(x, self.final_norm, s.rms_norm_eps, residual)
-        return ops.linear(h[logits_indices], self.lm_head).float()
+        return self.comm.all_gather(ops.linear(h[logits_indices], self.lm_head)).float()

@@ -1,0 +1,135 @@
+"""What rank 0 tells the other ranks about one step, and how little it sends to say it.
+
+Workers keep no scheduler: they keep each running sequence's block table, keyed by a number
+rank 0 gave the sequence, and rank 0 sends per step only what changed:
+
+- per scheduled sequence: its key, where this step starts (``num_computed_tokens``), how many
+  tokens it computes, whether it samples, the token ids it computes (new tokens travel once:
+  a prefill chunk's tokens, or a decode's one sampled token) and the block ids appended to its
+  table since the last step, or, when the table changed in another way (preemption and
+  recompute), the whole table again;
+- the keys of sequences that finished, so workers forget them.
+
+Positions, slot mapping, sequence lengths and the sampled rows follow from those, computed
+the same way on every rank (``ModelRunner.run_inputs``).
+
+Wire format: one flat int64 tensor,
+``[num_dropped, *dropped_keys, num_seqs, *(key, start, num_new, samples, table_mode,
+num_block_ids, *block_ids, *token_ids) per sequence]``.
+A malformed message is a bug on rank 0 and fails the worker loudly (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from worker.request import Request
+from worker.scheduler import ScheduledBatch
+
+
+class TableMode(enum.IntEnum):
+    APPEND = 0
+    """The block ids extend the table the worker holds."""
+    REPLACE = 1
+    """The block ids are the whole table (new sequence, or recomputed after preemption)."""
+
+
+@dataclass
+class StepInputs:
+    """One step as every rank runs it: per sequence start, tokens, table, and who samples."""
+
+    token_ids: list[int]
+    starts: list[int]
+    counts: list[int]
+    tables: list[list[int]]
+    sampling_rows: list[int]
+    """Rows of ``token_ids`` whose logits are returned (a sequence's last known token)."""
+
+
+def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
+    """Rank 0: the step's inputs, and the indices of the requests that sample."""
+    inputs = StepInputs([], [], [], [], [])
+    sampling_reqs = []
+    for i, (req, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+        start = req.num_computed_tokens
+        inputs.token_ids.extend(req.all_token_ids[start : start + num_new])
+        inputs.starts.append(start)
+        inputs.counts.append(num_new)
+        inputs.tables.append([b.block_id for b in req.blocks])
+        if start + num_new == req.num_tokens:
+            inputs.sampling_rows.append(len(inputs.token_ids) - 1)
+            sampling_reqs.append(i)
+    return inputs, sampling_reqs
+
+
+class StepEncoder:
+    """Rank 0's side: remembers which table each worker holds for each live sequence."""
+
+    def __init__(self) -> None:
+        self._keys = itertools.count()
+        self._sent: dict[int, tuple[Request, int, list[int]]] = {}
+        """id(request) -> (request, key, table as the workers hold it); the request is kept so
+        its id cannot be reused while the entry lives."""
+
+    def encode(self, batch: ScheduledBatch, inputs: StepInputs) -> torch.Tensor:
+        dropped = [key for req, key, _ in self._sent.values() if req.is_finished]
+        self._sent = {k: v for k, v in self._sent.items() if not v[0].is_finished}
+        body: list[int] = []
+        offset = 0
+        for req, start, num_new, table in zip(batch.requests, inputs.starts, inputs.counts, inputs.tables, strict=True):
+            entry = self._sent.get(id(req))
+            if entry is not None and table[: len(entry[2])] == entry[2]:
+                key, mode, block_ids = entry[1], TableMode.APPEND, table[len(entry[2]) :]
+            else:
+                key = entry[1] if entry is not None else next(self._keys)
+                mode, block_ids = TableMode.REPLACE, table
+            self._sent[id(req)] = (req, key, table)
+            samples = int(start + num_new == req.num_tokens)
+            body += [key, start, num_new, samples, int(mode), len(block_ids), *block_ids]
+            body += inputs.token_ids[offset : offset + num_new]
+            offset += num_new
+        return torch.tensor([len(dropped), *dropped, len(batch.requests), *body], dtype=torch.int64)
+
+
+class StepDecoder:
+    """A worker's side: the block table of every live sequence, updated from each message."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+
+    def decode(self, message: torch.Tensor) -> StepInputs:
+        words = message.tolist()
+        pos = 0
+
+        def take(n: int) -> list[int]:
+            nonlocal pos
+            if n < 0 or pos + n > len(words):
+                raise ValueError(f"malformed step message: wants {n} words at {pos} of {len(words)}")
+            pos += n
+            return words[pos - n : pos]
+
+        for key in take(take(1)[0]):
+            self.tables.pop(key, None)
+        inputs = StepInputs([], [], [], [], [])
+        for _ in range(take(1)[0]):
+            key, start, num_new, samples, mode, num_block_ids = take(6)
+            block_ids = take(num_block_ids)
+            if TableMode(mode) is TableMode.REPLACE:
+                self.tables[key] = block_ids
+            elif key not in self.tables:
+                raise ValueError(f"malformed step message: sequence {key} appends to a table never sent")
+            else:
+                self.tables[key].extend(block_ids)
+            inputs.token_ids.extend(take(num_new))
+            inputs.starts.append(start)
+            inputs.counts.append(num_new)
+            inputs.tables.append(list(self.tables[key]))
+            if samples:
+                inputs.sampling_rows.append(len(inputs.token_ids) - 1)
+        if pos != len(words):
+            raise ValueError(f"malformed step message: {len(words) - pos} words left over")
+        return inputs
