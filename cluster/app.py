@@ -6,6 +6,10 @@ binds three deployments: ``EngineReplica`` x ``num_replicas`` (one engine each),
 ``MetricsHub`` (one, no CPU) and ``Ingress`` (FastAPI, no CPU). The router's block size
 follows the engine's; a conflicting explicit value is an error, because the router's hashes
 would never match the engines' blocks.
+
+With ``engine.tensor_parallel_size`` N > 1 each replica asks Serve for a ``STRICT_PACK``
+placement group of N bundles (one per rank: the replica's own CPUs, and one GPU per rank on
+CUDA); the replica runs in bundle 0 and starts ranks 1..N-1 in the others.
 """
 
 from __future__ import annotations
@@ -43,6 +47,22 @@ def request_router_options(router: RouterConfig) -> dict:
     return {"request_router_config": request_router_config(router, ROUTING_STATS_PERIOD_S)}
 
 
+def tensor_parallel_options(engine: EngineConfig, cluster: ClusterConfig) -> dict:
+    """Deployment options that reserve one placement-group bundle per tensor-parallel rank."""
+    tp = engine.tensor_parallel_size
+    if tp == 1:
+        return {}
+    gpus_per_rank = 1.0 if engine.device.startswith("cuda") else cluster.num_gpus_per_replica
+    bundle = {"CPU": cluster.num_cpus_per_replica}
+    if gpus_per_rank:
+        bundle["GPU"] = gpus_per_rank
+    return {
+        "placement_group_bundles": [dict(bundle) for _ in range(tp)],
+        "placement_group_strategy": "STRICT_PACK",
+        "ray_actor_options": {"num_cpus": cluster.num_cpus_per_replica, "num_gpus": gpus_per_rank},
+    }
+
+
 def build_app_from_configs(
     engine: EngineConfig, cluster: ClusterConfig, router: RouterConfig
 ) -> serve.Application:
@@ -61,6 +81,7 @@ def build_app_from_configs(
         "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
         **request_router_options(router),
     }
+    replica_options.update(tensor_parallel_options(engine, cluster))
     engine_dict = dataclasses.asdict(engine)
     replicas = EngineReplica.options(**replica_options).bind(
         engine_dict, hub, cluster.served_model_name or "", dataclasses.asdict(router)

@@ -103,6 +103,13 @@ _FLAGS = [
         int,
         "Second KV tier in host RAM for evicted prefix blocks, in bytes (default off).",
     ),
+    (
+        "--tensor-parallel-size",
+        "engine",
+        "tensor_parallel_size",
+        int,
+        "Ranks each replica's model is split over, one placement-group bundle each (default 1).",
+    ),
     ("--kernel-backend", "engine", "kernel_backend", str, "auto (default: triton on CUDA, torch on CPU), torch or triton."),
     ("--dtype", "engine", "dtype", str, "float32 (default on CPU), float16 or bfloat16."),
     ("--device", "engine", "device", str, "cpu (default) or cuda."),
@@ -262,7 +269,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if started_ray:
         # Logical CPUs, not cores: the replicas' CPU reservations must fit even on a small
         # machine (the engines then share its cores).
-        needed = math.ceil(cluster.num_replicas * cluster.num_cpus_per_replica) + 1
+        needed = math.ceil(cluster.num_replicas * cluster.num_cpus_per_replica * engine.tensor_parallel_size) + 1
         # A local cluster stays on loopback: nothing it runs listens on another address.
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, _node_ip_address="127.0.0.1")
     else:

@@ -9,7 +9,8 @@ instead of raising, so the ingress maps it to 400/429/503 without unpickling eng
 
 When the caller goes away (client disconnect -> Serve cancels the child request) the
 generator is cancelled or closed inside ``engine.generate``, which aborts the request and
-frees its blocks. ``check_health`` fails once the engine loop is dead, so Serve replaces
+frees its blocks. ``check_health`` fails once the engine loop is dead or, under tensor
+parallelism, once any worker rank has ended (``cluster/tp_workers.py``), so Serve replaces
 the replica; ``__del__`` (Serve's graceful shutdown, after in-flight requests drained or the
 grace period ran out) ends what is left with ``finish_reason="abort"`` and stops the engine.
 """
@@ -27,6 +28,7 @@ from ray import serve
 from cluster.index_actor import make_cluster_index
 from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
+from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
@@ -109,7 +111,9 @@ class EngineReplica:
     ) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        self.engine = AsyncEngine(EngineConfig(**engine_config), replica_id=self.replica_id)
+        config = EngineConfig(**engine_config)
+        launcher = RayWorkerLauncher() if config.tensor_parallel_size > 1 else None
+        self.engine = AsyncEngine(config, replica_id=self.replica_id, launcher=launcher)
         self.model_name = model_name or self.engine.model_id
         self.metrics = ReplicaMetrics()
         self._hub = metrics_hub
@@ -180,7 +184,7 @@ class EngineReplica:
     def check_health(self) -> None:
         """Serve's health probe: raising marks this replica unhealthy and replaces it."""
         if not self.engine.is_alive():
-            raise RuntimeError(f"engine loop of replica {self.replica_id} is dead")
+            raise RuntimeError(f"engine of replica {self.replica_id} is dead: {self.engine.why_dead()}")
 
     def record_routing_stats(self) -> dict:
         """Serve's routing-stats hook: what the request router reads per replica."""

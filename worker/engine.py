@@ -101,6 +101,13 @@ class LLMEngine:
         """Tensor-parallel ranks whose worker has ended; always empty without TP."""
         return self.tp.dead_ranks() if self.tp is not None else []
 
+    def _tp_failure(self, exc: BaseException) -> str:
+        dead = self.dead_tp_ranks()
+        if dead:
+            return f"worker rank(s) {dead} ended"
+        detail = str(exc).split(". ", 1)[0][:200]  # gloo's first sentence names the peer
+        return f"a worker rank stopped answering ({detail})"
+
     def shutdown(self) -> None:
         """Ends the tensor-parallel workers (nothing to do without TP). Idempotent."""
         if self.tp is not None:
@@ -165,7 +172,12 @@ class LLMEngine:
         if not batch:
             return []
         t0 = time.perf_counter()
-        logits, sampling_idx = self.runner.execute(batch)
+        try:
+            logits, sampling_idx = self.runner.execute(batch)
+        except RuntimeError as exc:
+            if self.tp is None:
+                raise
+            raise RuntimeError(f"tensor-parallel step failed: {self._tp_failure(exc)}") from exc
         sampling_reqs = [batch.requests[i] for i in sampling_idx]
         results = self.sampler.sample(logits, sampling_reqs)
         self.scheduler.commit_computed(batch)
