@@ -26,10 +26,12 @@ Fast path (``deterministic=False``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention_plan import AttentionPlan, build_plan
 
 ATTN_TILE_ROWS = 16
 """Rows per score tile: small enough that a decode (``group`` rows) wastes little."""
@@ -53,6 +55,8 @@ class AttentionMetadata:
     """[num_tokens] int64 cache slot of each new token."""
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
+    plans: dict = field(default_factory=dict, repr=False)
+    """Work plans of the CPU attention, keyed by (block size, group): built once per step."""
 
 
 def paged_attention(
@@ -80,72 +84,81 @@ def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return flat.view(num_kv_heads, *blocks.shape[:-1], blocks.shape[-1] * block_size, head_dim)
 
 
+def plan_for(meta: AttentionMetadata, block_size: int, group: int) -> AttentionPlan:
+    """The step's ``AttentionPlan``, built on the first layer and reused by the others."""
+    key = (block_size, group)
+    plan = meta.plans.get(key)
+    if plan is None:
+        plan = build_plan(meta.query_start_loc_list, meta.seq_lens_list, meta.block_tables.tolist(),
+                          block_size, group, ATTN_TILE_ROWS, ATTN_KV_CHUNK)
+        meta.plans[key] = plan
+    return plan
+
+
+def _tile_softmax(q, k_t, v, masked, m_out, l_out, o_out) -> None:
+    """Tiles ``q [n, T, D]`` against their chunks ``k_t [n, D, C]``, ``v [n, C, D]``; ``masked``
+    covers the first tiles only (the others see every key of their chunk).
+
+    ``k_t`` and ``v`` may be one chunk expanded to ``n`` tiles (a stride-0 batch): ``bmm`` then
+    multiplies the same fixed ``[T, D] @ [D, C]`` shape per tile without copying the chunk.
+    """
+    scores = torch.bmm(q, k_t)
+    scores[: masked.shape[0]].masked_fill_(masked, _MASKED)  # the tiles that need a mask come first
+    torch.amax(scores, dim=-1, keepdim=True, out=m_out)
+    p = scores.sub_(m_out).exp_()
+    torch.sum(p, dim=-1, keepdim=True, out=l_out)
+    torch.bmm(p, v, out=o_out)
+
+
 def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    tile, chunk = ATTN_TILE_ROWS, ATTN_KV_CHUNK
-    blocks_per_chunk = chunk // block_size
-    qsl, lens = meta.query_start_loc_list, meta.seq_lens_list
+    plan = plan_for(meta, block_size, group)
+    tile, num_tiles = plan.tile_rows, plan.num_tiles
 
-    # Work items: (sequence, tile of rows). Row r of a sequence is token r // group, head r % group.
-    item_seq, item_row0 = [], []
-    for s in range(len(lens)):
-        rows = (qsl[s + 1] - qsl[s]) * group
-        for r0 in range(0, rows, tile):
-            item_seq.append(s)
-            item_row0.append(r0)
-    num_items = len(item_seq)
-    seq_idx = torch.tensor(item_seq, dtype=torch.long)
-    row = torch.tensor(item_row0, dtype=torch.long)[:, None] + torch.arange(tile)[None, :]  # [I, T]
-    q_start = torch.tensor(qsl[:-1], dtype=torch.long)[seq_idx]
-    q_len = torch.tensor(qsl[1:], dtype=torch.long)[seq_idx] - q_start
-    ctx = torch.tensor(lens, dtype=torch.long)[seq_idx]
-    valid = row < (q_len * group)[:, None]
-    token = q_start[:, None] + row // group
-    pos = torch.where(valid, (ctx - q_len)[:, None] + row // group, torch.full_like(row, -1))
-
-    # Queries as [Hkv, N * group, D]; gather each item's rows -> [Hkv * I, T, D].
-    qh = query.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+    # Queries as rows [Hkv, R, D], then one tile-major copy [Hkv, tiles, T, D].
+    qh = (query * scale).view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
     qh = qh.reshape(num_kv_heads, num_tokens * group, head_dim)
-    flat = torch.where(valid, token * group + row % group, torch.zeros_like(row))
-    q_items = qh[:, flat.reshape(-1)].reshape(num_kv_heads * num_items, tile, head_dim) * scale
+    q_tiles = qh.index_select(1, plan.tile_row_ids).view(num_kv_heads, num_tiles, tile, head_dim)
 
-    acc = query.new_zeros(num_kv_heads * num_items, tile, head_dim)
-    m = query.new_full((num_kv_heads * num_items, tile, 1), _MASKED)
-    denom = query.new_zeros(num_kv_heads * num_items, tile, 1)
-    max_pos = int(pos.max()) if num_items else -1
-    tables = meta.block_tables.long()  # [S, max_blocks]
-    one_item_per_seq = num_items == len(lens)  # decodes: skip the per-item copy
-    pos_b = pos.repeat(num_kv_heads, 1)[:, :, None]  # [Hkv * I, T, 1]
-    for c in range(max_pos // chunk + 1):
-        b0 = c * blocks_per_chunk
-        blocks = tables[:, b0 : b0 + blocks_per_chunk]
-        if blocks.shape[1] < blocks_per_chunk:  # table shorter than a chunk: pad with block 0
-            blocks = F.pad(blocks, (0, blocks_per_chunk - blocks.shape[1]))
-        # One gather per sequence, [Hkv, S, C, D], then one copy per item when a sequence
-        # has several tiles.
-        k = _gather_kv(k_cache, blocks)
-        v = _gather_kv(v_cache, blocks)
-        if not one_item_per_seq:
-            k, v = k[:, seq_idx], v[:, seq_idx]
-        k = k.reshape(-1, chunk, head_dim)
-        v = v.reshape(-1, chunk, head_dim)
-        scores = torch.bmm(q_items, k.transpose(1, 2))  # [Hkv * I, T, C]
-        key_pos = torch.arange(c * chunk, (c + 1) * chunk)
-        scores.masked_fill_(key_pos[None, None, :] > pos_b, _MASKED)
-        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-        p = torch.exp(scores - m_new)
-        alpha = torch.exp(m - m_new)
-        denom = denom * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.bmm(p, v)
-        m = m_new
-    out_items = (acc / denom).reshape(num_kv_heads, num_items * tile, head_dim)
+    # Each tile's softmax over its chunk alone: max m, sum l and unnormalised output o.
+    m = query.new_empty(num_kv_heads, num_tiles, tile, 1)
+    l_sum = query.new_empty(num_kv_heads, num_tiles, tile, 1)
+    o = query.new_empty(num_kv_heads, num_tiles, tile, head_dim)
+    for region in plan.regions:
+        a, b = region.first, region.first + region.count
+        k = _gather_kv(k_cache, region.blocks)  # [Hkv, count, C, D], or [Hkv, C, D] when shared
+        v = _gather_kv(v_cache, region.blocks)
+        if region.shared:  # every tile reads the one chunk in place: a stride-0 batch
+            k = k[:, None].expand(-1, region.count, -1, -1)
+            v = v[:, None].expand(-1, region.count, -1, -1)
+        masked = plan.tile_masked[a : a + region.num_masked]
+        for h in range(num_kv_heads):
+            _tile_softmax(q_tiles[h, a:b], k[h].transpose(1, 2), v[h], masked, m[h, a:b], l_sum[h, a:b], o[h, a:b])
 
-    out = query.new_empty(num_kv_heads, num_tokens * group, head_dim)
-    keep = valid.reshape(-1)
-    out[:, flat.reshape(-1)[keep]] = out_items[:, keep]
-    out = out.view(num_kv_heads, num_tokens, group, head_dim).permute(1, 0, 2, 3)
+    # Fold each row's chunks in ascending order: elementwise, so per row and batch-invariant.
+    m = m.view(num_kv_heads, -1, 1)
+    l_sum = l_sum.view(num_kv_heads, -1, 1)
+    o = o.view(num_kv_heads, -1, head_dim)
+    src0 = plan.merge_src[0]
+    run_m, run_l, run_o = m.index_select(1, src0), l_sum.index_select(1, src0), o.index_select(1, src0)
+    for rows, src in zip(plan.merge_rows[1:], plan.merge_src[1:], strict=True):
+        old_m = run_m if rows is None else run_m.index_select(1, rows)
+        old_l = run_l if rows is None else run_l.index_select(1, rows)
+        old_o = run_o if rows is None else run_o.index_select(1, rows)
+        new_m = m.index_select(1, src)
+        both_m = torch.maximum(old_m, new_m)
+        a, b = torch.exp(old_m - both_m), torch.exp(new_m - both_m)
+        merged_l = old_l * a + l_sum.index_select(1, src) * b
+        merged_o = old_o * a + o.index_select(1, src) * b
+        if rows is None:
+            run_m, run_l, run_o = both_m, merged_l, merged_o
+        else:
+            run_m.index_copy_(1, rows, both_m)
+            run_l.index_copy_(1, rows, merged_l)
+            run_o.index_copy_(1, rows, merged_o)
+    out = (run_o / run_l).view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 

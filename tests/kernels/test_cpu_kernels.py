@@ -90,6 +90,44 @@ def test_attention_is_batch_and_chunk_invariant():
     assert torch.equal(batched[:ctx], full)
 
 
+def _shared_prefix_batch(num_decodes: int, bs: int, prefix_blocks: int):
+    """Decodes (and one prefill) whose tables start with the same prefix blocks."""
+    prefix = list(range(1, prefix_blocks + 1))
+    next_block = prefix_blocks + 1
+    tables, qsl, lens = [], [0], []
+    for i in range(num_decodes + 1):
+        own = random.randint(1, 3)
+        tables.append(prefix + list(range(next_block, next_block + own)))
+        next_block += own
+        ctx = (prefix_blocks + own - 1) * bs + random.randint(1, bs)
+        q = 100 if i == num_decodes else 1  # the last one prefills its tail
+        qsl.append(qsl[-1] + q)
+        lens.append(ctx)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             torch.tensor(padded, dtype=torch.int32), torch.zeros(0, dtype=torch.long), qsl, lens)
+    return meta, next_block
+
+
+def test_attention_over_shared_prefix_matches_reference_and_is_invariant():
+    """Chunks shared by many sequences are read once (kernels/attention_plan.py); a decode's
+    output must not change when its prefix chunks go from private to shared by 60 others."""
+    num_kv, group, head_dim, bs = 3, 3, 64, 16
+    meta, num_blocks = _shared_prefix_batch(60, bs, prefix_blocks=20)
+    k_cache, v_cache = torch.randn(num_blocks, bs, num_kv, head_dim), torch.randn(num_blocks, bs, num_kv, head_dim)
+    kh, vh = head_major(k_cache), head_major(v_cache)
+    q = torch.randn(meta.query_start_loc_list[-1], num_kv * group, head_dim)
+    out = paged_attention(q, kh, vh, meta, 0.125, True)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for s in (0, 59):
+        alone = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), meta.seq_lens[s : s + 1],
+                                  meta.block_tables[s : s + 1], torch.zeros(0, dtype=torch.long),
+                                  [0, 1], meta.seq_lens_list[s : s + 1])
+        assert torch.equal(paged_attention(q[s : s + 1], kh, vh, alone, 0.125, True)[0], out[s])
+
+
 def test_store_kv_matches_reference():
     shape = (8, 16, 2, 64)
     slots = torch.tensor(random.sample(range(8 * 16), 20))
