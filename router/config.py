@@ -65,6 +65,11 @@ class RouterConfig:
     """Weight of the prefill a miss causes, in the choice (not in the reported TTFT): 1 prices
     only the request's own wait; 2 also charges the delay that prefill adds for the requests
     queued behind it, so a prefix moves to another replica only when that pays for both."""
+    max_load_ratio: float | None = 1.1
+    """``prefix`` policy's load bound: a replica is a candidate only while the requests this
+    router recently sent it stay within this multiple of the mean (+1); None turns it off."""
+    load_window_per_replica: float = 64.0
+    """How many recent decisions per replica the load bound counts (a decayed window)."""
     tie_tolerance_s: float = 0.005
     """Predicted TTFTs this close count as a tie, settled by rendezvous hashing."""
     seed: int = 0
@@ -101,6 +106,11 @@ class RouterConfig:
         ):
             _check_positive(name, getattr(self, name))
         _check_non_negative("tie_tolerance_s", self.tie_tolerance_s)
+        if self.max_load_ratio is not None:
+            _check_positive("max_load_ratio", self.max_load_ratio)
+            if self.max_load_ratio < 1.0:
+                raise ValueError(f"max_load_ratio must be >= 1 or None, got {self.max_load_ratio!r}")
+        _check_positive("load_window_per_replica", self.load_window_per_replica)
         if not isinstance(self.miss_cost_factor, (int, float)) or not 1.0 <= self.miss_cost_factor <= 10.0:
             raise ValueError(f"miss_cost_factor must be in [1, 10], got {self.miss_cost_factor!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -5,15 +5,26 @@ Owns the interface the simulator and the cluster import (``ReplicaView``, ``Deci
 policy and the ``round_robin``/``least_loaded``/``pow2`` baselines. ``routing.Router``
 combines a policy with an index; policies themselves do no I/O.
 
-The ``prefix`` policy prices every candidate as
-``queue_s + miss_tokens / prefill_rate + host_tokens / host_to_device_rate`` where
-``queue_s = queued_prefill_tokens / prefill_rate + (waiting + router in-flight) * step_s``
-and picks the minimum. Candidates within ``tie_tolerance_s`` of the minimum tie; ties
-prefer the longest match, then rendezvous (highest random weight) hashing of the request's
-first block, so independent routers agree without talking and a cold prefix lands on a
-stable replica. A hot prefix spills to another replica exactly when the holder's queue
-costs more than the prefill the other replica would redo (by more than ``tie_tolerance_s``;
-0 makes the rule exact). Unmeasured rates fall back to the configured defaults. ``choose`` raises ``ValueError`` on an empty candidate list.
+The ``prefix`` policy, in two steps:
+1. Load bound. Candidates are the replicas whose count of requests this router recently
+   sent them (``RecentCounts``, a decayed window of ``load_window_per_replica`` decisions
+   per replica) stays within ``max_load_ratio`` x the mean + ``LOAD_BOUND_SLACK_REQUESTS``
+   after this one (bounded-load hashing), or that hold fewer requests right now than every
+   replica under the bound (other routers' traffic). A hot prefix whose holder is at the bound goes to
+   the cheapest other replica, which then holds a copy and shares it. None turns this off.
+2. Price. Every candidate costs
+   ``queue_s + miss_cost_factor * miss_tokens / prefill_rate + host_tokens / host_rate
+   + (one decode step if the replica is busy)``, where ``queue_s = queued_prefill_tokens /
+   prefill_rate + (waiting + unreported in-flight) * step_s``: chunked prefill shares each
+   step with the running decodes. Candidates within ``tie_tolerance_s`` of the minimum tie;
+   ties prefer the longest match, then the fewest requests on the replica, then the fewest
+   recently sent (spreads new prefixes, like SGLang's smallest tree), then rendezvous
+   (highest random weight) hashing of the first block.
+How it fails: the bound trades hits for balance. A prefix popular enough to exceed the
+bound on one replica is re-prefilled on another (its hit rate drops by one prefill per
+copy), and routers that share no history balance only their own traffic. Unmeasured rates
+fall back to the configured defaults. ``choose`` raises ``ValueError`` on an empty
+candidate list.
 """
 
 from __future__ import annotations
@@ -32,6 +43,11 @@ from router.index import Match
 from router.protocol import BlockHash, ReplicaStats
 
 REASONS = ("prefix", "cold", "tie", "load", "fallback")
+
+# Additive room of the load bound, in requests: early on (or at low traffic) the mean recent
+# count is near 0 and a pure ratio would spill a prefix's second request; 2 lets a prefix's
+# first few requests stay together before the ratio takes over.
+LOAD_BOUND_SLACK_REQUESTS = 2.0
 
 
 @dataclass(frozen=True)
@@ -92,16 +108,22 @@ class TTFTModel:
         return self.default_decode_step_s
 
     def queue_s(self, view: ReplicaView) -> float:
+        """Wait before this replica starts a new prefill: the prompt tokens queued ahead, plus
+        one decode step per request ahead (chunked prefill shares each step with the running
+        decodes). Requests the router sent that the stats do not show yet count as waiting."""
         stats = view.stats
-        return stats.num_queued_prefill_tokens / self.prefill_tokens_per_s(stats) + (
-            stats.num_waiting + view.num_inflight
-        ) * self.decode_step_s(stats)
+        num_ahead = stats.num_waiting + _unreported(view)
+        return (
+            stats.num_queued_prefill_tokens / self.prefill_tokens_per_s(stats)
+            + num_ahead * self.decode_step_s(stats)
+        )
 
     def predicted_ttft_s(
         self, view: ReplicaView, match: Match | None, num_prompt_tokens: int, miss_cost_factor: float = 1.0
     ) -> float:
         """``miss_cost_factor`` > 1 also charges the prefill a miss adds to that replica's queue
-        (the delay it imposes on the requests behind it); 1 is the request's own TTFT."""
+        (the delay it imposes on the requests behind it); 1 is the request's own TTFT. The
+        request's own prefill shares a step with the running decodes when there are any."""
         stats = view.stats
         num_device_tokens = num_host_tokens = 0
         if match is not None:
@@ -111,10 +133,12 @@ class TTFTModel:
             )
         num_miss_tokens = num_prompt_tokens - num_device_tokens - num_host_tokens
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
+        busy = stats.num_running + stats.num_waiting + _unreported(view) > 0
         return (
             self.queue_s(view)
             + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
             + num_host_tokens / host_rate
+            + (self.decode_step_s(stats) if busy else 0.0)
         )
 
 
@@ -130,8 +154,38 @@ def _matched(matches: Mapping[str, Match], replica_id: str) -> int:
     return 0 if match is None else match.num_blocks
 
 
+class RecentCounts:
+    """Requests this router sent to each replica, decayed per decision (not per second).
+
+    Each decision multiplies every count by ``1 - 1 / (window_per_replica * num_replicas)``
+    and adds 1 to the chosen replica, so the counts sum to about ``window_per_replica`` per
+    replica: the recent rate, with no clock (the simulator and the cluster agree) and in O(1)
+    per decision (one global scale, renormalized when it grows large). A replica that joins
+    starts at 0 and catches up within a window instead of being flooded until its lifetime
+    count matches the others'. Not thread-safe: the policy holds its lock around it.
+    """
+
+    _RENORMALIZE_AT = 1e12
+
+    def __init__(self, window_per_replica: float) -> None:
+        self.window_per_replica = window_per_replica
+        self._raw: dict[str, float] = {}
+        self._scale = 1.0  # true count = raw / scale
+
+    def get(self, replica_id: str) -> float:
+        return self._raw.get(replica_id, 0.0) / self._scale
+
+    def add(self, replica_id: str, num_replicas: int, amount: float = 1.0) -> None:
+        self._scale /= 1.0 - 1.0 / (self.window_per_replica * max(num_replicas, 1))
+        self._raw[replica_id] = self._raw.get(replica_id, 0.0) + amount * self._scale
+        if self._scale > self._RENORMALIZE_AT:
+            self._raw = {k: v / self._scale for k, v in self._raw.items() if v / self._scale > 1e-6}
+            self._scale = 1.0
+
+
 class PrefixPolicy:
-    """Minimum predicted TTFT; ties by longest match, then rendezvous on the first block."""
+    """Minimum predicted TTFT among the replicas under the load bound; ties by longest match,
+    then fewest requests in flight, then fewest recently sent, then rendezvous."""
 
     name = "prefix"
 
@@ -139,36 +193,75 @@ class PrefixPolicy:
         self.model = TTFTModel(config)
         self.tie_tolerance_s = config.tie_tolerance_s
         self.miss_cost_factor = config.miss_cost_factor
+        self.max_load_ratio = config.max_load_ratio
+        self._recent = RecentCounts(config.load_window_per_replica)
+        self._lock = threading.Lock()
+
+    def _under_bound(self, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """Replicas that may take one more request without their recent count passing
+        ``max_load_ratio`` times the mean plus ``LOAD_BOUND_SLACK_REQUESTS`` (bounded-load
+        consistent hashing, Mirrokni et al. 2018, over the router's recent counts)."""
+        if self.max_load_ratio is None or len(replicas) == 1:
+            return list(replicas)
+        counts = [self._recent.get(v.replica_id) for v in replicas]
+        bound = self.max_load_ratio * sum(counts) / len(replicas) + LOAD_BOUND_SLACK_REQUESTS
+        under = [n + 1.0 <= bound for n in counts]
+        if all(under):
+            return list(replicas)
+        # The counts see only this router's traffic: a replica over the bound stays a candidate
+        # when it is strictly less loaded right now than every replica under it.
+        least_under = min(_load(v) for v, ok in zip(replicas, under, strict=True) if ok)
+        return [v for v, ok in zip(replicas, under, strict=True) if ok or _load(v) < least_under]
 
     def choose(self, block_hashes, num_prompt_tokens, replicas, matches) -> Decision:
         _check(replicas, num_prompt_tokens)
-        scored = [
-            (self.model.predicted_ttft_s(v, matches.get(v.replica_id), num_prompt_tokens, self.miss_cost_factor), v)
-            for v in replicas
-        ]
+        with self._lock:
+            candidates = self._under_bound(replicas)
+            view, longest, reason = self._pick(block_hashes, num_prompt_tokens, candidates, matches)
+            if len(candidates) < len(replicas) and reason != "load":
+                best_all_s = min(self._cost(v, matches, num_prompt_tokens) for v in replicas)
+                chosen_s = self._cost(view, matches, num_prompt_tokens)
+                if best_all_s + self.tie_tolerance_s < chosen_s:
+                    reason = "load"  # the bound, not the price, decided
+            self._recent.add(view.replica_id, len(replicas))
+        ttft_s = self.model.predicted_ttft_s(view, matches.get(view.replica_id), num_prompt_tokens)
+        return Decision(view.replica_id, ttft_s, longest, reason)
+
+    def _cost(self, view, matches, num_prompt_tokens) -> float:
+        return self.model.predicted_ttft_s(
+            view, matches.get(view.replica_id), num_prompt_tokens, self.miss_cost_factor
+        )
+
+    def _pick(self, block_hashes, num_prompt_tokens, replicas, matches):
+        scored = [(self._cost(v, matches, num_prompt_tokens), v) for v in replicas]
         best_s = min(score for score, _ in scored)
         tied = [v for score, v in scored if score <= best_s + self.tie_tolerance_s]
         longest = max(_matched(matches, v.replica_id) for v in tied)
         tied = [v for v in tied if _matched(matches, v.replica_id) == longest]
         if len(tied) == 1:
-            view = tied[0]
-            reason = "prefix" if longest > 0 else "load"
-        else:
-            # Equal cost and equal match: the least loaded, then rendezvous on the first block,
-            # so a hot prefix held by several replicas spreads over them and a cold one lands
-            # on a replica every router agrees on.
-            least = min(_load(v) for v in tied)
-            key = block_hashes[0] if block_hashes else b""
-            chosen_id = rendezvous_pick(key, [v.replica_id for v in tied if _load(v) == least])
-            view = next(v for v in tied if v.replica_id == chosen_id)
-            any_match = any(_matched(matches, v.replica_id) for v in replicas)
-            reason = "tie" if any_match else "cold"
-        ttft_s = self.model.predicted_ttft_s(view, matches.get(view.replica_id), num_prompt_tokens)
-        return Decision(view.replica_id, ttft_s, longest, reason)
+            return tied[0], longest, ("prefix" if longest > 0 else "load")
+        # Equal cost and equal match: the least loaded, then the least recently used (spreads
+        # new prefixes like SGLang's smallest tree), then rendezvous on the first block, so
+        # a cold prefix lands where every router with the same history agrees.
+        least = min(_load(v) for v in tied)
+        tied = [v for v in tied if _load(v) == least]
+        fewest = min(round(self._recent.get(v.replica_id)) for v in tied)
+        tied = [v for v in tied if round(self._recent.get(v.replica_id)) == fewest]
+        key = block_hashes[0] if block_hashes else b""
+        chosen_id = rendezvous_pick(key, [v.replica_id for v in tied])
+        view = next(v for v in tied if v.replica_id == chosen_id)
+        any_match = any(_matched(matches, v.replica_id) for v in replicas)
+        return view, longest, ("tie" if any_match else "cold")
 
 
 def _load(view: ReplicaView) -> int:
-    return view.stats.num_waiting + view.stats.num_running + view.num_inflight
+    """Requests on the replica: its reported waiting + running, or the router's own in-flight
+    count when that is larger (decisions the stats do not show yet)."""
+    return max(view.stats.num_waiting + view.stats.num_running, view.num_inflight)
+
+
+def _unreported(view: ReplicaView) -> int:
+    return max(0, view.num_inflight - view.stats.num_waiting - view.stats.num_running)
 
 
 class _Baseline:

@@ -7,7 +7,7 @@ what the cluster would:
 - ``matches``: the exact blocks each simulated replica holds (what its KV events report), plus
   *speculative* entries: like ``PrefixIndex.record_speculative``, a routing decision counts as
   the chosen replica holding the request's blocks for ``RouterConfig.speculative_ttl_s``
-  (simulated) seconds. Same leading-run semantics as ``router.embedded_index``: device blocks
+  (simulated) seconds, sized to the calibrated prefill rate (``SPECULATIVE_TTL_QUEUE_TOKENS``). Same leading-run semantics as ``router.embedded_index``: device blocks
   (speculative included) first, then host blocks. ``speculative=False`` turns that off.
 - ``ReplicaView``: ``ReplicaStats`` from the replica's simulated state (waiting and running
   requests, KV usage, the calibrated prefill/decode/host rates, prompt tokens queued for
@@ -47,6 +47,10 @@ class OursPolicy:
                 default_prefill_tokens_per_s=rates.prefill_tokens_per_s,
                 default_decode_step_s=rates.decode_step_base_s,
                 default_host_to_device_tokens_per_s=rates.host_to_device_tokens_per_s,
+                speculative_ttl_s=max(
+                    RouterConfig.speculative_ttl_s,
+                    SPECULATIVE_TTL_QUEUE_TOKENS / rates.prefill_tokens_per_s,
+                ),
                 seed=sim.config.seed,
             )
         self._policy = make_policy(self.router_config)
@@ -125,6 +129,12 @@ class OursPolicy:
                 spec[block] = expiry_s
         return chosen
 
+
+# An operator sets ``speculative_ttl_s`` to cover the time until the KV events arrive, i.e.
+# the queue plus the prefill; on a slow engine the 5 s default is shorter than one prefill
+# (a 1k-token prompt takes ~7 s on the calibrated CPU), so the adapter sizes it to the time
+# this many queued prompt tokens take at the calibrated rate (55 s on the CPU, 5 s on a GPU).
+SPECULATIVE_TTL_QUEUE_TOKENS = 8192
 
 # Same reason as router.embedded_index: prune expired speculative entries only past a size,
 # so recording stays amortized O(1).

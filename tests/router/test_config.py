@@ -35,6 +35,8 @@ def test_defaults_are_valid_frozen_and_picklable():
         ({"redis_retry_interval_s": 0}, "redis_retry_interval_s"),
         ({"redis_write_timeout_s": -2}, "redis_write_timeout_s"),
         ({"tie_tolerance_s": -0.1}, "tie_tolerance_s"),
+        ({"max_load_ratio": 0.9}, "max_load_ratio"),
+        ({"load_window_per_replica": 0}, "load_window_per_replica"),
         ({"seed": 1.5}, "seed"),
     ],
 )

@@ -146,3 +146,37 @@ def test_baselines_behind_the_same_interface():
 def test_choose_rejects_an_empty_candidate_list(name):
     with pytest.raises(ValueError, match="replicas"):
         make_policy(RouterConfig(policy=name)).choose(prompt_blocks(0), 128, [], {})
+
+
+def test_load_bound_spreads_a_hot_prefix_within_the_ratio():
+    """One holder of a hot prefix and idle others: the holder keeps it until its recent count
+    reaches ``max_load_ratio`` x the mean + slack; then the prefix gets a second holder."""
+    from router.policy import LOAD_BOUND_SLACK_REQUESTS
+
+    policy = make_policy(CONFIG)
+    blocks = prompt_blocks(6, num_blocks=64)
+    replicas = [idle(f"r{i}") for i in range(4)]
+    counts = collections.Counter()
+    holders = {"r0"}
+    for _ in range(400):
+        matches = {rid: Match(64) for rid in holders}
+        decision = policy.choose(blocks, 1024, replicas, matches)
+        counts[decision.replica_id] += 1
+        holders.add(decision.replica_id)  # the chosen replica caches the prefix
+    mean = sum(counts.values()) / len(replicas)
+    assert max(counts.values()) <= CONFIG.max_load_ratio * mean + LOAD_BOUND_SLACK_REQUESTS + 1
+    assert len(holders) == 4  # replicated, not pinned to r0
+    unbounded = make_policy(dataclasses.replace(CONFIG, max_load_ratio=None))
+    picks = {unbounded.choose(blocks, 1024, replicas, {"r0": Match(64)}).replica_id for _ in range(50)}
+    assert picks == {"r0"}  # without the bound the price alone keeps it on the holder
+
+
+def test_a_replica_over_the_bound_still_wins_when_it_is_the_least_loaded():
+    policy = make_policy(CONFIG)
+    blocks = prompt_blocks(7, num_blocks=64)
+    quiet = [idle("a"), idle("b")]
+    for _ in range(20):  # "a" takes everything: far over the bound of this router's counts
+        policy.choose(blocks, 1024, [quiet[0]], {})
+    busy_b = [idle("a"), idle("b", num_waiting=4)]  # other routers' traffic loads "b"
+    assert policy.choose(blocks, 1024, busy_b, {"a": Match(64)}).replica_id == "a"
+    assert policy.choose(blocks, 1024, quiet, {"a": Match(64)}).replica_id == "b"
