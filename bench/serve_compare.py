@@ -8,9 +8,12 @@ For each policy it starts the cluster with ``--launch`` (``{replicas}``, ``{poli
 ``{port}`` filled in; the port is a free one derived per run), waits for ``GET /health`` to
 answer 200, runs the load generator (``bench.loadgen``) with the *same* workload, seed and
 rate, then stops the cluster it started (SIGINT, then SIGTERM after a grace period). It
-writes ``bench/results/serve_<date>.json`` (header: machine, date, command; one row per
-policy with the ``vllm bench serve`` summary keys, cached-token ratio and per-replica
-counts) and ``serve_<date>.png``, and prints a markdown table.
+writes ``bench/results/serve_compare_<date>.json`` (header: machine, date, command, load
+average; one row per policy with the ``vllm bench serve`` summary keys, cached-token ratio,
+per-replica counts, their max/mean and the load average around its run),
+``serve_compare_<date>.md`` (the table) and ``serve_compare_<date>.png``. Each replica's
+torch runs ``--threads-per-replica`` threads (``OMP_NUM_THREADS`` in the server's
+environment, which Ray's workers inherit), so replicas do not oversubscribe a small machine.
 
 Failure modes: a cluster that is not healthy within ``--startup-timeout-s`` is stopped and
 its policy recorded with an ``error``; the other policies still run.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import socket
@@ -92,9 +96,18 @@ def run_policy(args, policy: str, loadgen_argv: list[str]) -> dict:
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = args.launch.format(replicas=args.replicas, policy=policy, port=port)
-    log_path = args.out_dir / f"serve_{args.tag}_{policy}.log"
+    log_path = args.log_dir / f"serve_compare_{args.tag}_{policy}.log"
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(args.threads_per_replica)
+    # The launched CLI imports this checkout's packages, installed or not.
+    repo_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+    load_before = os.getloadavg()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env
+        )
         try:
             _wait_healthy(base_url, proc, args.startup_timeout_s)
             ns = loadgen_cli.build_parser().parse_args(
@@ -104,10 +117,37 @@ def run_policy(args, policy: str, loadgen_argv: list[str]) -> dict:
         except RuntimeError as exc:
             return {"policy": policy, "command": command, "error": str(exc)}
         finally:
+            load_after = os.getloadavg()
             _stop(proc)
     row = {"policy": policy, "command": command}
     row.update({k: result.get(k) for k in SUMMARY_KEYS})
+    counts = list((row.get("replica_request_counts") or {}).values())
+    if counts and len(counts) < args.replicas:
+        counts += [0] * (args.replicas - len(counts))  # a replica that got nothing
+    row["max_mean_load"] = max(counts) / (sum(counts) / len(counts)) if sum(counts) else None
+    row["loadavg_before"] = [round(x, 2) for x in load_before]
+    row["loadavg_after"] = [round(x, 2) for x in load_after]
     return row
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| policy | ok | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | cached | per replica | "
+        "max/mean | load avg (1 min) before/after |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['policy']} | error: {r['error']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['policy']} | {r['completed']}/{r['completed'] + r['failed']} | "
+            f"{r['median_ttft_ms']:.0f} | {r['p90_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
+            f"{(r['cached_token_ratio'] or 0):.3f} | {r['replica_request_counts']} | "
+            f"{r['max_mean_load'] or 0:.2f} | "
+            f"{r['loadavg_before'][0]:.2f} / {r['loadavg_after'][0]:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, subtitle: str) -> None:
@@ -149,6 +189,10 @@ def main(argv=None) -> int:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default=time.strftime("%Y%m%d", time.gmtime()))
+    p.add_argument("--threads-per-replica", type=int, default=1)
+    p.add_argument(
+        "--log-dir", type=Path, default=Path("/tmp"), help="server logs (not results)"
+    )
     p.add_argument(
         "loadgen_args",
         nargs="*",
@@ -179,6 +223,7 @@ def main(argv=None) -> int:
     loadgen_argv = list(args.loadgen_args)
     if "--metric-percentiles" not in loadgen_argv:
         loadgen_argv += ["--metric-percentiles", "50,90,99"]
+    load_start = os.getloadavg()
     rows = [run_policy(args, policy, loadgen_argv) for policy in args.policies]
     header = {
         "machine": machine_name(),
@@ -186,23 +231,27 @@ def main(argv=None) -> int:
         "command": "python "
         + shlex.join(["bench/serve_compare.py", *(sys.argv[1:] if argv is None else argv)]),
         "replicas": args.replicas,
+        "threads_per_replica": args.threads_per_replica,
         "loadgen_args": loadgen_argv,
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "note": "shared 2-core machine: other work ran alongside (see the load averages)",
     }
-    path = args.out_dir / f"serve_{args.tag}.json"
+    path = args.out_dir / f"serve_compare_{args.tag}.json"
     path.write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
-    print("| policy | ok | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | cached | per replica |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['policy']} | error: {r['error']} | | | | | |")
-            continue
-        print(
-            f"| {r['policy']} | {r['completed']}/{r['completed'] + r['failed']} | "
-            f"{r['median_ttft_ms']:.0f} | {r['p90_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
-            f"{(r['cached_token_ratio'] or 0):.3f} | {r['replica_request_counts']} |"
-        )
+    table = markdown(rows)
+    (args.out_dir / f"serve_compare_{args.tag}.md").write_text(
+        f"# Real run: {header['date']}, {header['machine']}\n\n`{header['command']}`\n\n"
+        f"{args.replicas} CPU replicas, {args.threads_per_replica} thread(s) each; load average "
+        f"at start {header['loadavg_start']}, at end {header['loadavg_end']}.\n\n{table}\n"
+    )
+    print(table)
     if any("error" not in r for r in rows):
-        plot(rows, args.out_dir / f"serve_{args.tag}.png", f"{header['machine']} {header['date']}")
+        subtitle = (
+            f"{header['machine']} {header['date']}, {args.replicas} replicas x "
+            f"{args.threads_per_replica} thread, load avg {header['loadavg_start'][0]:.1f}"
+        )
+        plot(rows, args.out_dir / f"serve_compare_{args.tag}.png", subtitle)
     print(f"wrote {path}")
     return 0 if all("error" not in r for r in rows) else 1
 
