@@ -185,4 +185,7 @@ class AsyncEngine:
                 self._deliver(rid, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"))
         finally:
             self._stop.set()
-            self.engine.shutdown()
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - ending workers is best effort; their parent's exit ends them too
+                log.exception("engine %s: stopping tensor-parallel workers failed", self.replica_id)

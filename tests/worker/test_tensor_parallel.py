@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU with gloo: same greedy tokens as one rank, determinism at a fixed
 degree, clear errors for sizes that do not divide, and a dead worker that fails loudly.
 
-Every TP engine here starts real worker processes (``LocalProcessLauncher``), so engines are
-module-scoped and each test asks for the one it needs.
+Every TP engine here starts real worker processes (``LocalProcessLauncher``, about 5 s on
+the 2-core CI machine); each test starts only the engines it needs and ends their workers.
 """
 
 from __future__ import annotations
