@@ -246,6 +246,8 @@ def test_serve_compare_runs_every_policy_against_a_launched_server(tmp_path):
             str(tmp_path),
             "--tag",
             "t",
+            "--log-dir",
+            str(tmp_path),
             "--startup-timeout-s",
             "60",
             "--",
@@ -262,7 +264,8 @@ def test_serve_compare_runs_every_policy_against_a_launched_server(tmp_path):
         ]
     )
     assert code == 0
-    rows = json.loads((tmp_path / "serve_t.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "serve_compare_t.json").read_text())["rows"]
+    assert "| prefix |" in (tmp_path / "serve_compare_t.md").read_text()
     assert [r["policy"] for r in rows] == ["prefix", "round_robin"]
     assert all(r["completed"] == 4 and r["cached_token_ratio"] > 0 for r in rows)
-    assert (tmp_path / "serve_t.png").stat().st_size > 0
+    assert (tmp_path / "serve_compare_t.png").stat().st_size > 0
