@@ -174,7 +174,30 @@ _FLAGS = [
         str,
         "Join this Ray cluster instead of starting a local one.",
     ),
+    (
+        "--num-threads",
+        "engine",
+        "num_threads",
+        int,
+        "torch intra-op threads per engine replica on CPU (default: torch's choice).",
+    ),
     ("--routing", "router", "policy", str, "prefix (default), round_robin, least_loaded or pow2."),
+    (
+        "--max-load-ratio",
+        "router",
+        "max_load_ratio",
+        float,
+        "prefix routing: a replica takes a request only while its recent share stays within "
+        "this multiple of the mean (default 1.1).",
+    ),
+    (
+        "--speculative-ttl-s",
+        "router",
+        "speculative_ttl_s",
+        float,
+        "prefix routing: how long a routed prefix counts as held before its KV events arrive "
+        "(default 5; raise it where one prefill takes longer).",
+    ),
     (
         "--redis-url",
         "router",

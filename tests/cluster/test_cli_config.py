@@ -64,8 +64,16 @@ def test_flags_map_onto_each_layer(monkeypatch):
         "pow2",
         "--redis-url",
         "redis://h:1",
+        "--num-threads",
+        "1",
+        "--max-load-ratio",
+        "1.5",
+        "--speculative-ttl-s",
+        "60",
     )
     engine, cluster, router = configs_from_args(args)
+    assert engine.num_threads == 1
+    assert (router.max_load_ratio, router.speculative_ttl_s) == (1.5, 60.0)
     assert (engine.model, engine.block_size, engine.max_model_len, engine.max_num_seqs) == (
         "/m",
         32,
