@@ -2,7 +2,8 @@
 
 Workload (issue 2): 64 requests, 4 system prompts of 300-500 tokens, a distinct question
 each, 64 greedy output tokens (EOS ignored so every system does the same work). All requests
-are submitted at t=0. Reported per system: output tokens/s, total time, TTFT mean/p50/p99.
+are submitted at t=0. Each system runs in its own fresh Python process. Reported per
+system: output tokens/s, total time, TTFT mean/p50/p99.
 
 transformers runs ``generate`` with static batches (left padding, its KV cache) at each batch
 size given; its best is the baseline. Its TTFT for a request is the end of the prefill of
@@ -18,6 +19,7 @@ import argparse
 import json
 import platform
 import random
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -97,6 +99,21 @@ def run_transformers(prompts, max_tokens: int, batch_size: int, path: str) -> di
     return _summary(f"transformers generate (batch {batch_size})", time.monotonic() - t0, generated, ttft)
 
 
+ROW_PREFIX = "ROW "
+
+
+def _run_isolated(system: str, argv: list[str]) -> dict:
+    """Runs one system in a fresh interpreter, so none inherits another's heap, caches or
+    thread pool (measured: transformers ran 10% slower after our engine in one process)."""
+    cmd = [sys.executable, "-m", "bench.engine", *argv, "--only", system]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    rows = [line[len(ROW_PREFIX):] for line in proc.stdout.splitlines() if line.startswith(ROW_PREFIX)]
+    if proc.returncode != 0 or not rows:
+        raise RuntimeError(f"{system}: the child run failed (exit {proc.returncode}); its stderr is above")
+    print(proc.stdout.replace(ROW_PREFIX + rows[-1], "").rstrip(), flush=True)
+    return json.loads(rows[-1])
+
+
 def _summary(name: str, total_s: float, tokens: int, ttft_s: list[float], **extra) -> dict:
     ttft_s = sorted(ttft_s)
 
@@ -142,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="16 requests x 16 tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one system, in a child process
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_tokens, args.hf_batch_sizes = 16, 16, "16"
@@ -154,9 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_workload(Tokenizer(path), args.num_requests)
     print(f"workload: {len(prompts)} requests, prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
           f"{args.max_tokens} output tokens, torch threads {torch.get_num_threads()}", flush=True)
-    rows = [run_ours(prompts, args.max_tokens, True), run_ours(prompts, args.max_tokens, False)]
+    if args.only:  # child: run one system, hand its row back on the last line
+        kind, _, batch = args.only.partition(":")
+        if kind == "transformers":
+            row = run_transformers(prompts, args.max_tokens, int(batch), path)
+        else:
+            row = run_ours(prompts, args.max_tokens, kind == "deterministic")
+        print(ROW_PREFIX + json.dumps(row), flush=True)
+        return 0
+    systems = ["deterministic", "fast"]
     if not args.skip_transformers:
-        rows += [run_transformers(prompts, args.max_tokens, int(b), path) for b in args.hf_batch_sizes.split(",")]
+        systems += [f"transformers:{b}" for b in args.hf_batch_sizes.split(",")]
+    rows = [_run_isolated(system, argv if argv is not None else sys.argv[1:]) for system in systems]
     hf = [r for r in rows if r["system"].startswith("transformers")]
     det, fast = rows[0]["output_tokens_per_s"], rows[1]["output_tokens_per_s"]
     summary = {"deterministic_vs_fast_slowdown": round(1 - det / fast, 3)}
