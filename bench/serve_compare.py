@@ -159,22 +159,29 @@ def plot(rows: list[dict], path: Path, subtitle: str) -> None:
     ok = [r for r in rows if "error" not in r]
     names = [r["policy"] for r in ok]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for key, label in (("median_ttft_ms", "p50"), ("p90_ttft_ms", "p90"), ("p99_ttft_ms", "p99")):
-        axes[0].plot(names, [r[key] for r in ok], marker="o", label=label)
-    axes[0].set_title("TTFT (ms, lower is better)")
+    # TTFT: one group of bars per policy (p50, p90, p99), seconds.
+    pcts = (("median_ttft_ms", "p50"), ("p90_ttft_ms", "p90"), ("p99_ttft_ms", "p99"))
+    width = 0.8 / len(pcts)
+    for j, (key, label) in enumerate(pcts):
+        xs = [i + (j - 1) * width for i in range(len(ok))]
+        axes[0].bar(xs, [r[key] / 1000 for r in ok], width, label=label)
+    axes[0].set_title("time to first token, s (lower is better)")
     axes[0].legend()
-    axes[1].bar(names, [r["cached_token_ratio"] or 0 for r in ok])
+    axes[1].bar(names, [r["cached_token_ratio"] or 0 for r in ok], color="#2b7bba")
     axes[1].set_ylim(0, 1)
-    axes[1].set_title("cached-token ratio")
-    replicas = sorted({k for r in ok for k in r["replica_request_counts"]})
-    width = 0.8 / max(len(replicas), 1)
-    for j, rid in enumerate(replicas):
-        xs = [i + (j - (len(replicas) - 1) / 2) * width for i in range(len(ok))]
-        axes[2].bar(xs, [r["replica_request_counts"].get(rid, 0) for r in ok], width, label=rid)
-    axes[2].set_xticks(range(len(ok)))
-    axes[2].set_xticklabels(names)
-    axes[2].set_title("requests per replica")
+    axes[1].set_title("cached share of prompt tokens (higher is better)")
+    # Requests per replica: replicas are numbered within each policy's own cluster.
+    most = max((len(r["replica_request_counts"]) for r in ok), default=0)
+    width = 0.8 / max(most, 1)
+    for j in range(most):
+        xs = [i + (j - (most - 1) / 2) * width for i in range(len(ok))]
+        counts = [sorted(r["replica_request_counts"].values(), reverse=True) for r in ok]
+        axes[2].bar(xs, [c[j] if j < len(c) else 0 for c in counts], width, label=f"replica {j + 1}")
+    axes[2].set_title("requests per replica (busiest first)")
     axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xticks(range(len(ok)))
+        ax.set_xticklabels(names)
     fig.suptitle(subtitle, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
