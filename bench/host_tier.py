@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+from bench.result_files import result_header, result_stem
 
 
 def timed_ttft(engine, prompt: list[int], rid: str) -> tuple[float, list[int], int]:
@@ -89,19 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         outputs[rep] = toks_host == toks_re
     table = {k: {"ttft_s_median": sorted(x[0] for x in v)[len(v) // 2], "cached_tokens": v[-1][1]} for k, v in rows.items()}
     ratio = table["host_hit"]["ttft_s_median"] / table["recompute"]["ttft_s_median"]
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     print(f"{'path':12s} {'TTFT median s':>14s} {'cached tokens':>14s}")
     for k, v in table.items():
         print(f"{k:12s} {v['ttft_s_median']:14.3f} {v['cached_tokens']:14d}")
     print(f"host hit / recompute = {ratio:.2f} (target on H100/H200: <= 0.30); outputs equal: {all(outputs.values())}")
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    result = {"benchmark": "host_tier", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m bench.host_tier " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": device_name, "prefix_tokens": args.prefix_tokens, "repeats": args.repeats,
+    result = {**result_header("host_tier", "bench.host_tier", argv, args.device),
+              "prefix_tokens": args.prefix_tokens, "repeats": args.repeats,
               "table": table, "host_over_recompute": round(ratio, 3), "outputs_equal": all(outputs.values())}
-    (RESULTS / f"host_tier_{tag}_{stamp}.json").write_text(json.dumps(result, indent=2))
+    stem = result_stem("host_tier", args.device)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     names = list(table)
     ax.barh(names, [table[n]["ttft_s_median"] for n in names], color=["#2b7bba", "#6baed6", "#999999"])
     ax.set_xlabel("time to first token, s (median)")
-    ax.set_title(f"{args.prefix_tokens}-token prefix on {device_name}")
+    ax.set_title(f"{args.prefix_tokens}-token prefix on {result['device']}")
     ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(RESULTS / f"host_tier_{tag}_{stamp}.png", dpi=110)
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
     return 0
 
 

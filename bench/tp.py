@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+from bench.result_files import result_header, result_stem
 
 
 def _run_until_done(engine, first_token_at: dict) -> dict:
@@ -147,19 +144,15 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"batch {k}: {v * 1e3:.1f} ms/token" for k, v in r["decode_s_per_token"].items()), flush=True)
     base = rows[args.tp[0]]["tokens"]
     same = {tp: r.pop("tokens") == base for tp, r in rows.items()}
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     print(f"greedy tokens equal to TP={args.tp[0]}: {same}")
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    result = {"benchmark": "tp", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m bench.tp " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": device_name, "cores": os.cpu_count(), "load_average_at_end": os.getloadavg(),
+    result = {**result_header("tp", "bench.tp", argv, args.device), "cores": os.cpu_count(),
+              "load_average_at_end": os.getloadavg(),
               "model": model_name, "skipped": {str(k): v for k, v in skipped.items()}, "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
               "num_threads_total": args.num_threads, "rows": {str(k): v for k, v in rows.items()},
               "greedy_tokens_equal": {str(k): v for k, v in same.items()}}
     suffix = (f"_random{args.random_llama_heads}h" if args.random_llama_heads else "") + f"_{args.num_threads}threads"
-    (RESULTS / f"tp_{tag}_{stamp}{suffix}.json").write_text(json.dumps(result, indent=2))
+    stem = result_stem("tp", args.device, suffix)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                      label=f"batch {k}")
     axes[1].set_ylabel("decode, ms per step")
     axes[1].legend()
-    fig.suptitle(f"{model_name}, tensor parallel on {device_name} ({os.cpu_count()} cores)")
+    fig.suptitle(f"{model_name}, tensor parallel on {result['device']} ({os.cpu_count()} cores)")
     fig.tight_layout()
-    fig.savefig(RESULTS / f"tp_{tag}_{stamp}{suffix}.png", dpi=110)
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
     return 0
 
 
