@@ -11,12 +11,12 @@ Batch-invariant path (``deterministic=True``)
     number of rows in the call. Here every matmul has one fixed shape:
     ``[ATTN_TILE_ROWS, head_dim] @ [head_dim, ATTN_KV_CHUNK]`` for scores and
     ``[ATTN_TILE_ROWS, ATTN_KV_CHUNK] @ [ATTN_KV_CHUNK, head_dim]`` for values.
-    A *row* is one (query token, query head) pair of one sequence and one KV head; rows are
-    packed into tiles of ``ATTN_TILE_ROWS``. The KV sequence is reduced with an online softmax
-    in chunks of ``ATTN_KV_CHUNK`` keys aligned to position 0, always in ascending order. Keys
-    a row may not see are masked to probability exactly 0, and a chunk a row cannot see at all
-    leaves its running max, sum and accumulator bitwise unchanged (``x * 1.0 + 0.0 == x``).
-    So a query's output is the same whether it is computed in a fresh prefill, after a cache
+    A *row* is one (query token, query head) pair; ``kernels/attention_plan.py`` packs the rows
+    that attend to one chunk of ``ATTN_KV_CHUNK`` keys (aligned to position 0) into tiles of
+    ``ATTN_TILE_ROWS``, so a chunk shared by many sequences is read once. Each tile's softmax
+    over its chunk is computed alone (keys a row may not see get probability exactly 0), and
+    each row then folds its chunks' partial results elementwise in ascending chunk order.
+    A row meets only the chunks it can see, so a query's output is the same whether it is computed in a fresh prefill, after a cache
     hit, in any chunk of a chunked prefill, or as a decode, and whatever shares the batch.
 
 Fast path (``deterministic=False``)
@@ -57,7 +57,8 @@ class AttentionMetadata:
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
     plans: dict = field(default_factory=dict, repr=False)
-    """Work plans of the CPU attention, keyed by (block size, group): built once per step."""
+    """Per-step cache of the CPU attention: plans keyed by (block size, group), and the fast
+    path's decode-only metadata under ``"decodes"``. Built on the first layer, reused after."""
 
 
 def paged_attention(
