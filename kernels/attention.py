@@ -57,8 +57,9 @@ class AttentionMetadata:
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
     plans: dict = field(default_factory=dict, repr=False)
-    """Per-step cache of the CPU attention: plans keyed by (block size, group), and the fast
-    path's decode-only metadata under ``"decodes"``. Built on the first layer, reused after."""
+    """Per-step cache of the CPU attention: plans keyed by (block size, group), the fast path's
+    decode-only metadata under ``"decodes"``, and gather buffers (``_step_buffer``). Built on
+    the first layer, reused by the others."""
 
 
 def paged_attention(
@@ -75,15 +76,29 @@ def paged_attention(
     return _attention_fast(query, k_cache, v_cache, meta, scale)
 
 
-def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Head-major cache, [..., nblocks] block ids -> [Hkv, ..., nblocks * block_size, D].
 
-    ``index_select`` on a 3-D view copies whole blocks at memory speed; advanced indexing
-    was measured 4x slower.
+    One dim-0 ``index_select`` per KV head: on a contiguous 2-D source torch copies whole
+    rows (blocks) with memcpy, measured 4x faster than indexing dim 1 of the 3-D cache, and
+    advanced indexing is slower still. ``out`` ([Hkv, blocks.numel(), block_size * D]) is a
+    step's reusable buffer: a fresh multi-MB tensor per layer costs its page faults again.
     """
     num_kv_heads, num_blocks, block_size, head_dim = cache.shape
-    flat = cache.view(num_kv_heads, num_blocks, block_size * head_dim).index_select(1, blocks.reshape(-1))
-    return flat.view(num_kv_heads, *blocks.shape[:-1], blocks.shape[-1] * block_size, head_dim)
+    ids = blocks.reshape(-1)
+    if out is None:
+        out = cache.new_empty(num_kv_heads, ids.numel(), block_size * head_dim)
+    for h in range(num_kv_heads):
+        torch.index_select(cache[h].view(num_blocks, block_size * head_dim), 0, ids, out=out[h])
+    return out.view(num_kv_heads, *blocks.shape[:-1], blocks.shape[-1] * block_size, head_dim)
+
+
+def _step_buffer(meta: AttentionMetadata, key: tuple, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A scratch tensor kept in ``meta.plans`` for the step: every layer reuses it."""
+    buf = meta.plans.get(key)
+    if buf is None or buf.shape != shape or buf.dtype != like.dtype:
+        buf = meta.plans[key] = like.new_empty(shape)
+    return buf
 
 
 def plan_for(meta: AttentionMetadata, block_size: int, group: int) -> AttentionPlan:
@@ -128,10 +143,12 @@ def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: fl
     m = query.new_empty(num_kv_heads, num_tiles, tile, 1)
     l_sum = query.new_empty(num_kv_heads, num_tiles, tile, 1)
     o = query.new_empty(num_kv_heads, num_tiles, tile, head_dim)
-    for region in plan.regions:
+    for i, region in enumerate(plan.regions):
         a, b = region.first, region.first + region.count
-        k = _gather_kv(k_cache, region.blocks)  # [Hkv, count, C, D], or [Hkv, C, D] when shared
-        v = _gather_kv(v_cache, region.blocks)
+        shape = (num_kv_heads, region.blocks.numel(), block_size * head_dim)
+        # [Hkv, count, C, D], or [Hkv, C, D] when shared
+        k = _gather_kv(k_cache, region.blocks, _step_buffer(meta, ("k", i), shape, k_cache))
+        v = _gather_kv(v_cache, region.blocks, _step_buffer(meta, ("v", i), shape, v_cache))
         if region.shared:  # every tile reads the one chunk in place: a stride-0 batch
             k = k[:, None].expand(-1, region.count, -1, -1)
             v = v[:, None].expand(-1, region.count, -1, -1)

@@ -19,7 +19,7 @@ import torch
 
 from kernels import attention as torch_attention
 from kernels.cache import store_kv as torch_store_kv
-from kernels.linear import batch_invariant_linear, plain_linear
+from kernels.linear import batch_invariant_linear, pack_weight, plain_linear
 from kernels.norm import rms_norm as torch_rms_norm
 from kernels.rotary import apply_rotary
 
@@ -38,6 +38,9 @@ class KernelBackend:
     head_major_cache: bool
     """Cache layout: ``[Hkv, blocks, block_size, D]`` (torch CPU) or ``[blocks, block_size,
     Hkv, D]`` (Triton, ``kernels/reference.py``)."""
+    prepare_weight: Callable = lambda weight: weight
+    """Called once per linear weight at load; returns what ``linear`` takes (``pack_weight``
+    on the batch-invariant torch path, the weight itself elsewhere)."""
 
 
 def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend:
@@ -54,6 +57,7 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
             store_kv=torch_store_kv,
             attention=lambda q, kc, vc, meta, scale: torch_attention.paged_attention(q, kc, vc, meta, scale, deterministic),
             head_major_cache=True,
+            prepare_weight=pack_weight if deterministic else (lambda weight: weight),
         )
     from kernels import triton_ops
 

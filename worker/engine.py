@@ -22,6 +22,7 @@ import torch
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.block_pool import BlockPool
 from worker.config import EngineConfig
+from worker.cpu_runtime import configure_cpu_allocator
 from worker.loader import load_weights, resolve_model
 from worker.metrics import EngineMetrics
 from worker.model_runner import ModelRunner
@@ -47,6 +48,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None):
         """``launcher`` starts tensor-parallel ranks 1..N-1; default: local processes."""
         tp = config.tensor_parallel_size
+        if config.device == "cpu":
+            configure_cpu_allocator()
         if tp > 1 and config.device == "cpu":
             torch.set_num_threads(threads_per_rank(config))  # the cores are split between ranks
         elif config.num_threads:

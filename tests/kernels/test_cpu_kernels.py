@@ -14,7 +14,7 @@ import torch
 
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.cache import store_kv
-from kernels.linear import batch_invariant_linear
+from kernels.linear import PackedWeight, batch_invariant_linear, pack_weight
 from kernels.norm import rms_norm
 from kernels.reference import (
     matmul_ref,
@@ -139,14 +139,25 @@ def test_store_kv_matches_reference():
     assert torch.equal(a[0], head_major(b[0])) and torch.equal(a[1], head_major(b[1]))
 
 
-def test_linear_is_batch_invariant_and_correct():
+@pytest.mark.parametrize("packed", [False, True], ids=["tiles", "mkl-packed-tiles"])
+def test_linear_is_batch_invariant_and_correct(packed):
     k, n = random.choice([(576, 1536), (1536, 576), (64, 49152)])
     w, x = torch.randn(n, k) * 0.05, torch.randn(300, k)
-    full = batch_invariant_linear(x, w)
-    torch.testing.assert_close(full, matmul_ref(x, w), rtol=1e-4, atol=1e-4)
-    for m in (1, 2, 7, 33, 64, 129):
+    bias = torch.randn(n) if random.random() < 0.5 else None
+    weight = pack_weight(w) if packed else w
+    if packed and torch.backends.mkl.is_available():
+        assert isinstance(weight, PackedWeight), "this torch has MKL: the weight should have been packed"
+    full = batch_invariant_linear(x, weight, bias)
+    torch.testing.assert_close(full, matmul_ref(x, w) + (0 if bias is None else bias), rtol=1e-4, atol=1e-4)
+    for m in (0, 1, 2, 7, 33, 64, 129):
         start = random.randrange(0, 300 - m)
-        assert torch.equal(batch_invariant_linear(x[start : start + m], w), full[start : start + m]), m
+        assert torch.equal(batch_invariant_linear(x[start : start + m], weight, bias), full[start : start + m]), m
+
+
+def test_packed_weights_give_the_bits_of_unpacked_tiles():
+    """Packing is a speed-up only: a model's outputs are the same bits with or without it."""
+    w, x = torch.randn(960, 576) * 0.05, torch.randn(70, 576)
+    assert torch.equal(batch_invariant_linear(x, pack_weight(w)), batch_invariant_linear(x, w))
 
 
 def test_rms_norm_rows_are_invariant_and_correct():

@@ -111,7 +111,7 @@ class CausalLM:
         self.cos_sin = build_cos_sin_cache(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, emb.dtype).to(emb.device)
         self.scale = spec.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = ops.prepare_weight(self.embed if spec.tie_word_embeddings else weights["lm_head.weight"])
         self.final_norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
 
@@ -125,13 +125,13 @@ class CausalLM:
         return {
             "input_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "qkv": self._cat(w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]),
+            "qkv": self.ops.prepare_weight(self._cat(w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"])),
             "qkv_bias": self._cat(w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias"), w.get(a + "v_proj.bias")),
-            "o": w[a + "o_proj.weight"],
+            "o": self.ops.prepare_weight(w[a + "o_proj.weight"]),
             "q_norm": w.get(a + "q_norm.weight"),
             "k_norm": w.get(a + "k_norm.weight"),
-            "gate_up": self._cat(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]),
-            "down": w[p + "mlp.down_proj.weight"],
+            "gate_up": self.ops.prepare_weight(self._cat(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"])),
+            "down": self.ops.prepare_weight(w[p + "mlp.down_proj.weight"]),
         }
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -98,12 +98,14 @@ def make_communicator(spec: WorkerSpec, rank: int, store: dist.Store, device: st
 
 def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
     """A worker's whole life: join the groups, load the shard, run steps until told to stop."""
+    from worker.cpu_runtime import configure_cpu_allocator
     from worker.model_runner import ModelRunner
     from worker.parallel.sharding import load_shard
 
     config = spec.config
     device = device_of_rank(config, rank, local)
     if device == "cpu":
+        configure_cpu_allocator()
         torch.set_num_threads(threads_per_rank(config))
     else:
         torch.cuda.set_device(torch.device(device))
