@@ -100,6 +100,7 @@ def run_transformers(prompts, max_tokens: int, batch_size: int, path: str) -> di
 
 
 ROW_PREFIX = "ROW "
+TARGET_SPEEDUP = 3.0
 
 
 def _run_isolated(system: str, argv: list[str]) -> dict:
@@ -138,6 +139,14 @@ def plot(rows: list[dict], path: Path) -> None:
     names = [r["system"].replace(" (", "\n(") for r in rows]
     colors = ["#2b7bba" if r["system"].startswith("prefixserve") else "#999999" for r in rows]
     a.barh(names, [r["output_tokens_per_s"] for r in rows], color=colors)
+    hf = [r["output_tokens_per_s"] for r in rows if r["system"].startswith("transformers")]
+    if hf:  # the target: 3x the best static batch of transformers
+        a.axvline(TARGET_SPEEDUP * max(hf), color="#c0392b", linestyle="--",
+                  label=f"target: {TARGET_SPEEDUP:g}x best transformers")
+        a.legend(loc="lower right")
+    for y, r in enumerate(rows):
+        a.annotate(f" {r['output_tokens_per_s']:.1f}", (r["output_tokens_per_s"], y), va="center")
+    a.set_xlim(0, 1.2 * max([r["output_tokens_per_s"] for r in rows] + [TARGET_SPEEDUP * max(hf, default=0)]))
     a.set_xlabel("output tokens/s (higher is better)")
     b.barh(names, [r["ttft_p50_s"] for r in rows], color=colors, label="p50")
     b.barh(names, [r["ttft_p99_s"] - r["ttft_p50_s"] for r in rows], left=[r["ttft_p50_s"] for r in rows],

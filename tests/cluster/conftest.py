@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 
 import httpx
-import pytest
 
 API_KEY = "test-key-" + os.urandom(4).hex()
 # Replica startup on a loaded 2-core CI machine: model load plus Serve's health checks.
@@ -110,17 +109,6 @@ def start_tiny_cluster(folder) -> tuple[Server, object]:
     }
     url, teardown = start_cluster(engine, cluster, "tiny")
     return Server(url, API_KEY, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES), teardown
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
-    if os.environ.get(REUSE_ENV):
-        url, key, model = os.environ[REUSE_ENV].split()
-        yield Server(url, key, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES)
-        return
-    server, teardown = start_tiny_cluster(tmp_path_factory.mktemp("tiny-llama"))
-    yield server
-    teardown()
 
 
 if __name__ == "__main__":

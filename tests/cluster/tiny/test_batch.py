@@ -168,7 +168,7 @@ def test_dashboard_queries_name_metrics_the_server_exports(tiny_server):
 
     dashboard = json.loads(
         (
-            Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefixserve.json"
+            Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "prefixserve.json"
         ).read_text()
     )
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
