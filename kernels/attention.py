@@ -10,14 +10,17 @@ Batch-invariant path (``deterministic=True``)
     torch's CPU GEMMs pick kernels by shape, so a dot product's rounding can change with the
     number of rows in the call. Here every matmul has one fixed shape:
     ``[ATTN_TILE_ROWS, head_dim] @ [head_dim, ATTN_KV_CHUNK]`` for scores and
-    ``[ATTN_TILE_ROWS, ATTN_KV_CHUNK] @ [ATTN_KV_CHUNK, head_dim]`` for values.
+    ``[ATTN_TILE_ROWS, ATTN_KV_CHUNK] @ [ATTN_KV_CHUNK, head_dim]`` for values, or the same
+    with ``SMALL_TILE_ROWS`` rows for chunks that few rows meet, where a startup check
+    (``small_tiles_are_exact``) found both row counts give a row the same bits.
     A *row* is one (query token, query head) pair; ``kernels/attention_plan.py`` packs the rows
     that attend to one chunk of ``ATTN_KV_CHUNK`` keys (aligned to position 0) into tiles of
     ``ATTN_TILE_ROWS``, so a chunk shared by many sequences is read once. Each tile's softmax
     over its chunk is computed alone (keys a row may not see get probability exactly 0), and
     each row then folds its chunks' partial results elementwise in ascending chunk order.
-    A row meets only the chunks it can see, so a query's output is the same whether it is computed in a fresh prefill, after a cache
-    hit, in any chunk of a chunked prefill, or as a decode, and whatever shares the batch.
+    A row meets only the chunks it can see, so a query's output is the same whether it is
+    computed in a fresh prefill, after a cache hit, in any chunk of a chunked prefill, or as
+    a decode, and whatever shares the batch.
 
 Fast path (``deterministic=False``)
     One ``scaled_dot_product_attention`` call per prefill sequence (its rounding depends on the
@@ -27,6 +30,7 @@ Fast path (``deterministic=False``)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +39,13 @@ import torch.nn.functional as F
 from kernels.attention_plan import AttentionPlan, build_plan
 
 ATTN_TILE_ROWS = 16
-"""Rows per score tile: small enough that a decode (``group`` rows) wastes little."""
+"""Rows per score tile."""
+SMALL_TILE_ROWS = 4
+"""Rows per tile of a chunk met by at most this many rows: a decode's own last chunk holds
+one token's ``group`` query heads (3 for SmolLM2), which a full tile would pad 16/3-fold.
+Used only where ``small_tiles_are_exact``. Measured on a decode step of the engine benchmark
+(64 sequences, 1 thread): its 79 private chunks take 1.75 ms per head and layer in 4-row
+tiles against 5.5 ms in 16-row ones; the step's whole attention 455 vs 500 ms of CPU."""
 ATTN_KV_CHUNK = 128
 """Keys per softmax chunk; a multiple of every supported block size."""
 _MASKED = -1.0e30
@@ -101,13 +111,38 @@ def _step_buffer(meta: AttentionMetadata, key: tuple, shape: tuple[int, ...], li
     return buf
 
 
-def plan_for(meta: AttentionMetadata, block_size: int, group: int) -> AttentionPlan:
+@functools.cache
+def small_tiles_are_exact(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether this CPU's ``bmm`` gives every row of a ``[SMALL_TILE_ROWS, head_dim]`` tile the
+    same bits as the same row in a full ``[ATTN_TILE_ROWS, head_dim]`` tile, for both of the
+    attention's products, with the chunk copied or read in place (a stride-0 batch).
+
+    A GEMM library may pick its kernel by the row count (MKL does for 1 and 2 rows, measured),
+    so this is checked once per process and shape, on random data, rather than assumed. Where
+    it fails every chunk keeps full tiles: slower at decode, equally exact.
+    """
+    gen = torch.Generator().manual_seed(0)
+    small, full, keys = SMALL_TILE_ROWS, ATTN_TILE_ROWS, ATTN_KV_CHUNK
+    for _ in range(3):
+        q = torch.randn(6, full, head_dim, generator=gen).to(dtype)
+        k_t = torch.randn(6, head_dim, keys, generator=gen).to(dtype)
+        p = torch.rand(6, full, keys, generator=gen).to(dtype)
+        v = torch.randn(6, keys, head_dim, generator=gen).to(dtype)
+        for kk, vv in ((k_t, v), (k_t[:1].expand(6, -1, -1), v[:1].expand(6, -1, -1))):
+            if not (torch.equal(torch.bmm(q[:, :small].contiguous(), kk), torch.bmm(q, kk)[:, :small])
+                    and torch.equal(torch.bmm(p[:, :small].contiguous(), vv), torch.bmm(p, vv)[:, :small])):
+                return False
+    return True
+
+
+def plan_for(meta: AttentionMetadata, block_size: int, group: int, head_dim: int, dtype: torch.dtype) -> AttentionPlan:
     """The step's ``AttentionPlan``, built on the first layer and reused by the others."""
     key = (block_size, group)
     plan = meta.plans.get(key)
     if plan is None:
+        small = SMALL_TILE_ROWS if group <= SMALL_TILE_ROWS and small_tiles_are_exact(head_dim, dtype) else None
         plan = build_plan(meta.query_start_loc_list, meta.seq_lens_list, meta.block_tables.tolist(),
-                          block_size, group, ATTN_TILE_ROWS, ATTN_KV_CHUNK)
+                          block_size, group, ATTN_TILE_ROWS, ATTN_KV_CHUNK, small)
         meta.plans[key] = plan
     return plan
 
@@ -131,35 +166,38 @@ def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: fl
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    plan = plan_for(meta, block_size, group)
-    tile, num_tiles = plan.tile_rows, plan.num_tiles
+    plan = plan_for(meta, block_size, group, head_dim, query.dtype)
 
-    # Queries as rows [Hkv, R, D], then one tile-major copy [Hkv, tiles, T, D].
+    # Queries as rows [Hkv, R, D]; each tile set copies them tile-major [Hkv, tiles, T, D].
     qh = (query * scale).view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
     qh = qh.reshape(num_kv_heads, num_tokens * group, head_dim)
-    q_tiles = qh.index_select(1, plan.tile_row_ids).view(num_kv_heads, num_tiles, tile, head_dim)
 
-    # Each tile's softmax over its chunk alone: max m, sum l and unnormalised output o.
-    m = query.new_empty(num_kv_heads, num_tiles, tile, 1)
-    l_sum = query.new_empty(num_kv_heads, num_tiles, tile, 1)
-    o = query.new_empty(num_kv_heads, num_tiles, tile, head_dim)
-    for i, region in enumerate(plan.regions):
-        a, b = region.first, region.first + region.count
-        shape = (num_kv_heads, region.blocks.numel(), block_size * head_dim)
-        # [Hkv, count, C, D], or [Hkv, C, D] when shared
-        k = _gather_kv(k_cache, region.blocks, _step_buffer(meta, ("k", i), shape, k_cache))
-        v = _gather_kv(v_cache, region.blocks, _step_buffer(meta, ("v", i), shape, v_cache))
-        if region.shared:  # every tile reads the one chunk in place: a stride-0 batch
-            k = k[:, None].expand(-1, region.count, -1, -1)
-            v = v[:, None].expand(-1, region.count, -1, -1)
-        masked = plan.tile_masked[a : a + region.num_masked]
-        for h in range(num_kv_heads):
-            _tile_softmax(q_tiles[h, a:b], k[h].transpose(1, 2), v[h], masked, m[h, a:b], l_sum[h, a:b], o[h, a:b])
+    # Each tile's softmax over its chunk alone: max m, sum l and unnormalised output o, per
+    # slot; every tile set fills its own slice of the slots.
+    m = query.new_empty(num_kv_heads, plan.num_slots, 1)
+    l_sum = query.new_empty(num_kv_heads, plan.num_slots, 1)
+    o = query.new_empty(num_kv_heads, plan.num_slots, head_dim)
+    for s, tiles in enumerate(plan.tile_sets):
+        tile, num_tiles = tiles.tile_rows, tiles.num_tiles
+        q_tiles = qh.index_select(1, tiles.tile_row_ids).view(num_kv_heads, num_tiles, tile, head_dim)
+        slots = slice(tiles.first_slot, tiles.first_slot + tiles.num_slots)
+        m_s = m[:, slots].view(num_kv_heads, num_tiles, tile, 1)
+        l_s = l_sum[:, slots].view(num_kv_heads, num_tiles, tile, 1)
+        o_s = o[:, slots].view(num_kv_heads, num_tiles, tile, head_dim)
+        for i, region in enumerate(tiles.regions):
+            a, b = region.first, region.first + region.count
+            shape = (num_kv_heads, region.blocks.numel(), block_size * head_dim)
+            # [Hkv, count, C, D], or [Hkv, C, D] when shared
+            k = _gather_kv(k_cache, region.blocks, _step_buffer(meta, ("k", s, i), shape, k_cache))
+            v = _gather_kv(v_cache, region.blocks, _step_buffer(meta, ("v", s, i), shape, v_cache))
+            if region.shared:  # every tile reads the one chunk in place: a stride-0 batch
+                k = k[:, None].expand(-1, region.count, -1, -1)
+                v = v[:, None].expand(-1, region.count, -1, -1)
+            masked = tiles.tile_masked[a : a + region.num_masked]
+            for h in range(num_kv_heads):
+                _tile_softmax(q_tiles[h, a:b], k[h].transpose(1, 2), v[h], masked, m_s[h, a:b], l_s[h, a:b], o_s[h, a:b])
 
     # Fold each row's chunks in ascending order: elementwise, so per row and batch-invariant.
-    m = m.view(num_kv_heads, -1, 1)
-    l_sum = l_sum.view(num_kv_heads, -1, 1)
-    o = o.view(num_kv_heads, -1, head_dim)
     src0 = plan.merge_src[0]
     run_m, run_l, run_o = m.index_select(1, src0), l_sum.index_select(1, src0), o.index_select(1, src0)
     for rows, src in zip(plan.merge_rows[1:], plan.merge_src[1:], strict=True):

@@ -19,7 +19,7 @@ import torch
 
 from kernels import attention as torch_attention
 from kernels.cache import store_kv as torch_store_kv
-from kernels.linear import batch_invariant_linear, pack_weight, plain_linear
+from kernels.linear import batch_invariant_linear, fast_linear, pack_weight, plain_linear
 from kernels.norm import rms_norm as torch_rms_norm
 from kernels.rotary import apply_rotary
 
@@ -51,13 +51,13 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
     if name == "torch":
         return KernelBackend(
             name="torch",
-            linear=batch_invariant_linear if deterministic else plain_linear,
+            linear=batch_invariant_linear if deterministic else fast_linear,
             rms_norm=torch_rms_norm,
             rotary=apply_rotary,
             store_kv=torch_store_kv,
             attention=lambda q, kc, vc, meta, scale: torch_attention.paged_attention(q, kc, vc, meta, scale, deterministic),
             head_major_cache=True,
-            prepare_weight=pack_weight if deterministic else (lambda weight: weight),
+            prepare_weight=pack_weight,
         )
     from kernels import triton_ops
 

@@ -39,11 +39,25 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
-        return [self._sample_row(logits[i], req) for i, req in enumerate(requests)]
+        # Rows that are a plain argmax share one call (argmax is exact and takes the first
+        # maximum either way); measured 150 us per row alone for SmolLM2's 49k vocabulary.
+        plain = [i for i, req in enumerate(requests) if self._plain_greedy(req)]
+        greedy = {}
+        if plain:
+            rows = logits if len(plain) == len(requests) else logits[plain]
+            greedy = dict(zip(plain, torch.argmax(rows, dim=-1).tolist(), strict=True))
+        return [self._sample_row(logits[i], req, greedy.get(i)) for i, req in enumerate(requests)]
 
-    def _sample_row(self, row: torch.Tensor, req: Request) -> SampleResult:
+    def _plain_greedy(self, req: Request) -> bool:
+        p = req.params
+        return p.greedy and not p.needs_penalties and len(req.output_token_ids) >= p.min_tokens
+
+    def _sample_row(self, row: torch.Tensor, req: Request, greedy_token: int | None = None) -> SampleResult:
+        """``greedy_token``: the row's argmax, already taken with other plain greedy rows."""
         p = req.params
         raw = row
+        if greedy_token is not None:
+            return SampleResult(greedy_token, self._logprob(raw, greedy_token, p.logprobs) if p.logprobs is not None else None)
         if p.needs_penalties:
             row = self._apply_penalties(row.clone(), req)
         if len(req.output_token_ids) < p.min_tokens:

@@ -14,7 +14,13 @@ import torch
 
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.cache import store_kv
-from kernels.linear import PackedWeight, batch_invariant_linear, pack_weight
+from kernels.linear import (
+    FAST_PLAIN_MIN_ROWS,
+    PackedWeight,
+    batch_invariant_linear,
+    fast_linear,
+    pack_weight,
+)
 from kernels.norm import rms_norm
 from kernels.reference import (
     matmul_ref,
@@ -128,6 +134,27 @@ def test_attention_over_shared_prefix_matches_reference_and_is_invariant():
         assert torch.equal(paged_attention(q[s : s + 1], kh, vh, alone, 0.125, True)[0], out[s])
 
 
+def test_small_tiles_for_private_decode_chunks_change_no_bits(monkeypatch):
+    """A decode's own last chunk gets a 4-row tile instead of a mostly padded 16-row one, where
+    this CPU computes a row alike in both; outputs keep every bit."""
+    from kernels import attention
+
+    if not attention.small_tiles_are_exact(64, torch.float32):
+        pytest.skip("this CPU's bmm rounds 4-row tiles differently: full tiles only, nothing to compare")
+    num_kv, group, head_dim, bs = 3, 3, 64, 16
+    meta, num_blocks = _shared_prefix_batch(40, bs, prefix_blocks=12)
+    kh, vh = torch.randn(num_kv, num_blocks, bs, head_dim), torch.randn(num_kv, num_blocks, bs, head_dim)
+    q = torch.randn(meta.query_start_loc_list[-1], num_kv * group, head_dim)
+    with_small = paged_attention(q, kh, vh, meta, 0.125, True)
+    plan = next(v for v in meta.plans.values() if hasattr(v, "tile_sets"))
+    assert sorted(ts.tile_rows for ts in plan.tile_sets) == [attention.SMALL_TILE_ROWS, attention.ATTN_TILE_ROWS]
+    monkeypatch.setattr(attention, "SMALL_TILE_ROWS", 0)  # group 3 > 0: full tiles only
+    fresh = AttentionMetadata(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
+                              meta.query_start_loc_list, meta.seq_lens_list)
+    assert torch.equal(paged_attention(q, kh, vh, fresh, 0.125, True), with_small)
+    assert [ts.tile_rows for ts in next(iter(fresh.plans.values())).tile_sets] == [attention.ATTN_TILE_ROWS]
+
+
 def test_store_kv_matches_reference():
     shape = (8, 16, 2, 64)
     slots = torch.tensor(random.sample(range(8 * 16), 20))
@@ -158,6 +185,13 @@ def test_packed_weights_give_the_bits_of_unpacked_tiles():
     """Packing is a speed-up only: a model's outputs are the same bits with or without it."""
     w, x = torch.randn(960, 576) * 0.05, torch.randn(70, 576)
     assert torch.equal(batch_invariant_linear(x, pack_weight(w)), batch_invariant_linear(x, w))
+
+
+@pytest.mark.parametrize("rows", [5, FAST_PLAIN_MIN_ROWS + 3])
+def test_fast_linear_is_correct_either_way(rows):
+    w, x, bias = torch.randn(96, 64) * 0.05, torch.randn(rows, 64), torch.randn(96)
+    for weight in (w, pack_weight(w)):
+        torch.testing.assert_close(fast_linear(x, weight, bias), matmul_ref(x, w) + bias, rtol=1e-4, atol=1e-4)
 
 
 def test_rms_norm_rows_are_invariant_and_correct():
