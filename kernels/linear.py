@@ -10,8 +10,8 @@ function of that row alone: the property ``tests/kernels/test_cpu_kernels.py`` c
 Many small GEMM calls would each re-pack the whole weight into MKL's internal layout (that
 re-packing made 16 tiles of 32 rows cost 1.8x one 512-row call). ``pack_weight`` therefore
 packs each float32 weight once, at load, for exactly ``LINEAR_TILE_ROWS`` rows
-(``cblas_sgemm_pack`` through torch's ``mkl::_mkl_reorder_linear_weight``); every tile then
-runs ``cblas_sgemm_compute`` on it. Measured on the 2-core CPU with SmolLM2's shapes: a
+(``cblas_sgemm_pack`` through torch's ``mkl::_mkl_reorder_linear_weight``), and for
+``BIG_TILE_ROWS`` where that is exact; every tile then runs ``cblas_sgemm_compute`` on it. Measured on the 2-core CPU with SmolLM2's shapes: a
 64-row decode step's GEMMs 139 ms packed vs 266 ms unpacked tiles (plain: 194 ms), a 512-row
 prefill 803 ms vs 1386 ms (plain: 734 ms). The packed tiles give the same bits as unpacked
 ``[32, K]`` matmuls. Where MKL packing is missing (another BLAS, another dtype) the weight
@@ -32,16 +32,25 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 LINEAR_TILE_ROWS = 32
-"""Rows per GEMM call. Measured on a 2-core CPU: 64 makes a single-sequence decode pad 64x
-and was no faster over a whole run; 32 keeps both batch sizes cheap once weights are packed."""
+"""Rows per GEMM call, and the padding unit. Measured on a 2-core CPU: padding to 64 makes a
+single-sequence decode pay 64 rows and was no faster over a whole run."""
+BIG_TILE_ROWS = 64
+"""Rows per tile for the bulk of a batch of 64 rows or more, for weights whose 64-row packed
+tiles compute every row to the same bits as 32-row ones (``pack_weight`` checks each weight;
+MKL did for all of SmolLM2's shapes, at every tile size from 4 to 512 rows). Measured: a
+64-row decode step's GEMMs 165 ms in one 64-row tile vs 194 ms in two 32-row tiles, a
+512-row prefill's 1186-1254 vs 1317-1472 ms (2 threads, a busy machine). Costs one more
+packed copy of each weight."""
+
+_PROBE_SEED = 20261122
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A ``[out, in]`` float32 weight packed by MKL for ``[LINEAR_TILE_ROWS, in]`` inputs."""
+    """A ``[out, in]`` float32 weight packed by MKL for tiles of each row count it holds."""
 
-    packed: torch.Tensor
-    """MKL's opaque packed layout (an MKL-DNN tensor)."""
+    packed: dict[int, torch.Tensor]
+    """Tile rows -> MKL's opaque packed layout (an MKL-DNN tensor) for tiles of that many rows."""
     weight: torch.Tensor
     """The original weight: its shape for MKL, and its values for anything else that reads it."""
 
@@ -50,17 +59,34 @@ class PackedWeight:
         return self.weight.shape
 
 
+def _packed_tiles(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    return [torch.ops.mkl._mkl_linear(x[r0 : r0 + rows], packed, weight, None, rows) for r0 in range(0, x.shape[0], rows)]
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
-    """``weight`` packed for the batch-invariant tiles when MKL can, else ``weight`` itself."""
+    """``weight`` packed for the batch-invariant tiles when MKL can, else ``weight`` itself.
+
+    It is packed for ``LINEAR_TILE_ROWS`` rows, and for ``BIG_TILE_ROWS`` rows too when a probe
+    shows that those tiles give random rows the same bits as the small ones on this CPU."""
     usable = (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
               and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
     if not usable:
         return weight
     try:
-        return PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(weight, LINEAR_TILE_ROWS), weight)
+        packed = {LINEAR_TILE_ROWS: torch.ops.mkl._mkl_reorder_linear_weight(weight, LINEAR_TILE_ROWS)}
     except RuntimeError as exc:  # a torch build without MKL-DNN tensors
         log.warning("MKL weight packing unavailable (%s); batch-invariant linear layers use unpacked tiles", exc)
         return weight
+    big = torch.ops.mkl._mkl_reorder_linear_weight(weight, BIG_TILE_ROWS)
+    gen = torch.Generator().manual_seed(_PROBE_SEED)
+    probe = torch.randn(BIG_TILE_ROWS, weight.shape[1], generator=gen)
+    small_tiles = torch.cat(_packed_tiles(probe, packed[LINEAR_TILE_ROWS], weight, LINEAR_TILE_ROWS))
+    if torch.equal(_packed_tiles(probe, big, weight, BIG_TILE_ROWS)[0], small_tiles):
+        packed[BIG_TILE_ROWS] = big
+    else:
+        log.info("%d-row packed tiles round differently here for a %s weight: it keeps %d-row tiles",
+                 BIG_TILE_ROWS, tuple(weight.shape), LINEAR_TILE_ROWS)
+    return PackedWeight(packed, weight)
 
 
 FAST_PLAIN_MIN_ROWS = 256
@@ -86,7 +112,8 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torc
 def batch_invariant_linear(
     x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` computed in fixed ``[LINEAR_TILE_ROWS, K]`` tiles."""
+    """``x @ weight.T + bias`` computed in fixed ``[LINEAR_TILE_ROWS, K]`` tiles (and
+    ``[BIG_TILE_ROWS, K]`` ones where the weight was packed for them)."""
     num_rows = x.shape[0]
     tile = LINEAR_TILE_ROWS
     pad = (-num_rows) % tile
@@ -94,9 +121,11 @@ def batch_invariant_linear(
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     x = x.contiguous()
     if isinstance(weight, PackedWeight):
-        # Bias is added after the product, as in the unpacked path, so both round alike.
-        tiles = [torch.ops.mkl._mkl_linear(x[r0 : r0 + tile], weight.packed, weight.weight, None, tile)
-                 for r0 in range(0, x.shape[0], tile)]
+        # Big tiles for the bulk, small ones for the rest (x is padded to small tiles). Bias is
+        # added after the product, as in the unpacked path, so both round alike.
+        big = (x.shape[0] // BIG_TILE_ROWS) * BIG_TILE_ROWS if BIG_TILE_ROWS in weight.packed else 0
+        tiles = _packed_tiles(x[:big], weight.packed[BIG_TILE_ROWS], weight.weight, BIG_TILE_ROWS) if big else []
+        tiles += _packed_tiles(x[big:], weight.packed[tile], weight.weight, tile)
         out = tiles[0] if len(tiles) == 1 else torch.cat(tiles) if tiles else x.new_empty(0, weight.shape[0])
     else:
         out = x.new_empty(x.shape[0], weight.shape[0])
