@@ -3,19 +3,21 @@
 torch's CPU GEMM (MKL/oneDNN) chooses its blocking and threading by the matrix shape, so the
 same input row can round differently when it is multiplied alongside 1, 7 or 300 other rows
 (measured: for a 1536x576 weight, rows differ for M < 57 and for M >= 200 against M = 64).
-``batch_invariant_linear`` therefore always multiplies row tiles of one fixed shape
-``[LINEAR_TILE_ROWS, in_features]``, zero-padding the last tile. A row's result is then a
+``batch_invariant_linear`` therefore always multiplies row tiles of fixed shape
+``[LINEAR_TILE_ROWS, in_features]``, zero-padding the last tile (and ``[BIG_TILE_ROWS,
+in_features]`` where those are checked to round every row alike). A row's result is then a
 function of that row alone: the property ``tests/kernels/test_cpu_kernels.py`` checks.
 
 Many small GEMM calls would each re-pack the whole weight into MKL's internal layout (that
 re-packing made 16 tiles of 32 rows cost 1.8x one 512-row call). ``pack_weight`` therefore
 packs each float32 weight once, at load, for exactly ``LINEAR_TILE_ROWS`` rows
 (``cblas_sgemm_pack`` through torch's ``mkl::_mkl_reorder_linear_weight``), and for
-``BIG_TILE_ROWS`` where that is exact; every tile then runs ``cblas_sgemm_compute`` on it. Measured on the 2-core CPU with SmolLM2's shapes: a
-64-row decode step's GEMMs 139 ms packed vs 266 ms unpacked tiles (plain: 194 ms), a 512-row
-prefill 803 ms vs 1386 ms (plain: 734 ms). The packed tiles give the same bits as unpacked
-``[32, K]`` matmuls. Where MKL packing is missing (another BLAS, another dtype) the weight
-stays a plain tensor and tiles use ``torch.matmul``: still batch-invariant, only slower.
+``BIG_TILE_ROWS`` where that is exact; every tile then runs ``cblas_sgemm_compute`` on it.
+Measured on the 2-core CPU with SmolLM2's shapes, 32-row tiles: a 64-row decode step's GEMMs
+139 ms packed vs 266 ms unpacked (plain: 194 ms), a 512-row prefill 803 ms vs 1386 ms
+(plain: 734 ms). The packed tiles give the same bits as unpacked ``[32, K]`` matmuls. Where
+MKL packing is missing (another BLAS, another dtype) the weight stays a plain tensor and
+tiles use ``torch.matmul``: still batch-invariant, only slower.
 
 ``fast_linear`` (``--no-deterministic``) takes packed tiles below ``FAST_PLAIN_MIN_ROWS``
 rows and one plain GEMM above, whichever was measured faster.
