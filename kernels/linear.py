@@ -117,6 +117,8 @@ def batch_invariant_linear(
     """``x @ weight.T + bias`` computed in fixed ``[LINEAR_TILE_ROWS, K]`` tiles (and
     ``[BIG_TILE_ROWS, K]`` ones where the weight was packed for them)."""
     num_rows = x.shape[0]
+    if num_rows == 0:
+        return x.new_empty(0, weight.shape[0])
     tile = LINEAR_TILE_ROWS
     pad = (-num_rows) % tile
     if pad:
@@ -128,7 +130,7 @@ def batch_invariant_linear(
         big = (x.shape[0] // BIG_TILE_ROWS) * BIG_TILE_ROWS if BIG_TILE_ROWS in weight.packed else 0
         tiles = _packed_tiles(x[:big], weight.packed[BIG_TILE_ROWS], weight.weight, BIG_TILE_ROWS) if big else []
         tiles += _packed_tiles(x[big:], weight.packed[tile], weight.weight, tile)
-        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles) if tiles else x.new_empty(0, weight.shape[0])
+        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
     else:
         out = x.new_empty(x.shape[0], weight.shape[0])
         for r0 in range(0, x.shape[0], tile):

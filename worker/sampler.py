@@ -55,9 +55,13 @@ class Sampler:
     def _sample_row(self, row: torch.Tensor, req: Request, greedy_token: int | None = None) -> SampleResult:
         """``greedy_token``: the row's argmax, already taken with other plain greedy rows."""
         p = req.params
+        token = self._choose(row, req) if greedy_token is None else greedy_token
+        return SampleResult(token, self._logprob(row, token, p.logprobs) if p.logprobs is not None else None)
+
+    def _choose(self, row: torch.Tensor, req: Request) -> int:
+        """The next token of one row: penalties, the min_tokens ban, then argmax or a draw."""
+        p = req.params
         raw = row
-        if greedy_token is not None:
-            return SampleResult(greedy_token, self._logprob(raw, greedy_token, p.logprobs) if p.logprobs is not None else None)
         if p.needs_penalties:
             row = self._apply_penalties(row.clone(), req)
         if len(req.output_token_ids) < p.min_tokens:
@@ -65,11 +69,7 @@ class Sampler:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             if banned:
                 row[torch.tensor(banned)] = _NEG_INF
-        if p.greedy:
-            token = int(torch.argmax(row))
-        else:
-            token = self._random_choice(row, req)
-        return SampleResult(token, self._logprob(raw, token, p.logprobs) if p.logprobs is not None else None)
+        return int(torch.argmax(row)) if p.greedy else self._random_choice(row, req)
 
     @staticmethod
     def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
