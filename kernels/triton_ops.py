@@ -21,6 +21,17 @@ Interpreter fixes (``patch_interpreter``, applied only when ``TRITON_INTERPRET=1
     also accumulates bf16 products in float32), and a round-to-nearest-even cast. Compiled
     kernels are untouched.
 
+    ``tl.dot`` itself is replaced too. The interpreter hands it to ``np.matmul``, i.e. to
+    whatever BLAS numpy was built with, and OpenBLAS picks its kernel by CPU: its AVX2
+    ("Haswell") sgemm gives an output element different bits depending on where its row
+    and column fall in the matrix (edge micro-tiles reduce in another order), while its
+    AVX-512 kernel does not. A GPU's MMA computes every element of a tile with the same
+    instruction sequence, so the batch-invariance the kernels promise rests on "a row's
+    result depends on its data and the tile shape, not its position in the tile". The
+    replacement (``_position_independent_dot``) keeps exactly that property on every CPU:
+    each element is its K products summed in one fixed order. Without it the bitwise
+    invariance tests would test the host's BLAS, not the kernels.
+
 How it fails
     Without triton, or without CUDA and without the interpreter, every op raises
     ``RuntimeError`` saying so; nothing falls back silently to another implementation.
@@ -70,11 +81,11 @@ def patch_interpreter() -> None:
 
         interpreter._patch_lang_tensor = patch_tensor
 
-    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
-    if builder is None or get_np_dtype is None or str(get_np_dtype(tl.bfloat16)) != "uint16":
+    if builder is None:
         return
     original_dot = builder.create_dot
-    original_cast = builder.cast_impl
+    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    bf16_as_bits = get_np_dtype is not None and str(get_np_dtype(tl.bfloat16)) == "uint16"
 
     def widen(handle):
         if handle.dtype != tl.bfloat16:
@@ -83,7 +94,17 @@ def patch_interpreter() -> None:
         return interpreter.TensorHandle(data, tl.float32)
 
     def create_dot(self, a, b, d, *args):
-        return original_dot(self, widen(a), widen(b), d, *args)
+        if bf16_as_bits:
+            a, b = widen(a), widen(b)
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original_dot(self, a, b, d, *args)  # fp8: the interpreter's own widening
+        product = _position_independent_dot(a.data, b.data, d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+    if not bf16_as_bits:
+        return
+    original_cast = builder.cast_impl
 
     def cast_impl(self, src, dst_type):
         if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
@@ -94,8 +115,15 @@ def patch_interpreter() -> None:
         data[src.data != src.data] = 0x7FC0  # NaN stays a (quiet) NaN
         return interpreter.TensorHandle(data, tl.bfloat16)
 
-    builder.create_dot = create_dot
     builder.cast_impl = cast_impl
+
+
+def _position_independent_dot(a, b, acc_dtype):
+    """``a @ b`` ([..., M, K] @ [..., K, N]) accumulated in ``acc_dtype``, where every output
+    element is its K products summed in the same order: its bits depend on its row of ``a``,
+    its column of ``b`` and K, never on M, N or its position (see the module docstring)."""
+    products = a.astype(acc_dtype)[..., :, :, None] * b.astype(acc_dtype)[..., None, :, :]
+    return products.sum(axis=-2, dtype=acc_dtype)
 
 
 def triton_available() -> bool:

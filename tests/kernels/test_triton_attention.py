@@ -1,6 +1,8 @@
 """Triton unified paged attention against ``paged_attention_ref``, plus its batch invariance.
 
-On the CPU the kernel runs in Triton's interpreter (see conftest). Every case draws fresh
+On the CPU the kernel runs in Triton's interpreter (see conftest), whose ``tl.dot`` is patched
+to sum every element's products in one fixed order (``test_triton_interpreter.py`` says why:
+the host BLAS would otherwise make the bitwise tests depend on the CPU). Every case draws fresh
 inputs, pre-fills the output with NaN so an unwritten element fails, and poisons the cache
 slots no query may read (slots past each context, table entries past each sequence) with
 NaN, so a read outside the causal window fails too.
