@@ -6,7 +6,7 @@
   the batch-invariant Triton matmul when ``deterministic``, else through torch (cuBLAS).
 - ``auto``: ``triton`` on CUDA, ``torch`` elsewhere.
 
-Both satisfy the determinism contract of DESIGN.md on their own; outputs of the two may
+Both satisfy the determinism contract of docs/design.md on their own; outputs of the two may
 differ from each other in the last bits (a deployment runs one backend).
 """
 

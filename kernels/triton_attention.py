@@ -11,7 +11,7 @@ Work split
     every K/V chunk loaded is shared by all heads of the group (GQA/MQA). The program finds
     its sequence by a binary search over ``query_start_loc`` on the device: no host sync.
 
-Determinism contract (DESIGN.md, "Determinism"): "attention over the paged cache in
+Determinism contract (docs/design.md, "Determinism"): "attention over the paged cache in
 fixed-size KV chunks in one order for prefill and decode alike". It holds because
     * the KV sequence is reduced by an online softmax in chunks of ``KV_CHUNK`` keys, a
       constant, starting at position 0 and always ascending; no split-K, no split count;

@@ -1,7 +1,7 @@
 """Batch-invariant matmul in Triton: ``x @ weight.T + bias`` with fixed tiles, no split-K.
 
 The Triton twin of ``matmul_ref`` in ``kernels/reference.py``, for deterministic mode on CUDA
-(DESIGN.md, "Determinism": "kernels that never change their reduction order with the batch
+(docs/design.md, "Determinism": "kernels that never change their reduction order with the batch
 (fixed tiles, no split-K)").
 
 Why a row's result does not depend on M

@@ -1,6 +1,6 @@
 """RouterConfig: every knob of the prefix index and the routing policy, validated once.
 
-Owns the names and defaults of the router layer (DESIGN.md, Configuration). Construction
+Owns the names and defaults of the router layer (docs/design.md, Configuration). Construction
 fails with a ``ValueError`` naming the offending field; nothing downstream re-validates.
 The dataclass is frozen and holds only plain values, so it pickles into Ray actors and
 Serve's request-router kwargs unchanged.

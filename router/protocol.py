@@ -1,6 +1,6 @@
 """The contract between the engines and the router: block hashing, KV events, replica stats.
 
-This module is the only part of ``router`` that ``worker`` may import (DESIGN.md, Layout), so
+This module is the only part of ``router`` that ``worker`` may import (docs/design.md, Layout), so
 it depends on nothing but the standard library and ``xxhash``.
 
 Block hash, version 1

@@ -1,6 +1,6 @@
 """KVEventPublisher: one replica's KV events and heartbeats to the index, off the step path.
 
-Owns the replica side of the index protocol (DESIGN.md, KV events: "publishing never blocks
+Owns the replica side of the index protocol (docs/design.md, KV events: "publishing never blocks
 an engine step"). The engine hands its drained batches to ``publish``, which only appends to
 a bounded buffer; a daemon thread (or a caller of ``run_once``) applies them with
 ``apply_many``, heartbeats every ``heartbeat_interval_s``, and asks the engine to re-announce

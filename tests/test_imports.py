@@ -1,4 +1,4 @@
-"""DESIGN.md's import directions: worker -> kernels and router.protocol; router -> router;
+"""docs/design.md's import directions: worker -> kernels and router.protocol; router -> router;
 kernels -> torch/triton; cluster and bench -> anything. Walks every module's imports."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_import_directions():
     for pkg in ALLOWED:
         for path in (ROOT / pkg).rglob("*.py"):
             bad += [f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if not _allowed(pkg, n)]
-    assert not bad, "imports against DESIGN.md:\n" + "\n".join(bad)
+    assert not bad, "imports against docs/design.md:\n" + "\n".join(bad)
 
 
 def test_the_checker_catches_a_bad_edge():

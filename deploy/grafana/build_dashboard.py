@@ -2,7 +2,7 @@
 
 Owns the dashboard's panels and PromQL. Run ``python deploy/grafana/build_dashboard.py``
 after changing it; tests/deploy/test_grafana.py fails when the committed JSON is stale or a
-contract metric (DESIGN.md, engine metrics ``prefixserve:*``) has no panel. Router panels
+contract metric (docs/design.md, engine metrics ``prefixserve:*``) has no panel. Router panels
 match ``prefixserve:router_*`` names by regex, so they keep working whatever the exact
 series names the cluster layer exports; a panel whose series are absent shows "No data"
 rather than failing.

@@ -3,7 +3,7 @@
 Owns three things: finding helm (``scripts/get_helm.sh`` installs a pinned copy into the
 repo's ``.tools/``; tests skip, naming the reason, only when that fails), running
 ``helm template``/``helm lint``, and validating rendered objects against the KubeRay v1.7.0
-CRD schemas (``../shared/schemas`` beside the repo) and the core Kubernetes schemas that
+CRD schema vendored in ``deploy/schemas/`` and the core Kubernetes schemas that
 ``kubernetes-validate`` bundles. CRD schemas are made strict here (unknown fields rejected,
 like the API server's strict field validation), so a misspelt field fails a test instead
 of being silently pruned on a real cluster.
@@ -24,7 +24,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "deploy" / "helm" / "prefixserve"
 CI_VALUES_FILES = sorted((CHART_DIR / "ci").glob("*.yaml"))
-KUBERAY_SCHEMAS_DIR = REPO_ROOT.parent / "shared" / "schemas" / "kuberay-v1.7.0"
+KUBERAY_SCHEMAS_DIR = REPO_ROOT / "deploy" / "schemas" / "kuberay-v1.7.0"
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion is >=1.25; 1.30 is the
 # oldest release still in common managed offerings, and its schemas carry every field used).
 KUBERNETES_VERSION = "1.30"
@@ -133,7 +133,7 @@ def kuberay_validator(kind: str) -> jsonschema.Draft7Validator:
     path = KUBERAY_SCHEMAS_DIR / f"ray.io_{kind.lower()}s.yaml"
     if not path.exists():
         raise FileNotFoundError(
-            f"KubeRay CRD schema {path} is missing: the repo expects shared/schemas beside it"
+            f"KubeRay CRD schema {path} is missing: deploy/schemas/README.md says where it comes from"
         )
     crd = yaml.safe_load(path.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]

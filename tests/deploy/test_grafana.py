@@ -10,7 +10,7 @@ import pytest
 from tests.deploy import chart
 
 GRAFANA_DIR = chart.REPO_ROOT / "deploy" / "grafana"
-# DESIGN.md / the engine contract: every one of these needs a panel.
+# docs/design.md / the engine contract: every one of these needs a panel.
 ENGINE_METRICS = (
     "num_requests_running",
     "num_requests_waiting",
