@@ -1,11 +1,21 @@
-"""Shared fixtures: the bundled model (converted once per machine) and tiny random models."""
+"""Shared fixtures: the bundled model (converted once per machine), tiny random models, and
+the per-test seed.
+
+Every test runs with Python's ``random``, numpy's global generator and torch seeded from one
+fresh seed (``test_seed``); tests that build their own generators derive them from it. A
+failing test's report names the seed, and ``PREFIXSERVE_TEST_SEED=<seed>`` replays it.
+"""
 
 from __future__ import annotations
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
+
+SEED_ENV = "PREFIXSERVE_TEST_SEED"
 
 # Two cores on CI: one intra-op thread per test process keeps timings sane when Ray or a
 # second process runs beside the test.
@@ -32,3 +42,24 @@ def tiny_models(tmp_path_factory, smollm2_path) -> dict[str, str]:
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     )
     return models
+
+
+@pytest.fixture(autouse=True)
+def test_seed(request) -> int:
+    """This test's seed (``PREFIXSERVE_TEST_SEED``, or fresh from the OS); seeds the globals."""
+    seed = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little"))
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report says how to replay it."""
+    outcome = yield
+    report = outcome.get_result()
+    seed = dict(item.user_properties).get("seed")
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"replay with {SEED_ENV}={seed}"))

@@ -3,8 +3,8 @@
 ``TRITON_INTERPRET=1`` must be set before the kernel modules decorate their ``@triton.jit``
 functions, so it is set here, at collection, before any test module imports them. Tests
 marked ``cuda`` (realistic sizes) are skipped without a CUDA device. Every test draws fresh
-inputs from its own ``rng`` generator, seeded from the OS; the seed is printed so a failure
-can be replayed with ``KERNEL_TEST_SEED=<seed>``.
+inputs from its own ``rng`` generator, seeded with the test's seed (``tests/conftest.py``:
+a failure's report names it, and ``PREFIXSERVE_TEST_SEED=<seed>`` replays it).
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def rng() -> torch.Generator:
-    """A generator with a fresh seed per test (or ``KERNEL_TEST_SEED``), printed on failure."""
-    seed = int(os.environ.get("KERNEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"KERNEL_TEST_SEED={seed}")
-    return torch.Generator().manual_seed(seed)
+def rng(test_seed: int) -> torch.Generator:
+    """A generator seeded with this test's seed, which a failure's report names."""
+    return torch.Generator().manual_seed(test_seed)
 
 
 @pytest.fixture

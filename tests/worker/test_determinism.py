@@ -51,11 +51,11 @@ def test_lmdeploy_1719_prefix_cache_never_changes_greedy_output(cached_engine, p
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids == uncached.token_ids
 
 
-def test_one_distinct_output_under_load_chunking_and_preemption(smollm2_path, prompt_ids):
+def test_one_distinct_output_under_load_chunking_and_preemption(smollm2_path, prompt_ids, test_seed):
     # A 48-token step budget forces chunked prefill; 24 blocks for up to 32 running
     # sequences that each grow past a block boundary (40 + 12 tokens) forces preemption.
     eng = engine(num_kv_blocks=24, max_num_batched_tokens=48, max_num_seqs=32)
-    rng = random.Random()
+    rng = random.Random(test_seed)
     question = prompt_ids[-40:]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = {f"same{i}": (question, greedy) for i in range(200)}
@@ -73,11 +73,11 @@ def test_one_distinct_output_under_load_chunking_and_preemption(smollm2_path, pr
     assert distinct == {tuple(alone.token_ids)}
 
 
-def test_seeded_sampling_same_alone_and_in_batch_of_32(cached_engine, prompt_ids):
+def test_seeded_sampling_same_alone_and_in_batch_of_32(cached_engine, prompt_ids, test_seed):
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
     q = prompt_ids[-40:]
     alone = run(cached_engine, {"alone": (q, seeded)})["alone"]
-    rng = random.Random()
+    rng = random.Random(test_seed)
     batch = {f"b{i}": ([rng.randrange(100, 40000) for _ in range(rng.randint(3, 40))],
                        SamplingParams(temperature=1.0, max_tokens=rng.randint(2, 12), ignore_eos=True)) for i in range(31)}
     batch["target"] = (q, seeded)

@@ -31,10 +31,10 @@ def host_bytes(num_blocks: int) -> int:
     return num_blocks * per_block
 
 
-def test_host_hit_is_bitwise_equal_to_device_hit_and_recompute(tiny_models):
+def test_host_hit_is_bitwise_equal_to_device_hit_and_recompute(tiny_models, test_seed):
     eng = tiny(tiny_models, num_kv_blocks=12, host_kv_cache_bytes=host_bytes(64))
     assert eng.runner.num_host_blocks == 64
-    rng = random.Random()
+    rng = random.Random(test_seed)
     prompt = [rng.randrange(5, 40000) for _ in range(100)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     first = run(eng, {"a": (prompt, params)})["a"]
@@ -57,11 +57,11 @@ def test_host_hit_is_bitwise_equal_to_device_hit_and_recompute(tiny_models):
     assert eng.stats().host_to_device_tokens_per_s > 0
 
 
-def test_random_traffic_across_tiers_keeps_invariants_and_outputs(tiny_models):
+def test_random_traffic_across_tiers_keeps_invariants_and_outputs(tiny_models, test_seed):
     eng = tiny(tiny_models, num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=64,
                host_kv_cache_bytes=host_bytes(24))
     roomy = tiny(tiny_models, num_kv_blocks=1024)
-    rng = random.Random()
+    rng = random.Random(test_seed)
     prefixes = [[rng.randrange(5, 40000) for _ in range(48)] for _ in range(6)]
     prompts = {}
     for i in range(60):

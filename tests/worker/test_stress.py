@@ -25,11 +25,9 @@ def engines(tiny_models):
     return tight, roomy
 
 
-def test_random_load_with_eviction_and_preemption(engines):
+def test_random_load_with_eviction_and_preemption(engines, test_seed):
     tight, roomy = engines
-    rng = random.Random()
-    seed = rng.randrange(10**6)
-    rng.seed(seed)
+    rng = random.Random(test_seed)
     shared = [rng.randrange(5, 40000) for _ in range(40)]
     specs, aborted, finished, live = {}, set(), {}, set()
     steps, next_id = 0, 0
@@ -55,9 +53,9 @@ def test_random_load_with_eviction_and_preemption(engines):
                     finished[out.request_id] = out.token_ids
         tight.pool.check_invariants()
         steps += 1
-    assert not live and not tight.has_unfinished(), f"seed {seed}: requests left after {steps} steps"
+    assert not live and not tight.has_unfinished(), f"seed {test_seed}: requests left after {steps} steps"
     assert set(finished) | aborted == set(specs)
-    assert all(b.ref_count == 0 for b in tight.pool.blocks), f"seed {seed}: leaked references"
+    assert all(b.ref_count == 0 for b in tight.pool.blocks), f"seed {test_seed}: leaked references"
     assert tight.pool.num_free_blocks == tight.pool.num_blocks
     assert tight.scheduler.counters.num_preemptions > 0, "the pool was meant to force preemption"
     for rid in finished:
@@ -68,4 +66,4 @@ def test_random_load_with_eviction_and_preemption(engines):
             if out.finished:
                 reference[out.request_id] = out.token_ids
     diff = [rid for rid in finished if finished[rid] != reference[rid]]
-    assert not diff, f"seed {seed}: outputs differ from an unconstrained run for {diff[:5]}"
+    assert not diff, f"seed {test_seed}: outputs differ from an unconstrained run for {diff[:5]}"
