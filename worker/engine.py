@@ -8,7 +8,9 @@ The async wrapper (``worker/async_engine.py``) drives ``step()`` from a backgrou
 With ``tensor_parallel_size`` > 1 the engine is rank 0: it starts the other ranks through a
 ``WorkerLauncher`` (local processes unless the caller passes one, e.g. Ray actors), runs its
 own shard, and sends each step to the others. A rank that dies makes ``step()`` raise and
-``dead_tp_ranks()`` non-empty; ``shutdown()`` ends the workers.
+``dead_tp_ranks()`` non-empty; ``shutdown()`` ends the workers. An engine that is garbage-
+collected, or still open when the interpreter exits, ends them too (a ``weakref.finalize``
+that stops the group quietly), so a script that never calls ``shutdown()`` exits cleanly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 
 import torch
 
@@ -55,6 +58,7 @@ class LLMEngine:
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.tp: TensorParallelGroup | None = None
+        self._tp_finalizer: weakref.finalize | None = None
         t0 = time.perf_counter()
         resolved = resolve_model(config.model, config.cache_dir)
         self.config = config
@@ -63,6 +67,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or resolved.max_model_len, resolved.max_model_len)
         if config.max_model_len and config.max_model_len > resolved.max_model_len:
             raise ValueError(f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context ({resolved.max_model_len})")
+        self.model_path = resolved.path
         self.tokenizer = Tokenizer(resolved.path)
         if tp == 1:
             spec, weights = load_weights(resolved.path, config.torch_dtype)
@@ -91,12 +96,15 @@ class LLMEngine:
         config = self.config
         ShardPlan.make(read_spec(model_path), 0, config.tensor_parallel_size)  # sizes fail before any worker starts
         self.tp = TensorParallelGroup.start(config, model_path, self.max_model_len, launcher, replica_id)
+        # Stops the group when this engine is collected or at interpreter exit, if shutdown()
+        # did not; the callback holds the group only, never the engine.
+        self._tp_finalizer = weakref.finalize(self, self.tp.stop)
         try:
             spec, plan, weights = load_shard(model_path, config.torch_dtype, 0, config.tensor_parallel_size)
             self.runner = ModelRunner(config, plan.local_spec(spec), weights, self.max_model_len,
                                       self.tp.comm, plan.vocab_start)
         except BaseException:
-            self.tp.stop()
+            self._tp_finalizer()
             raise
         return spec
 
@@ -113,29 +121,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Ends the tensor-parallel workers (nothing to do without TP). Idempotent."""
-        if self.tp is not None:
-            self.tp.stop()
+        if self._tp_finalizer is not None:
+            self._tp_finalizer()  # runs tp.stop once; later calls (and the GC) do nothing
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.spec.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens (prompt plus output)")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the context of "
-                f"{self.max_model_len} tokens"
-            )
-        if n > self.pool.num_blocks * self.block_size:
-            raise ValueError(f"prompt of {n} tokens does not fit the KV cache ({self.pool.num_blocks * self.block_size} tokens)")
+        validate_request(prompt_token_ids, params, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
+                         kv_capacity_tokens=self.pool.num_blocks * self.block_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
         self.validate(prompt_token_ids, params)
@@ -296,3 +288,25 @@ class LLMEngine:
             "kv_onload_bytes_total": host.counters.blocks_loaded * per_block,
         }
 
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                     kv_capacity_tokens: int) -> None:
+    """Raises ``ValueError`` saying what is wrong with a request, before it touches the engine."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError("params must be a SamplingParams")
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    bad = next((t for t in prompt_token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        raise ValueError(f"prompt has {n} tokens; this model's context is {max_model_len} tokens (prompt plus output)")
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the context of "
+            f"{max_model_len} tokens"
+        )
+    if n > kv_capacity_tokens:
+        raise ValueError(f"prompt of {n} tokens does not fit the KV cache ({kv_capacity_tokens} tokens)")

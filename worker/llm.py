@@ -8,8 +8,11 @@
 Prompts may be strings (tokenised without special tokens) or lists of token ids. Outputs come
 back in the order of the prompts. A progress bar shows while more than one request runs.
 
-``LLM(..., tensor_parallel_size=N)`` starts N-1 local worker processes; ``shutdown()`` (or
-leaving a ``with LLM(...) as llm:`` block) ends them, as does the parent process exiting.
+``LLM(..., tensor_parallel_size=N)`` starts N-1 local worker processes (fresh interpreters,
+so a plain script needs no ``if __name__ == "__main__":`` guard). ``shutdown()`` (or leaving a
+``with LLM(...) as llm:`` block) ends them; so do the ``LLM`` being garbage-collected and the
+interpreter exiting with it still open, quietly; and a worker whose parent process died ends
+on its own.
 """
 
 from __future__ import annotations

@@ -8,22 +8,35 @@ then joins the process groups. Each worker joins the groups *before* loading its
 the wait covers only process start-up; a failure while loading closes its connection and
 rank 0's first collective raises.
 
-Launchers: ``LocalProcessLauncher`` (spawned processes; for ``LLM(..., tensor_parallel_size=N)``
-and tests) here, ``cluster.tp_workers.RayWorkerLauncher`` (actors in the replica's placement
-group) under Ray Serve. Both say which ranks have ended (``dead_ranks``), which the engine's
-liveness check reads, so a worker that dies while the replica is idle is noticed too.
+Launchers: ``LocalProcessLauncher`` here, for ``LLM(..., tensor_parallel_size=N)`` and tests,
+and ``cluster.tp_workers.RayWorkerLauncher`` (actors in the replica's placement group) under
+Ray Serve. Both say which ranks have ended (``dead_ranks``), which the engine's liveness
+check reads, so a worker that dies while the replica is idle is noticed too.
+
+``LocalProcessLauncher`` runs each rank as ``python -m worker.parallel.local_worker`` in a
+fresh interpreter (``subprocess``, never ``multiprocessing``): the caller's ``__main__`` is
+never re-imported, so a plain script without an ``if __name__ == "__main__":`` guard works,
+on CPU and CUDA alike (nothing is forked). The child gets the parent's ``sys.path`` as
+``PYTHONPATH`` (it imports the same code, from a checkout too) and the pickled
+``(WorkerSpec, rank)`` on stdin. The pipe then stays open as a lifeline: when it closes (the
+parent ended, however it ended) the worker exits at once, even while loading, so a worker
+never outlives its parent. ``stop`` waits for the workers to return, then kills what is left.
 
 Worker loop (``run_worker``): receive a step, run it, repeat, until rank 0 says stop or its
-connection closes. CPU workers run ``threads_per_rank`` intra-op threads (the configured
-threads split between ranks), so N ranks do not oversubscribe the cores.
+connection closes (rank 0 is gone: one INFO line, no traceback). CPU workers run
+``threads_per_rank`` intra-op threads (the configured threads split between ranks), so N ranks
+do not oversubscribe the cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
-import multiprocessing
 import os
+import re
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,10 +50,13 @@ from worker.parallel.communicator import ProcessGroupCommunicator
 log = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 300.0
-"""Start-up of N-1 workers (process spawn or Ray actor placement, imports) on a busy node."""
+"""Start-up of N-1 workers (process start or Ray actor placement, imports) on a busy node."""
 READY_POLL_S = 0.05
 STOP_JOIN_S = 10.0
 """How long ``stop`` waits for a worker to return after the stop message before killing it."""
+KILL_WAIT_S = 1.0
+"""How long ``stop`` waits for a killed worker process to be reaped."""
+LOCAL_WORKER_MODULE = "worker.parallel.local_worker"
 
 
 @dataclass(frozen=True)
@@ -117,34 +133,52 @@ def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
     runner = ModelRunner(config.replace(device=device), plan.local_spec(model_spec), weights,
                          spec.max_model_len, comm, plan.vocab_start)
     log.info("TP worker %d/%d of %s ready (%d KV blocks)", rank, spec.world_size, spec.replica_id, runner.num_blocks)
-    while (message := comm.recv_step()) is not None:
+    while True:
+        try:
+            message = comm.recv_step()
+        except RuntimeError as exc:  # gloo: rank 0's connection closed, i.e. rank 0 is gone
+            reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo's "[file:line] "
+            log.info("TP worker %d of %s: rank 0 is gone (%s); ending", rank, spec.replica_id,
+                     reason.split(". ", 1)[0][:200])
+            return
+        if message is None:
+            log.info("TP worker %d of %s: stopped by rank 0", rank, spec.replica_id)
+            return
         runner.execute_message(message)
 
 
-def _local_worker_main(spec: WorkerSpec, rank: int) -> None:
-    logging.basicConfig(level=os.environ.get("PREFIXSERVE_LOG_LEVEL", "WARNING"))
-    run_worker(spec, rank, local=True)
+def _child_env() -> dict[str, str]:
+    """The parent's environment with its ``sys.path`` as ``PYTHONPATH``, so a worker imports
+    the same code (an editable install, a checkout, the script's own folder)."""
+    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 class LocalProcessLauncher:
-    """Workers as spawned processes on this machine (daemonic: they end with their parent)."""
+    """Workers as fresh Python processes on this machine, each tied to this one by its stdin
+    (``worker/parallel/local_worker.py``): they end when this process does."""
 
     def __init__(self) -> None:
-        self._procs: dict[int, multiprocessing.Process] = {}
+        self._procs: dict[int, subprocess.Popen] = {}
 
     def host(self) -> str:
         return "127.0.0.1"
 
     def start(self, spec: WorkerSpec) -> None:
-        context = multiprocessing.get_context("spawn")
+        from worker.parallel.local_worker import encode_frame
+
+        env = _child_env()
         for rank in range(1, spec.world_size):
-            proc = context.Process(target=_local_worker_main, args=(spec, rank), daemon=True,
-                                   name=f"tp-{spec.replica_id}-rank{rank}")
-            proc.start()
+            label = f"tp-{spec.replica_id}-rank{rank}"  # shows in ps; the worker ignores it
+            proc = subprocess.Popen([sys.executable, "-m", LOCAL_WORKER_MODULE, label],
+                                    stdin=subprocess.PIPE, env=env)
             self._procs[rank] = proc
+            with contextlib.suppress(BrokenPipeError):  # it died at once; dead_ranks says so
+                proc.stdin.write(encode_frame(spec, rank))
+                proc.stdin.flush()
 
     def dead_ranks(self) -> list[int]:
-        return [rank for rank, proc in self._procs.items() if not proc.is_alive()]
+        return [rank for rank, proc in self._procs.items() if proc.poll() is not None]
 
     def kill(self, rank: int) -> None:
         """Kills one worker (SIGKILL): what tests use to simulate a crash."""
@@ -153,10 +187,16 @@ class LocalProcessLauncher:
     def stop(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for proc in self._procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(1.0)
+                try:
+                    proc.wait(KILL_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    log.warning("TP worker pid %d did not end after SIGKILL", proc.pid)
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()  # the lifeline: a worker still alive here ends on its own
 
 
 class TensorParallelGroup:
