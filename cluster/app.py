@@ -63,10 +63,15 @@ def tensor_parallel_options(engine: EngineConfig, cluster: ClusterConfig) -> dic
     }
 
 
+def logging_options(cluster: ClusterConfig) -> dict:
+    """Serve's per-deployment logging: the access log (a line per request) only on request."""
+    return {"logging_config": {"enable_access_log": cluster.enable_log_requests}}
+
+
 def build_app_from_configs(
     engine: EngineConfig, cluster: ClusterConfig, router: RouterConfig
 ) -> serve.Application:
-    hub = MetricsHub.bind()
+    hub = MetricsHub.options(**logging_options(cluster)).bind()
     replica_options = {
         "num_replicas": cluster.num_replicas,
         "max_ongoing_requests": cluster.max_ongoing_requests,
@@ -80,6 +85,7 @@ def build_app_from_configs(
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
         "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
         **request_router_options(router),
+        **logging_options(cluster),
     }
     replica_options.update(tensor_parallel_options(engine, cluster))
     engine_dict = dataclasses.asdict(engine)
@@ -90,6 +96,7 @@ def build_app_from_configs(
         num_replicas=1,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
+        **logging_options(cluster),
     ).bind(replicas, hub, engine_dict, dataclasses.asdict(cluster))
 
 

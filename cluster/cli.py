@@ -25,6 +25,8 @@ from cluster.config import API_KEY_ENV, DEFAULT_MAX_QUEUED_REQUESTS, configs_fro
 DRAIN_TIMEOUT_S = 5.0
 # A call to the metrics hub during shutdown; it answers in milliseconds unless wedged.
 DRAIN_CALL_TIMEOUT_S = 5.0
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+"""Ray's setting for the niceness of the worker processes it starts (its default is 15)."""
 # Other modules add subcommands by exposing ``add_parser(subparsers)`` that registers a
 # parser whose defaults set ``handler`` (a function of the parsed namespace returning an exit
 # code). A hook whose module is not there yet is skipped.
@@ -181,6 +183,13 @@ _FLAGS = [
         int,
         "torch intra-op threads per engine replica on CPU (default: torch's choice).",
     ),
+    (
+        "--enable-log-requests",
+        "cluster",
+        "enable_log_requests",
+        None,
+        "Log one line per request (Serve's access log; default off).",
+    ),
     ("--routing", "router", "policy", str, "prefix (default), round_robin, least_loaded or pow2."),
     (
         "--max-load-ratio",
@@ -293,12 +302,18 @@ def run_serve(ns: argparse.Namespace) -> int:
         # Logical CPUs, not cores: the replicas' CPU reservations must fit even on a small
         # machine (the engines then share its cores).
         needed = math.ceil(cluster.num_replicas * cluster.num_cpus_per_replica * engine.tensor_parallel_size) + 1
+        # Ray starts its workers at nice 15 by default, below any process of the user's (a
+        # client, a peer server) that competes for the cores; the engine replicas are the work.
+        os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
         # A local cluster stays on loopback: nothing it runs listens on another address.
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, _node_ip_address="127.0.0.1")
     else:
         ray.init(address=cluster.ray_address)
     try:
-        serve.start(http_options={"host": cluster.host, "port": cluster.port})
+        serve.start(
+            http_options={"host": cluster.host, "port": cluster.port},
+            logging_config={"enable_access_log": cluster.enable_log_requests},
+        )
         serve.run(
             build_app_from_configs(engine, cluster, router),
             name=cluster.app_name,

@@ -63,6 +63,9 @@ class ClusterConfig:
     """Model name in the API; defaults to the engine's model id."""
     app_name: str = "prefixserve"
     """Serve application name (several apps may share one Ray cluster)."""
+    enable_log_requests: bool = False
+    """Log one line per HTTP request (Serve's access log) in the proxy, ingress and replicas.
+    Off by default, as in vLLM: on a small machine the log lines cost serving throughput."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:

@@ -1,65 +1,79 @@
-"""``AsyncEngine``: the engine a server hosts. A background thread steps; asyncio callers stream.
+"""``AsyncEngine``: the engine a server hosts. The engine steps elsewhere; asyncio callers stream.
 
-Threading model
-    One loop thread owns the ``LLMEngine``: it drains a command queue (add / abort), runs a
-    step, and hands each ``RequestOutput`` to the caller's asyncio queue with
-    ``call_soon_threadsafe``. Callers never touch engine state, so a slow step never blocks the
-    server's event loop and a request can be added or aborted at any time.
+Where the engine runs (``EngineCore``)
+    ``ProcessCore`` (the default for one rank, ``worker/engine_process.py``): the
+    ``LLMEngine`` and its busy loop live in a child process of their own, so the server's
+    Python (asyncio streaming, Ray's threads, metrics) never competes with the engine loop
+    for one GIL. Commands go down a socket; one message per engine step comes back with
+    every request's new tokens, the replica stats and the KV events.
+    ``ThreadCore``: the same loop in a thread of this process, for tensor parallelism under
+    Ray (its worker launcher needs the replica actor's Ray context) and for ``spawn=False``.
+
+Delivery
+    A background thread receives each step's outputs and hands them to the callers' asyncio
+    queues with one ``call_soon_threadsafe`` per event loop per step, not one per token.
+    Callers never touch engine state, so a slow step never blocks the server's event loop and
+    a request can be added or aborted at any time.
 
 Failure model
     Bad input is rejected in ``generate`` (``ValueError``) before anything is queued. A full
-    waiting queue raises ``EngineOverloadedError``. If a step itself raises, the engine is
-    dead: every pending request ends with ``EngineDeadError``, ``is_alive()`` turns False and
-    the replica's health check fails so Ray Serve replaces it. A caller that stops iterating
-    (client gone) aborts its request and frees its blocks. Under tensor parallelism a dead
-    worker rank makes the next step raise (the path above) and ``is_alive()`` False at once,
-    even while idle; the loop thread ends the remaining workers when it exits.
+    waiting queue raises ``EngineOverloadedError``. If a step raises, or the engine process
+    dies, the engine is dead: every pending request ends with ``EngineDeadError``,
+    ``is_alive()`` turns False and the replica's health check fails so Ray Serve replaces it.
+    A caller that stops iterating (client gone) aborts its request and frees its blocks.
+    Under tensor parallelism a dead worker rank makes the next step raise (the path above)
+    and ``is_alive()`` False at once, even while idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
+from worker.engine import validate_request
+from worker.engine_core import EngineCore, StepResult, ThreadCore
+from worker.engine_process import ProcessCore
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
 from worker.parallel.workers import WorkerLauncher
 from worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.05
-"""How long the idle loop waits for a command before checking for shutdown again."""
 MAX_BUFFERED_KV_BATCHES = 10_000
 """Undrained KV event batches kept; older ones are dropped (the index resyncs on a seq gap)."""
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None):
-        self.engine = LLMEngine(config, replica_id, launcher)
+    """``generate`` streams a request's ``RequestOutput``s; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None,
+                 *, spawn: bool | None = None):
+        """``spawn``: run the engine in its own process (default: whenever there is no
+        ``launcher``, i.e. one rank or local tensor-parallel workers)."""
+        if spawn is None:
+            spawn = launcher is None
+        self._core: EngineCore = ProcessCore(config, replica_id) if spawn else ThreadCore(config, replica_id, launcher)
+        info = self._core.info
         self.config = config
         self.replica_id = replica_id
-        self.model_id = self.engine.model_id
-        self.max_model_len = self.engine.max_model_len
-        self.block_size = self.engine.block_size
-        self.tokenizer = self.engine.tokenizer
-        self._commands: queue.Queue = queue.Queue()
+        self.model_id = info.model_id
+        self.max_model_len = info.max_model_len
+        self.block_size = info.block_size
+        self.tokenizer = self._core.tokenizer
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._kv_batches: deque[KVEventBatch] = deque(maxlen=MAX_BUFFERED_KV_BATCHES)
-        self._stats = self.engine.stats()
-        self._metrics = self.engine.metrics_snapshot()
-        self._pending_adds = 0
+        self._stats = ReplicaStats()
+        self._metrics: dict[str, float] = {"num_requests_waiting": 0}
+        self._adds_sent = 0
+        self._adds_handled = 0
         self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"engine-{replica_id}", daemon=True)
-        self._thread.start()
+        self._core.start(self._on_step, self._on_dead)
 
     # -- caller side -------------------------------------------------------------------------
     async def generate(
@@ -67,8 +81,10 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_alive():
             raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
-        self.engine.validate(prompt_token_ids, params)
-        waiting = self._metrics["num_requests_waiting"] + self._pending_adds
+        info = self._core.info
+        validate_request(prompt_token_ids, params, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                         kv_capacity_tokens=info.kv_capacity_tokens)
+        waiting = self._metrics.get("num_requests_waiting", 0) + (self._adds_sent - self._adds_handled)
         if waiting + params.n > self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{waiting} requests waiting (limit {self.config.max_waiting_requests})")
         if request_id in self._streams:
@@ -76,12 +92,15 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, out_q)
-        self._pending_adds += params.n
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, cache_salt))
+        self._adds_sent += 1
+        self._core.submit(("add", request_id, list(prompt_token_ids), params, cache_salt))
         finished = False
         try:
             while True:
                 item = await out_q.get()
+                while not isinstance(item, BaseException) and not item.finished and not out_q.empty():
+                    later = out_q.get_nowait()  # a slow reader: send what piled up as one output
+                    item = later if isinstance(later, BaseException) else coalesce(item, later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -91,11 +110,11 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
+            if not finished and self.is_alive():
+                self._core.submit(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._core.submit(("abort", request_id))
 
     def stats(self) -> ReplicaStats:
         return self._stats
@@ -110,16 +129,16 @@ class AsyncEngine:
         return out
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None and not self.engine.dead_tp_ranks()
+        return self._error is None and self._core.is_alive()
+
+    def dead_tp_ranks(self) -> list[int]:
+        return self._core.dead_tp_ranks()
 
     def why_dead(self) -> str:
         """What ended the engine, for health checks and logs ("" while alive)."""
-        dead_ranks = self.engine.dead_tp_ranks()
-        if dead_ranks:
-            return f"tensor-parallel worker rank(s) {dead_ranks} ended"
-        if self._error is not None:
-            return f"engine loop failed: {self._error!r}"
-        return "" if self._thread.is_alive() else "engine loop stopped"
+        if self._error is not None and self._core.is_alive():
+            return f"engine failed: {self._error!r}"
+        return self._core.why_dead()
 
     async def shutdown(self, drain_timeout_s: float = 5.0) -> None:
         """Let running requests finish for up to ``drain_timeout_s``, abort the rest, stop."""
@@ -128,64 +147,61 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         for rid in list(self._streams):
             self.abort(rid)
-        self._commands.put(("stop",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self._core.submit(("stop",))
+        await asyncio.get_running_loop().run_in_executor(None, self._core.join, 10.0)
 
-    # -- loop thread -------------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
+    # -- the core's thread -------------------------------------------------------------------
+    def _on_step(self, result: StepResult) -> None:
+        self._stats, self._metrics = result.stats, result.metrics
+        self._adds_handled = result.adds_handled
+        self._kv_batches.extend(result.kv_batches)
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, exc in result.rejected:
+            self._route(request_id, exc, deliveries)
+        for out in result.outputs:
+            self._route(out.request_id, out, deliveries)
+        self._flush(deliveries)
+
+    def _on_dead(self, exc: BaseException) -> None:
+        self._error = exc
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id in list(self._streams):
+            self._route(request_id, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"), deliveries)
+        self._flush(deliveries)
+
+    def _route(self, request_id: str, item, deliveries: dict) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, out_q = target
+            deliveries.setdefault(loop, []).append((out_q, item))
+
+    def _flush(self, deliveries: dict) -> None:
+        for loop, items in deliveries.items():
             try:
-                loop.call_soon_threadsafe(out_q.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
-                self._commands.put(("abort", request_id))
+                for _, item in items:
+                    if isinstance(item, RequestOutput) and not item.finished:
+                        self._core.submit(("abort", item.request_id))
 
-    def _handle(self, cmd: tuple) -> bool:
-        kind = cmd[0]
-        if kind == "stop":
-            return False
-        if kind == "add":
-            _, rid, ids, params, salt = cmd
-            self._pending_adds -= params.n
-            if rid not in self._streams:  # the caller gave up before we got to it
-                return True
-            try:
-                self.engine.add_request(rid, ids, params, salt)
-            except (ValueError, EngineOverloadedError) as exc:
-                self._deliver(rid, exc)
-        elif kind == "abort":
-            out = self.engine.abort(cmd[1])
-            if out is not None:
-                self._deliver(cmd[1], out)
-        return True
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                block = not self.engine.has_unfinished()
-                try:
-                    cmd = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
-                    if not self._handle(cmd):
-                        break
-                    while True:
-                        if not self._handle(self._commands.get_nowait()):
-                            return
-                except queue.Empty:
-                    pass
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-                self._kv_batches.extend(self.engine.drain_kv_events())
-                self._stats = self.engine.stats()
-                self._metrics = self.engine.metrics_snapshot()
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
-            log.exception("engine %s loop died", self.replica_id)
-            self._error = exc
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"))
-        finally:
-            self._stop.set()
-            try:
-                self.engine.shutdown()
-            except Exception:  # noqa: BLE001 - ending workers is best effort; their parent's exit ends them too
-                log.exception("engine %s: stopping tensor-parallel workers failed", self.replica_id)
+def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output saying what ``earlier`` and ``later`` said: ``later``'s cumulative fields
+    with both steps' new tokens and text."""
+    new_by_index = {c.index: c for c in earlier.outputs}
+    outputs = []
+    for c in later.outputs:
+        before = new_by_index.get(c.index)
+        if before is not None:
+            c = dataclasses.replace(c, new_token_ids=before.new_token_ids + c.new_token_ids,
+                                    new_text=before.new_text + c.new_text)
+        outputs.append(c)
+    seen = {c.index for c in later.outputs}
+    outputs += [c for c in earlier.outputs if c.index not in seen]  # advanced only in the earlier step
+    outputs.sort(key=lambda c: c.index)
+    return dataclasses.replace(later, outputs=outputs)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for out_q, item in items:
+        out_q.put_nowait(item)

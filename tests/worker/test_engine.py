@@ -143,15 +143,27 @@ def test_penalties_change_greedy_output(tiny_engine):
     assert plain != pen
 
 
-def test_async_engine_streams_and_aborts(tiny_models):
+@pytest.mark.parametrize("spawn", [True, False], ids=["engine-process", "engine-thread"])
+def test_async_engine_streams_and_aborts(tiny_models, spawn):
     from worker.async_engine import AsyncEngine
 
-    engine = AsyncEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=128))
+    config = EngineConfig(model=tiny_models["llama"], num_kv_blocks=128)
+    engine = AsyncEngine(config, spawn=spawn)
+    offline = LLMEngine(config)
 
     async def main():
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
         chunks = [o async for o in engine.generate("a", [1, 2, 3, 4], params)]
         assert chunks[-1].finished and len(chunks[-1].token_ids) == 12
+        expected = run(offline, {"a": ([1, 2, 3, 4], params)})["a"]
+        assert chunks[-1].token_ids == expected.token_ids and chunks[-1].text == expected.text
+        assert [lp.token_id for lp in chunks[-1].outputs[0].logprobs] == expected.token_ids
+        slow = []  # a reader slower than the engine gets what piled up, merged, nothing lost
+        async for out in engine.generate("slow", [1, 2, 3, 4], params):
+            slow.append(out)
+            await asyncio.sleep(0.05)
+        assert [t for o in slow for t in o.outputs[0].new_token_ids] == expected.token_ids
+        assert "".join(o.outputs[0].new_text for o in slow) == expected.text
         assert sum(len(c.outputs[0].new_token_ids) for c in chunks) == 12
         assert "".join(c.outputs[0].new_text for c in chunks) == chunks[-1].text
         long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
@@ -171,3 +183,27 @@ def test_async_engine_streams_and_aborts(tiny_models):
 
     asyncio.run(main())
     assert not engine.is_alive()
+
+
+def test_engine_process_death_ends_streams_and_health(tiny_models):
+    """A killed engine process fails the streams in flight and the health check, at once."""
+    import os
+    import signal
+
+    from worker.async_engine import AsyncEngine
+    from worker.outputs import EngineDeadError
+
+    engine = AsyncEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=128), spawn=True)
+
+    async def main():
+        stream = engine.generate("long", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(engine._core._proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exited with code -9"):
+            async for _ in stream:
+                pass
+        assert not engine.is_alive() and "code -9" in engine.why_dead()
+        with pytest.raises(EngineDeadError):
+            await engine.generate("after", [1, 2], SamplingParams(max_tokens=2)).__anext__()
+
+    asyncio.run(main())

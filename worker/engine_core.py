@@ -1,0 +1,196 @@
+"""Where an engine runs and the loop that steps it: the interface ``AsyncEngine`` talks to.
+
+``EngineLoop`` is the loop itself, with no thread or process: take commands (add, abort,
+stop), step the ``LLMEngine``, report a ``StepResult`` (new outputs, refused adds, replica
+stats, metrics, KV events). ``EngineCore`` is where that loop runs: ``ThreadCore`` here (a
+thread of this process, which owns the engine), ``ProcessCore`` in
+``worker/engine_process.py`` (a child process). Both call ``on_step`` once per step that
+produced anything and ``on_dead`` once if the engine dies, from a background thread.
+
+How it fails: a step that raises kills the loop; ``ThreadCore`` logs it, reports it through
+``on_dead`` and ends any tensor-parallel workers; ``is_alive()`` turns False.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.protocol import KVEventBatch, ReplicaStats
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.outputs import EngineOverloadedError, RequestOutput
+from worker.parallel.workers import WorkerLauncher
+from worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05
+"""How long the idle thread loop waits for a command before checking again."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What callers need to know of the engine without reaching into it."""
+
+    model_id: str
+    model_path: str
+    max_model_len: int
+    block_size: int
+    vocab_size: int
+    kv_capacity_tokens: int
+
+
+@dataclass
+class StepResult:
+    """One engine step as the core reports it."""
+
+    outputs: list[RequestOutput]
+    rejected: list[tuple[str, BaseException]]
+    """Adds the engine refused (request id, ``ValueError`` or ``EngineOverloadedError``)."""
+    stats: ReplicaStats
+    metrics: dict[str, float]
+    kv_batches: list[KVEventBatch]
+    adds_handled: int
+    """Adds the engine has taken off its command queue so far (accepted or refused)."""
+
+
+class EngineCore:
+    """Where the ``LLMEngine`` runs. ``on_step`` and ``on_dead`` are called from a background
+    thread: once per step with outputs, and once if the engine dies."""
+
+    info: EngineInfo
+    tokenizer: Tokenizer
+
+    def start(self, on_step: Callable[[StepResult], None], on_dead: Callable[[BaseException], None]) -> None:
+        raise NotImplementedError
+
+    def submit(self, command: tuple) -> None:
+        """``("add", id, prompt ids, params, salt)``, ``("abort", id)`` or ``("stop",)``."""
+        raise NotImplementedError
+
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def why_dead(self) -> str:
+        raise NotImplementedError
+
+    def dead_tp_ranks(self) -> list[int]:
+        return []
+
+    def join(self, timeout_s: float) -> None:
+        """Waits for the core to end after ``("stop",)``; forces it past ``timeout_s``."""
+        raise NotImplementedError
+
+
+def info_of(engine: LLMEngine) -> EngineInfo:
+    return EngineInfo(engine.model_id, engine.model_path, engine.max_model_len, engine.block_size,
+                      engine.spec.vocab_size, engine.pool.num_blocks * engine.block_size)
+
+
+class EngineLoop:
+    """The loop both cores run: take commands, step, report. No threads or processes here."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.adds_handled = 0
+        self._aborted: list[RequestOutput] = []
+        self._rejected: list[tuple[str, BaseException]] = []
+
+    def handle(self, command: tuple) -> bool:
+        """Applies one command; False for ``stop``."""
+        kind = command[0]
+        if kind == "stop":
+            return False
+        if kind == "add":
+            _, request_id, prompt_ids, params, salt = command
+            self.adds_handled += 1
+            try:
+                self.engine.add_request(request_id, prompt_ids, params, salt)
+            except (ValueError, EngineOverloadedError) as exc:
+                self._rejected.append((request_id, exc))
+        elif kind == "abort":
+            out = self.engine.abort(command[1])
+            if out is not None:
+                self._aborted.append(out)
+        return True
+
+    def step(self) -> StepResult | None:
+        """One engine step (if anything is runnable); None when there is nothing to report."""
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        outputs = self._aborted + outputs
+        kv_batches = self.engine.drain_kv_events()
+        if not (outputs or self._rejected or kv_batches):
+            return None
+        result = StepResult(outputs, self._rejected, self.engine.stats(), self.engine.metrics_snapshot(),
+                            kv_batches, self.adds_handled)
+        self._aborted, self._rejected = [], []
+        return result
+
+    def idle(self) -> bool:
+        return not self.engine.has_unfinished() and not self._aborted and not self._rejected
+
+
+class ThreadCore(EngineCore):
+    """The engine in this process, stepped by one thread that owns it."""
+
+    def __init__(self, config: EngineConfig, replica_id: str, launcher: WorkerLauncher | None) -> None:
+        self.engine = LLMEngine(config, replica_id, launcher)
+        self.info = info_of(self.engine)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-{replica_id}", daemon=True)
+
+    def start(self, on_step, on_dead) -> None:
+        self._on_step, self._on_dead = on_step, on_dead
+        self._thread.start()
+
+    def submit(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self.engine.dead_tp_ranks()
+
+    def dead_tp_ranks(self) -> list[int]:
+        return self.engine.dead_tp_ranks()
+
+    def why_dead(self) -> str:
+        dead_ranks = self.engine.dead_tp_ranks()
+        if dead_ranks:
+            return f"tensor-parallel worker rank(s) {dead_ranks} ended"
+        if self._error is not None:
+            return f"engine loop failed: {self._error!r}"
+        return "" if self._thread.is_alive() else "engine loop stopped"
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        loop = EngineLoop(self.engine)
+        try:
+            while True:
+                try:
+                    command = self._commands.get(timeout=IDLE_POLL_S) if loop.idle() else self._commands.get_nowait()
+                    if not loop.handle(command):
+                        return
+                    while True:
+                        if not loop.handle(self._commands.get_nowait()):
+                            return
+                except queue.Empty:
+                    pass
+                result = loop.step()
+                if result is not None:
+                    self._on_step(result)
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
+            log.exception("engine %s loop died", self.engine.replica_id)
+            self._error = exc
+            self._on_dead(exc)
+        finally:
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - ending workers is best effort; their parent's exit ends them too
+                log.exception("engine %s: stopping tensor-parallel workers failed", self.engine.replica_id)

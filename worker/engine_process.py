@@ -1,0 +1,285 @@
+"""The engine in a process of its own (``ProcessCore``), and that process's main.
+
+Why: a server's event loop, Ray's threads and the metrics all run Python in the replica's
+process. Sharing one GIL with them, the engine loop waited for the GIL after every torch op
+(measured: a served batch of 8 ran at about half the offline engine's tokens/s). Here the
+``LLMEngine`` and its loop (``EngineLoop``) own a child process, as vLLM v1's engine core does.
+
+Protocol, over one ``socket.socketpair`` wrapped in ``multiprocessing.connection``:
+    parent -> child: ``("init", EngineConfig, replica_id)``, then commands (``("add", ...)``,
+    ``("abort", id)``, ``("stop",)``).
+    child -> parent: ``("ready", EngineInfo)`` or ``("failed", message)`` once, then one
+    ``("step", PackedStep)`` per engine step that produced anything, and ``("error",
+    message)`` if the loop dies. Outputs travel as deltas (new token ids, new text, new
+    logprobs); ``OutputAssembler`` rebuilds the cumulative ``RequestOutput`` on this side, so
+    a step's message grows with the batch, not with the length of the outputs.
+
+The child is started with ``python -m worker.engine_process FD``: a fresh interpreter that
+never re-imports the caller's ``__main__`` (so it works from Ray workers and plain scripts),
+with the parent's ``sys.path`` and environment (thread counts, CUDA devices).
+
+How it fails: a child that dies while starting raises ``RuntimeError`` with its exit code
+(its traceback is in its stderr, which is the parent's). A child that dies later, or whose
+loop raises, makes the core dead: ``on_dead`` fires once and ``is_alive()`` turns False. The
+child ends when its socket closes (the parent died or stopped it), so it never outlives the
+replica; ``join`` kills it if it does not end in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from worker.config import EngineConfig
+from worker.engine_core import EngineCore, EngineInfo, EngineLoop, StepResult, info_of
+from worker.outputs import CompletionOutput, EngineDeadError, RequestOutput
+from worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+ENGINE_START_TIMEOUT_S = 900.0
+"""Loading a model (a first GGUF conversion included) on a busy node."""
+START_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class PackedCompletion:
+    index: int
+    new_text: str
+    new_token_ids: list[int]
+    new_logprobs: list | None
+    finish_reason: object
+    stop_reason: str | int | None
+    text: str | None
+    """The whole text, only once finished (a stop string may cut what the deltas said)."""
+
+
+@dataclass(frozen=True)
+class PackedOutput:
+    request_id: str
+    num_cached_tokens: int
+    finished: bool
+    error: str | None
+    metrics: dict
+    completions: list[PackedCompletion]
+
+
+def pack_output(out: RequestOutput) -> PackedOutput:
+    completions = []
+    for c in out.outputs:
+        num_new = len(c.new_token_ids)
+        new_logprobs = None if c.logprobs is None else (c.logprobs[-num_new:] if num_new else [])
+        completions.append(PackedCompletion(c.index, c.new_text, list(c.new_token_ids), new_logprobs,
+                                            c.finish_reason, c.stop_reason, c.text if c.finished else None))
+    return PackedOutput(out.request_id, out.num_cached_tokens, out.finished, out.error, out.metrics, completions)
+
+
+class OutputAssembler:
+    """Rebuilds cumulative ``RequestOutput``s from packed deltas, one request at a time."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, tuple[list[int], dict[int, CompletionOutput]]] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self._requests[request_id] = (prompt_token_ids, {})
+
+    def discard(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def assemble(self, packed: PackedOutput) -> RequestOutput | None:
+        state = self._requests.get(packed.request_id)
+        if state is None:  # its caller already left
+            return None
+        prompt_ids, completions = state
+        outputs = []
+        for p in packed.completions:
+            c = completions.get(p.index)
+            if c is None:
+                c = completions[p.index] = CompletionOutput(p.index, "", [], logprobs=None if p.new_logprobs is None else [])
+            c.text += p.new_text
+            c.token_ids += p.new_token_ids
+            if p.new_logprobs is not None:
+                c.logprobs += p.new_logprobs
+            if p.text is not None:
+                c.text = p.text
+            outputs.append(CompletionOutput(p.index, c.text, list(c.token_ids), p.new_text, p.new_token_ids,
+                                            None if c.logprobs is None else list(c.logprobs),
+                                            p.finish_reason, p.stop_reason))
+        if packed.finished:
+            del self._requests[packed.request_id]
+        return RequestOutput(packed.request_id, prompt_ids, outputs, packed.num_cached_tokens, packed.finished,
+                             packed.error, packed.metrics)
+
+
+class ProcessCore(EngineCore):
+    """Starts the engine process, sends it commands, and receives its steps on a thread."""
+
+    def __init__(self, config: EngineConfig, replica_id: str) -> None:
+        self.replica_id = replica_id
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine_process", str(child_sock.fileno())],
+                                      pass_fds=(child_sock.fileno(),), env=env)
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        self._send_lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _end_process, self._proc, self._conn)
+        self._send(("init", config, replica_id))
+        self.info = self._wait_ready()
+        self.tokenizer = Tokenizer(self.info.model_path)
+        self._assembler = OutputAssembler()
+        self._dead_reason = ""
+        self._reader = threading.Thread(target=self._read, name=f"engine-reader-{replica_id}", daemon=True)
+
+    def _wait_ready(self) -> EngineInfo:
+        deadline_s = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while time.monotonic() < deadline_s:
+            if self._conn.poll(START_POLL_S):
+                try:
+                    kind, payload = self._conn.recv()
+                except EOFError:
+                    break
+                if kind == "ready":
+                    return payload
+                self._finalizer()
+                raise RuntimeError(f"engine process of {self.replica_id} failed to start: {payload}")
+            if self._proc.poll() is not None:
+                break
+        self._finalizer()
+        code = self._proc.poll()
+        why = f"exited with code {code}" if code is not None else f"not ready in {ENGINE_START_TIMEOUT_S:.0f}s"
+        raise RuntimeError(f"engine process of {self.replica_id} {why}; see its log above")
+
+    def start(self, on_step, on_dead) -> None:
+        self._on_step, self._on_dead = on_step, on_dead
+        self._reader.start()
+
+    def submit(self, command: tuple) -> None:
+        if command[0] == "add":
+            self._assembler.add(command[1], command[2])
+        elif command[0] == "abort":
+            pass  # its final output (finish_reason "abort") still comes back through the assembler
+        try:
+            self._send(command)
+        except OSError:  # the process is gone; the reader thread reports it
+            if command[0] == "add":
+                self._assembler.discard(command[1])
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def is_alive(self) -> bool:
+        return self._reader.is_alive() and self._proc.poll() is None and not self._dead_reason
+
+    def why_dead(self) -> str:
+        if self._dead_reason:
+            return self._dead_reason
+        code = self._proc.poll()
+        return "" if code is None else f"engine process exited with code {code}"
+
+    def join(self, timeout_s: float) -> None:
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("engine process of %s did not stop in %.0fs; killing it", self.replica_id, timeout_s)
+        self._finalizer()
+        self._reader.join(timeout_s)
+
+    def _read(self) -> None:
+        reason = ""
+        try:
+            while True:
+                kind, payload = self._conn.recv()
+                if kind == "step":
+                    self._on_step(self._unpack(payload))
+                elif kind == "error":
+                    reason = f"engine loop failed: {payload}"
+                    break
+        except (EOFError, OSError):
+            code = self._proc.wait()
+            reason = "engine process stopped" if code == 0 else f"engine process exited with code {code}"
+        except Exception as exc:  # noqa: BLE001 - a message we cannot read: the engine is lost to us
+            log.exception("engine %s: reading its process failed", self.replica_id)
+            reason = f"reading the engine process failed: {exc!r}"
+            self._finalizer()
+        self._dead_reason = reason
+        self._on_dead(EngineDeadError(reason))
+
+    def _unpack(self, step: StepResult) -> StepResult:
+        outputs = [out for out in map(self._assembler.assemble, step.outputs) if out is not None]
+        for request_id, _ in step.rejected:
+            self._assembler.discard(request_id)
+        return StepResult(outputs, step.rejected, step.stats, step.metrics, step.kv_batches, step.adds_handled)
+
+
+def _end_process(proc: subprocess.Popen, conn: Connection) -> None:
+    """Closes the socket (the child ends when it sees it closed), then makes sure it did."""
+    conn.close()
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# -- the child -------------------------------------------------------------------------------
+def serve_engine(conn: Connection) -> int:
+    """The engine process's life: build the engine, then run the loop until told to stop."""
+    from worker.engine import LLMEngine
+
+    _, config, replica_id = conn.recv()
+    try:
+        engine = LLMEngine(config, replica_id)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        log.exception("engine %s failed to start", replica_id)
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return 1
+    conn.send(("ready", info_of(engine)))
+    loop = EngineLoop(engine)
+    try:
+        while True:
+            timeout_s = None if loop.idle() else 0.0
+            while conn.poll(timeout_s):
+                if not loop.handle(conn.recv()):
+                    return 0
+                timeout_s = 0.0
+            result = loop.step()
+            if result is not None:
+                result.outputs = [pack_output(out) for out in result.outputs]
+                conn.send(("step", result))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # the parent went away: nobody is left to serve
+    except Exception as exc:  # noqa: BLE001 - the engine is dead; say why, then exit
+        log.exception("engine %s loop died", replica_id)
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return 1
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("PREFIXSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
+    conn = Connection(int(argv[0]))
+    try:
+        return serve_engine(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    # Through the module's real name, so what the child pickles is worker.engine_process's
+    # classes, not copies living in __main__ that the parent cannot unpickle.
+    from worker.engine_process import main as module_main
+
+    sys.exit(module_main(sys.argv[1:]))
