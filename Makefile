@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 CONSTRAINTS ?= -c constraints/cpu.txt
 
-.PHONY: install serve test-deps test lint bench
+.PHONY: install serve test-deps test lint bench bench-deps
 
 install:
 	$(PIP) install $(CONSTRAINTS) -e .
@@ -19,10 +19,15 @@ test-deps: install
 	bash scripts/get_helm.sh
 
 test: test-deps
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15
 
 lint:
 	ruff check .
 
-bench:
-	$(PYTHON) -m bench.engine
+bench-deps: install
+	$(PIP) install $(CONSTRAINTS) -e '.[bench]'
+	bash scripts/build_llama_server.sh
+
+# The served path beside the offline engine and llama.cpp's server, one run (issue 16).
+bench: bench-deps
+	$(PYTHON) -m bench.serve --cluster-replicas 2
