@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` for the benchmarks' peer (bench/serve.py --llama-server).
+# Builds llama.cpp's `llama-server` for the benchmarks' peer (bench/serve/ --llama-server).
 #
 # Benchmark-only: no test and no install step needs it. Source: the llama.cpp tree vendored in
 # the `llama-cpp-python==0.3.36` sdist on PyPI (the one registry this project's machines reach).

@@ -1,0 +1,141 @@
+"""Child processes: a server in its own session, its log file, its CPU time, and stopping it.
+
+Owns ``Server`` (start, wait for ``/health``, CPU seconds of the process tree, stop),
+``free_port``, ``server_env`` (thread counts and ``PYTHONPATH`` for a child) and the repository
+root every child runs in.
+
+Failure modes: ``Server.wait_ready`` raises ``RuntimeError`` when the process exits first or
+does not answer within the timeout (the caller stops it). ``Server.stop`` never raises for a
+process that is already gone: SIGINT, ``STOP_GRACE_S`` to drain, then SIGTERM and SIGKILL to
+the process group and to every descendant it has seen (by pid), ``KILL_GRACE_S`` each. Tests
+shorten the graces by patching them here, in ``bench.serve.processes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STOP_GRACE_S = 30.0  # Serve and Ray drain and shut down in a few seconds
+KILL_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One subprocess in its own session (process group), its log in a file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict | None = None):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=REPO,
+        )
+        self._known: dict[int, object] = {}
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def _tree(self) -> list:
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            procs = []
+        for p in procs:
+            self._known.setdefault(p.pid, p)
+        return procs
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the live process tree, plus what its reaped children used."""
+        import psutil
+
+        total = 0.0
+        for p in self._tree():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+            except psutil.Error:
+                pass
+        return total
+
+    def wait_ready(self, url: str, timeout_s: float, ready=None) -> float:
+        """Polls ``url`` until 200 (and ``ready()`` is true); returns the seconds it took."""
+        import httpx
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode} before it was ready "
+                    f"(log: {self.log_path})"
+                )
+            try:
+                if httpx.get(url, timeout=5.0).status_code == 200 and (ready is None or ready()):
+                    self._tree()
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not ready within {timeout_s:.0f} s (log: {self.log_path})")
+
+    def stop(self) -> None:
+        import psutil
+
+        self._tree()
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=STOP_GRACE_S)
+            for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, sig)  # the session's group: the server and its helpers
+                alive = [p for p in self._known.values() if _alive(p)]
+                for p in alive:
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(sig)  # descendants that left the group (by pid, ours only)
+                deadline = time.monotonic() + grace
+                while time.monotonic() < deadline:
+                    alive = [p for p in alive if _alive(p)]  # zombies count as gone
+                    if self.proc.poll() is not None and not alive:
+                        break
+                    time.sleep(0.1)
+                if self.proc.poll() is not None and not alive:
+                    break
+        finally:
+            self._log.close()
+
+
+def _alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != "zombie"
+    except Exception:
+        return False
+
+
+def server_env(threads: int) -> dict:
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
