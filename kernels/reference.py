@@ -13,7 +13,8 @@ Data layout (shared by every implementation)
                        query tokens. Query token j of sequence s (0-based within the query)
                        sits at position ``seq_lens[s] - q_len[s] + j`` and attends causally to
                        positions ``0 .. that position``.
-    slot_mapping     : [num_tokens] int64, ``block_id * block_size + offset`` of each new token.
+    slot_mapping     : [num_tokens] int64, ``block_id * block_size + offset`` of each new token;
+                       a slot < 0 is padding, skipped by every ``store_kv``.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops import check_tensor, output_or_new, patch_interpreter
+from kernels.triton_common import check_tensor, output_or_new, patch_interpreter
 
 patch_interpreter()
 

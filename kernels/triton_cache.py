@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops import check_tensor, patch_interpreter
+from kernels.triton_common import check_tensor, patch_interpreter
 
 patch_interpreter()
 

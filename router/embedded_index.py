@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.index import Clock, Match, ReplicaId
+from router.index_types import Clock, Match, ReplicaId
 from router.liveness import Action, ApplyOutcome, StreamState, decide, heartbeat_state, outcome_of
 from router.protocol import BlockHash, EventKind, KVEventBatch, Tier
 

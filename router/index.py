@@ -1,9 +1,10 @@
 """The prefix index contract: which live replica holds how many leading blocks of a request.
 
-Owns the ``PrefixIndex`` protocol, its value types, ``IndexUnavailableError``, the
-``FallbackIndex`` wrapper and the ``make_index`` factory. Two backends implement the
-protocol: ``embedded_index.EmbeddedIndex`` (in-process, the default; the cluster hosts one
-instance in a Ray actor) and ``redis_index.RedisIndex``.
+Owns the ``PrefixIndex`` protocol, the ``FallbackIndex`` wrapper and the ``make_index``
+factory. Its value types (``Match``, ``IndexUnavailableError``, ``ReplicaId``, ``Clock``) live
+in ``router/index_types.py``, which the backends import, and are re-exported here. Two
+backends implement the protocol: ``embedded_index.EmbeddedIndex`` (in-process, the default;
+the cluster hosts one instance in a Ray actor) and ``redis_index.RedisIndex``.
 
 Invariants every backend keeps (tests/router/test_index_contract.py checks them all):
 
@@ -26,37 +27,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from router.config import RouterConfig
+from router.index_types import Clock, IndexUnavailableError, Match, ReplicaId
 from router.liveness import ApplyOutcome
 from router.metrics import RouterMetrics
 from router.protocol import BlockHash, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
-ReplicaId = str
-Clock = Callable[[], float]
-
-
-class IndexUnavailableError(RuntimeError):
-    """The index's store cannot be reached right now; route by load alone."""
-
-
-@dataclass(frozen=True)
-class Match:
-    """How much of a request's prefix one replica can serve without prefill."""
-
-    device_blocks: int
-    """Leading consecutive blocks held on the device tier (speculative entries included)."""
-    host_blocks: int = 0
-    """Further leading blocks held right after the device ones, at least one of them only
-    on the host tier (each priced as a host-to-device copy); 0 without a host tier."""
-
-    @property
-    def num_blocks(self) -> int:
-        return self.device_blocks + self.host_blocks
+__all__ = [
+    "PrefixIndex",
+    "FallbackIndex",
+    "make_index",
+    # Re-exported from router/index_types.py, where the backends import them from.
+    "Clock",
+    "IndexUnavailableError",
+    "Match",
+    "ReplicaId",
+]
 
 
 @runtime_checkable

@@ -38,7 +38,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from router.index import Clock, IndexUnavailableError, Match, ReplicaId
+from router.index_types import Clock, IndexUnavailableError, Match, ReplicaId
 from router.liveness import ApplyOutcome
 from router.protocol import HASH_NUM_BYTES, HASH_VERSION, BlockHash, EventKind, KVEventBatch, Tier
 from router.redis_scripts import (

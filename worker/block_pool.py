@@ -176,12 +176,10 @@ class BlockPool:
         return True
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Everything the device tier can serve now (for re-announcing to a fresh index)."""
+        """Every hash the device tier can serve now. Not what a replica re-announces: that is
+        ``cluster/kv_publisher.py``'s mirror of the forwarded events, never read from the
+        engine's cache by another thread."""
         return list(self._cached)
-
-    def host_hashes(self) -> list[BlockHash]:
-        """Everything the host tier can serve now."""
-        return self.host.hashes() if self.host is not None else []
 
     def take_events(self) -> list[KVEvent]:
         """This step's changes, with consecutive events of one kind merged."""

@@ -213,3 +213,22 @@ def test_rotary_matches_reference(scaling):
     got, ref = apply_rotary(q, k, pos, cache), rotary_ref(q, k, pos, cache)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+
+
+def test_store_kv_skips_negative_slots_like_the_reference():
+    """A slot < 0 is padding: its row is written nowhere (indexing with -1 would hit the last slot)."""
+    shape = (8, 16, 2, 64)
+    slots = torch.tensor(random.sample(range(8 * 16 - 1), 12))
+    slots[[0, 5, 11]] = -1
+    k, v = torch.randn(12, 2, 64), torch.randn(12, 2, 64)
+    before = (torch.randn(shape), torch.randn(shape))
+    a = (head_major(before[0]), head_major(before[1]))
+    b = (before[0].clone(), before[1].clone())
+    store_kv(k, v, *a, slots)
+    store_kv_ref(k, v, *b, slots)
+    assert torch.equal(a[0], head_major(b[0])) and torch.equal(a[1], head_major(b[1]))
+    written = set(slots[slots >= 0].tolist())
+    for slot in set(range(8 * 16)) - written:  # the last slot among them, where -1 would land
+        block, offset = divmod(slot, 16)
+        assert torch.equal(a[0][:, block, offset], before[0][block, offset])
+        assert torch.equal(a[1][:, block, offset], before[1][block, offset])

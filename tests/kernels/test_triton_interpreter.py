@@ -1,4 +1,4 @@
-"""The interpreter's ``tl.dot`` (``kernels/triton_ops.patch_interpreter``) keeps a GPU's property.
+"""The interpreter's ``tl.dot`` (``kernels/triton_common.patch_interpreter``) keeps a GPU's property.
 
 On the CPU the Triton kernels run in Triton's interpreter, where ``tl.dot`` would be numpy's
 ``matmul``, i.e. the host's BLAS. OpenBLAS's AVX2 ("Haswell") sgemm, picked on AMD EPYC VMs
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.triton_ops import _position_independent_dot
+from kernels.triton_common import _position_independent_dot
 
 ROW_SHIFTS = (1, 2, 3, 5, 8, 16, 33)
 

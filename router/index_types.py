@@ -1,0 +1,35 @@
+"""The value types every prefix index shares: ``Match``, ``IndexUnavailableError``, ``ReplicaId``
+and ``Clock``.
+
+``router/index.py`` (the ``PrefixIndex`` protocol, ``FallbackIndex``, ``make_index``) imports
+the backends (``embedded_index``, ``redis_index``) lazily, and the backends take these types
+from here, never from ``router/index.py``, so no import cycle runs through the package.
+``router/index.py`` re-exports all four: import them from either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ReplicaId = str
+Clock = Callable[[], float]
+
+
+class IndexUnavailableError(RuntimeError):
+    """The index's store cannot be reached right now; route by load alone."""
+
+
+@dataclass(frozen=True)
+class Match:
+    """How much of a request's prefix one replica can serve without prefill."""
+
+    device_blocks: int
+    """Leading consecutive blocks held on the device tier (speculative entries included)."""
+    host_blocks: int = 0
+    """Further leading blocks held right after the device ones, at least one of them only
+    on the host tier (each priced as a host-to-device copy); 0 without a host tier."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device_blocks + self.host_blocks
