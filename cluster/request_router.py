@@ -35,7 +35,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster.index_actor import make_cluster_index
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.policy import ReplicaView, make_policy
+from router.policies import make_policy
+from router.policy import ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
 from router.routing import Router
 
@@ -137,7 +138,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         router = self._get_router(candidate_replicas)
         if router is None:
             decision = self._load_policy.choose(hashes, num_prompt_tokens, views, {})
-            self.metrics.record_decision(self.config.policy, "fallback", len(hashes), 0)
+            self.metrics.record_decision(self.config.policy, RoutingReason.FALLBACK, len(hashes), 0)
         elif hashes:  # one index round trip: off the event loop
             decision = await asyncio.to_thread(router.route, hashes, num_prompt_tokens, views)
         else:

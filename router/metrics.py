@@ -1,10 +1,12 @@
 """Router metrics as plain, thread-safe counters and a fixed-bucket histogram.
 
-Owns what the router counts: decisions by policy and reason, matched blocks against prompt
+Owns what the router counts: decisions by policy and reason (a ``router.policy.RoutingReason``,
+counted under its string value), matched blocks against prompt
 blocks (the matched-block ratio), index lookup latency, index errors, fallback decisions
 and dropped speculative entries. No Prometheus dependency here: ``snapshot()`` returns plain numbers and the
 cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus series). Recording
-never raises and never blocks for longer than one uncontended lock.
+never blocks for longer than one uncontended lock and never raises, except ``ValueError`` for
+a decision reason that is not a ``RoutingReason`` (a programming error, not a runtime one).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
+
+from router.policy import RoutingReason
 
 # Lookup latencies of interest span an in-process dict hit (~10 us) to a Redis round trip
 # that hits the socket timeout (~50 ms); buckets are upper bounds in milliseconds.
@@ -66,14 +70,17 @@ class RouterMetrics:
         self.lookup_latency_ms = Histogram()
 
     def record_decision(
-        self, policy: str, reason: str, num_prompt_blocks: int, num_matched_blocks: int
+        self, policy: str, reason: RoutingReason, num_prompt_blocks: int, num_matched_blocks: int
     ) -> None:
+        """Count one decision; ``reason`` must be a ``RoutingReason`` (or its value: an
+        unknown string raises ``ValueError``). Kept as the plain label string."""
+        reason = RoutingReason(reason)
         with self._lock:
-            key = (policy, reason)
+            key = (policy, reason.value)
             self.decisions[key] = self.decisions.get(key, 0) + 1
             self.num_prompt_blocks += num_prompt_blocks
             self.num_matched_blocks += num_matched_blocks
-            if reason == "fallback":
+            if reason is RoutingReason.FALLBACK:
                 self.num_fallback_decisions += 1
 
     def record_lookup(self, latency_ms: float) -> None:

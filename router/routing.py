@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from router.config import RouterConfig
 from router.index import FallbackIndex, PrefixIndex, make_index
 from router.metrics import RouterMetrics
-from router.policy import Decision, ReplicaView, make_policy
+from router.policies import make_policy
+from router.policy import Decision, ReplicaView, RoutingReason
 from router.protocol import BlockHash, hash_blocks
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class Router:
             self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
         decision = self.policy.choose(block_hashes, num_prompt_tokens, replicas, matches or {})
         if matches is None:
-            decision = dataclasses.replace(decision, reason="fallback")
+            decision = dataclasses.replace(decision, reason=RoutingReason.FALLBACK)
         elif self.policy.name == "prefix" and block_hashes:
             held = matches.get(decision.replica_id)
             num_held = 0 if held is None else held.device_blocks

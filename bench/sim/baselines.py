@@ -3,8 +3,13 @@
 Each policy has a ``name`` and ``choose(sim, request) -> replica index``; it may also define
 ``on_finished(sim, request, replica_index)``. They read only what their real counterpart can:
 
-- ``random``, ``round_robin``: nothing. ``least_loaded``: the router's in-flight counts (ties
-  broken at random). ``pow2``: in-flight counts of two replicas drawn at random.
+- ``random``: nothing (the simulator's seeded rng).
+- ``round_robin``, ``least_loaded``, ``pow2``: ``router.baselines``' own classes, run
+  unchanged on the same ``ReplicaView``s ``bench/sim/ours.py`` builds, so simulated and
+  deployed baselines break ties the same way: round robin walks the replicas in replica-id
+  order, least loaded (waiting + running, or in-flight if larger) ties by rendezvous on the
+  first block, pow2 draws from its own rng seeded with the run's seed and keeps the first
+  draw unless the second is strictly less loaded. Matches are not computed for them.
 - ``sglang_cache_aware``: SGLang router's cache-aware policy, re-implemented from its docs.
   An *approximate* tree per replica of what the router itself sent there (never told about
   evictions), kept here at block granularity (block ids are prefix-chained, so a set of ids is
@@ -27,6 +32,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from bench.sim.cache import longest_prefix
+from bench.sim.ours import SimViews, block_hashes, sim_router_config
+from router.policies import make_policy
 
 
 def _argmin_random(values, rng) -> int:
@@ -42,31 +49,38 @@ class RandomPolicy:
         return sim.rng.randrange(len(sim.replicas))
 
 
-class RoundRobinPolicy:
-    name = "round_robin"
+class _RouterBaseline:
+    """One of ``router.baselines``' policies (``name`` is its ``RouterConfig.policy``) on the
+    simulator's views. They ignore matches, so none are computed, and only the first block's
+    hash (their rendezvous key) is handed over."""
+
+    name = ""
 
     def __init__(self) -> None:
-        self._next = 0
+        self._policy = None
+        self._views: SimViews | None = None
+        self._index_of: dict[str, int] = {}
 
     def choose(self, sim, req) -> int:
-        chosen = self._next % len(sim.replicas)
-        self._next += 1
-        return chosen
+        if self._policy is None:
+            self._policy = make_policy(sim_router_config(sim, self.name))
+            self._views = SimViews(sim)
+            self._index_of = {r.replica_id: r.index for r in sim.replicas}
+        views = self._views.all(sim)
+        decision = self._policy.choose(block_hashes(req.block_ids[:1]), req.num_prompt_tokens, views, {})
+        return self._index_of[decision.replica_id]
 
 
-class LeastLoadedPolicy:
+class RoundRobinPolicy(_RouterBaseline):
+    name = "round_robin"
+
+
+class LeastLoadedPolicy(_RouterBaseline):
     name = "least_loaded"
 
-    def choose(self, sim, req) -> int:
-        return _argmin_random([r.num_inflight for r in sim.replicas], sim.rng)
 
-
-class PowerOfTwoPolicy:
+class PowerOfTwoPolicy(_RouterBaseline):
     name = "pow2"
-
-    def choose(self, sim, req) -> int:
-        a, b = sim.rng.sample(range(len(sim.replicas)), 2) if len(sim.replicas) > 1 else (0, 0)
-        return a if sim.replicas[a].num_inflight <= sim.replicas[b].num_inflight else b
 
 
 class SGLangCacheAwarePolicy:

@@ -11,7 +11,8 @@ what the cluster would:
   (speculative included) first, then host blocks. ``speculative=False`` turns that off.
 - ``ReplicaView``: ``ReplicaStats`` from the replica's simulated state (waiting and running
   requests, KV usage, the calibrated prefill/decode/host rates, prompt tokens queued for
-  prefill) and the router's in-flight count. Views are rebuilt only when a replica changed.
+  prefill) and the router's in-flight count. Views are rebuilt only when a replica changed
+  (``SimViews``; ``bench/sim/baselines.py`` runs ``router.baselines`` on the same views).
 
 Block ids are handed to the policy as 16-byte big-endian values, the shape of real hashes.
 Failure modes: if ``router.policy`` is missing or its interface changed, construction raises
@@ -22,44 +23,45 @@ from __future__ import annotations
 
 from router.config import RouterConfig
 from router.index import Match
-from router.policy import ReplicaView, make_policy
+from router.policies import make_policy
+from router.policy import ReplicaView
 from router.protocol import HASH_NUM_BYTES, ReplicaStats
 
 
-class OursPolicy:
-    name = "prefix"
+def sim_router_config(sim, policy: str) -> RouterConfig:
+    """The ``RouterConfig`` an operator would give ``policy`` on the simulated engine: its
+    calibrated rates as the defaults, the block size and seed of the run."""
+    rates = sim.rates
+    return RouterConfig(
+        policy=policy,
+        block_size=sim.config.block_size,
+        default_prefill_tokens_per_s=rates.prefill_tokens_per_s,
+        default_decode_step_s=rates.decode_step_base_s,
+        default_host_to_device_tokens_per_s=rates.host_to_device_tokens_per_s,
+        speculative_ttl_s=max(
+            RouterConfig.speculative_ttl_s,
+            SPECULATIVE_TTL_QUEUE_TOKENS / rates.prefill_tokens_per_s,
+        ),
+        seed=sim.config.seed,
+    )
 
-    def __init__(self, speculative: bool = True, router_config: RouterConfig | None = None) -> None:
-        self.router_config = router_config
-        self.speculative = speculative
-        self._policy = None
-        self._views: list = []
-        self._versions: list[int] = []
-        self._index_of: dict[str, int] = {}
-        self._speculative: list[dict] = []  # per replica: block -> expiry (simulated seconds)
 
-    def _setup(self, sim) -> None:
-        rates = sim.rates
-        if self.router_config is None:
-            self.router_config = RouterConfig(
-                policy="prefix",
-                block_size=sim.config.block_size,
-                default_prefill_tokens_per_s=rates.prefill_tokens_per_s,
-                default_decode_step_s=rates.decode_step_base_s,
-                default_host_to_device_tokens_per_s=rates.host_to_device_tokens_per_s,
-                speculative_ttl_s=max(
-                    RouterConfig.speculative_ttl_s,
-                    SPECULATIVE_TTL_QUEUE_TOKENS / rates.prefill_tokens_per_s,
-                ),
-                seed=sim.config.seed,
-            )
-        self._policy = make_policy(self.router_config)
-        self._views = [None] * len(sim.replicas)
+def block_hashes(block_ids) -> list[bytes]:
+    """Simulated block ids in the shape of real hashes (16-byte big-endian)."""
+    return [b.to_bytes(HASH_NUM_BYTES, "big") for b in block_ids]
+
+
+class SimViews:
+    """A ``ReplicaView`` per simulated replica, rebuilt only when the replica changed."""
+
+    def __init__(self, sim) -> None:
+        self._views: list = [None] * len(sim.replicas)
         self._versions = [-1] * len(sim.replicas)
-        self._index_of = {r.replica_id: r.index for r in sim.replicas}
-        self._speculative = [{} for _ in sim.replicas]
 
-    def _view(self, sim, replica) -> ReplicaView:
+    def all(self, sim) -> list[ReplicaView]:
+        return [self.view(sim, r) for r in sim.replicas]
+
+    def view(self, sim, replica) -> ReplicaView:
         if self._versions[replica.index] != replica.version:
             rates = sim.rates
             num_running = replica.num_running + (1 if replica.prefilling else 0)
@@ -80,6 +82,26 @@ class OursPolicy:
             )
             self._versions[replica.index] = replica.version
         return self._views[replica.index]
+
+
+class OursPolicy:
+    name = "prefix"
+
+    def __init__(self, speculative: bool = True, router_config: RouterConfig | None = None) -> None:
+        self.router_config = router_config
+        self.speculative = speculative
+        self._policy = None
+        self._views: SimViews | None = None
+        self._index_of: dict[str, int] = {}
+        self._speculative: list[dict] = []  # per replica: block -> expiry (simulated seconds)
+
+    def _setup(self, sim) -> None:
+        if self.router_config is None:
+            self.router_config = sim_router_config(sim, "prefix")
+        self._policy = make_policy(self.router_config)
+        self._views = SimViews(sim)
+        self._index_of = {r.replica_id: r.index for r in sim.replicas}
+        self._speculative = [{} for _ in sim.replicas]
 
     def _matches(self, sim, blocks) -> dict[str, Match]:
         exact = sim.exact_matches(blocks)
@@ -115,9 +137,9 @@ class OursPolicy:
     def choose(self, sim, req) -> int:
         if self._policy is None:
             self._setup(sim)
-        views = [self._view(sim, r) for r in sim.replicas]
+        views = self._views.all(sim)
         matches = self._matches(sim, req.block_ids)
-        hashes = [b.to_bytes(HASH_NUM_BYTES, "big") for b in req.block_ids]
+        hashes = block_hashes(req.block_ids)
         decision = self._policy.choose(hashes, req.num_prompt_tokens, views, matches)
         chosen = self._index_of[decision.replica_id]
         if self.speculative:

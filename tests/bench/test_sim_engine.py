@@ -139,3 +139,31 @@ def test_a_host_tier_raises_the_hit_rate_of_a_cache_starved_cluster():
     ).run(workload)
     assert with_host.hit_rate > device_only.hit_rate + 0.1
     assert with_host.oracle_hit_rate == device_only.oracle_hit_rate
+
+
+def test_simulated_baselines_are_the_routers_and_break_ties_alike():
+    """``bench.sim.baselines`` runs ``router.baselines`` on the simulator's views: the same
+    choices as the deployed policy given the same views, seed and first block."""
+    from bench.sim.baselines import LeastLoadedPolicy, PowerOfTwoPolicy
+    from bench.sim.ours import SimViews, block_hashes
+    from router.config import RouterConfig
+    from router.policies import make_policy
+
+    requests = [Request(i, i * 0.001, (500 + i, 7), 8, 4) for i in range(24)]
+    for sim_policy in (RoundRobinPolicy(), LeastLoadedPolicy(), PowerOfTwoPolicy()):
+        config = SimConfig(3, 64, block_size=4, rates=RATES, seed=5)
+        deployed = make_policy(RouterConfig(policy=sim_policy.name, block_size=4, seed=5))
+        sim = Simulator(config, sim_policy)
+        views, mismatches = SimViews(sim), []
+        original = sim_policy.choose
+
+        def checked(s, req, original=original, deployed=deployed, views=views, mismatches=mismatches):
+            chosen = original(s, req)
+            expected = deployed.choose(block_hashes(req.block_ids[:1]), req.num_prompt_tokens, views.all(s), {})
+            if s.replicas[chosen].replica_id != expected.replica_id:
+                mismatches.append(req.request_id)
+            return chosen
+
+        sim_policy.choose = checked
+        result = sim.run(Workload("hand", tuple(requests), "hand-checked"))
+        assert result.policy == sim_policy.name and not mismatches

@@ -179,10 +179,12 @@ def test_router_snapshot_renders_as_router_series():
     from router.metrics import RouterMetrics
 
     router = RouterMetrics()
-    router.record_decision("prefix", "cache_hit", num_prompt_blocks=4, num_matched_blocks=3)
+    from router.policy import RoutingReason
+
+    router.record_decision("prefix", RoutingReason.PREFIX, num_prompt_blocks=4, num_matched_blocks=3)
     router.record_lookup(0.2)
     text = render_prometheus({}, router.snapshot()).decode()
-    assert 'prefixserve:router_decisions_total{policy="prefix",reason="cache_hit"} 1.0' in text
+    assert 'prefixserve:router_decisions_total{policy="prefix",reason="prefix"} 1.0' in text
     assert "prefixserve:router_matched_blocks_total 3.0" in text
     assert "prefixserve:router_prompt_blocks_total 4.0" in text
     assert "prefixserve:router_lookup_latency_seconds_count 1.0" in text

@@ -9,7 +9,8 @@ import pytest
 
 from router.config import RouterConfig
 from router.index import Match
-from router.policy import ReplicaView, TTFTModel, make_policy, rendezvous_pick
+from router.policies import make_policy
+from router.policy import ReplicaView, RoutingReason, TTFTModel, rendezvous_pick
 from router.protocol import ReplicaStats, hash_blocks
 
 BLOCK_SIZE = 16
@@ -69,7 +70,9 @@ def test_hot_prefix_spills_exactly_when_that_lowers_the_priced_ttft(factor):
         chosen = holder if expected == "holder" else idle("other")
         own_ttft_s = TTFTModel(CONFIG).predicted_ttft_s(chosen, matches.get(expected), num_tokens)
         assert decision.predicted_ttft_s == pytest.approx(own_ttft_s)  # reported unweighted
-        assert decision.reason == ("prefix" if expected == "holder" else "load")
+        assert decision.reason == (
+            RoutingReason.PREFIX if expected == "holder" else RoutingReason.SHORTEST_QUEUE
+        )
         assert decision.matched_blocks == (120 if expected == "holder" else 0)
 
 
@@ -127,7 +130,7 @@ def test_baselines_behind_the_same_interface():
     assert picks == ["a", "b", "c", "a", "b", "c"]
     least = make_policy(RouterConfig(policy="least_loaded"))
     decision = least.choose(blocks, 128, replicas, {"b": Match(3)})
-    assert (decision.replica_id, decision.matched_blocks, decision.reason) == ("b", 3, "load")
+    assert (decision.replica_id, decision.matched_blocks, decision.reason) == ("b", 3, RoutingReason.BASELINE)
     pow2_a = make_policy(RouterConfig(policy="pow2", seed=7))
     pow2_b = make_policy(RouterConfig(policy="pow2", seed=7))
     seq_a = [pow2_a.choose(blocks, 128, replicas, {}).replica_id for _ in range(30)]
@@ -151,21 +154,24 @@ def test_choose_rejects_an_empty_candidate_list(name):
 def test_load_bound_spreads_a_hot_prefix_within_the_ratio():
     """One holder of a hot prefix and idle others: the holder keeps it until its recent count
     reaches ``max_load_ratio`` x the mean + slack; then the prefix gets a second holder."""
-    from router.policy import LOAD_BOUND_SLACK_REQUESTS
+    from router.prefix_policy import LOAD_BOUND_SLACK_REQUESTS
 
     policy = make_policy(CONFIG)
     blocks = prompt_blocks(6, num_blocks=64)
     replicas = [idle(f"r{i}") for i in range(4)]
     counts = collections.Counter()
+    reasons = collections.Counter()
     holders = {"r0"}
     for _ in range(400):
         matches = {rid: Match(64) for rid in holders}
         decision = policy.choose(blocks, 1024, replicas, matches)
         counts[decision.replica_id] += 1
+        reasons[decision.reason] += 1
         holders.add(decision.replica_id)  # the chosen replica caches the prefix
     mean = sum(counts.values()) / len(replicas)
     assert max(counts.values()) <= CONFIG.max_load_ratio * mean + LOAD_BOUND_SLACK_REQUESTS + 1
     assert len(holders) == 4  # replicated, not pinned to r0
+    assert reasons[RoutingReason.LOAD_BOUND] > 0  # the spills are labelled as the bound's
     unbounded = make_policy(dataclasses.replace(CONFIG, max_load_ratio=None))
     picks = {unbounded.choose(blocks, 1024, replicas, {"r0": Match(64)}).replica_id for _ in range(50)}
     assert picks == {"r0"}  # without the bound the price alone keeps it on the holder

@@ -11,7 +11,7 @@ from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
 from router.index import FallbackIndex, Match
 from router.liveness import ApplyOutcome
-from router.policy import ReplicaView
+from router.policy import ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
 from router.redis_index import RedisIndex
 from router.routing import Router
@@ -82,7 +82,9 @@ def test_dead_replica_stops_attracting_its_prefix_at_once(make_router, clock):
     router.index.heartbeat("b", 0)
     clock.advance(1.5)  # "a" is past its deadline; Serve still lists it
     decision = router.route(blocks, 256, views("a", "b"))
-    assert decision.matched_blocks == 0 and decision.reason in ("cold", "load")
+    assert decision.matched_blocks == 0 and decision.reason in (
+        RoutingReason.COLD, RoutingReason.SHORTEST_QUEUE, RoutingReason.LOAD_BOUND
+    )
 
 
 def test_restarted_replica_entries_are_dropped(make_router):
@@ -138,9 +140,11 @@ def test_redis_down_routes_by_load_logs_once_and_recovers(redis_server, caplog):
 
     redis_server.start()  # empty: everything it knew is gone
     monotonic.advance(1.1)
-    # Routed by the index again (nothing known: "cold", or "load" once the load bound has
-    # steered away from "b", which took the 5 fallback decisions).
-    assert router.route(blocks, 256, candidates).reason in ("cold", "load")
+    # Routed by the index again (nothing known: "cold", or "shortest_queue" once the load bound
+    # has steered away from "b", which took the 5 fallback decisions, leaving "a" alone).
+    assert router.route(blocks, 256, candidates).reason in (
+        RoutingReason.COLD, RoutingReason.SHORTEST_QUEUE, RoutingReason.LOAD_BOUND
+    )
     # Replicas heartbeat again; "a"'s next batch reveals the gap and it re-announces.
     for rid in ("a", "b"):
         assert router.index.heartbeat(rid, 0)
@@ -165,7 +169,7 @@ def test_a_closed_router_still_records_speculative_entries(make_router):
     router.close()
     decision = router.route_tokens(prompt(17), views("a"))
     assert router.index.match(router.hash_prompt(prompt(17))) == {"a": Match(16, 0)}
-    assert decision.reason == "load"  # one candidate and nothing cached: a unique best
+    assert decision.reason == RoutingReason.SHORTEST_QUEUE  # one candidate, nothing cached
 
 
 @pytest.mark.redis

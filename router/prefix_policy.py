@@ -1,0 +1,161 @@
+"""The ``prefix`` routing policy: minimum predicted TTFT among the replicas under a load bound.
+
+Owns ``PrefixPolicy``, ``RecentCounts`` and ``LOAD_BOUND_SLACK_REQUESTS``; the interface and
+the TTFT model it prices with are ``router.policy``'s. Two steps:
+1. Load bound. Candidates are the replicas whose count of requests this router recently
+   sent them (``RecentCounts``, a decayed window of ``load_window_per_replica`` decisions
+   per replica) stays within ``max_load_ratio`` x the mean + ``LOAD_BOUND_SLACK_REQUESTS``
+   after this one (bounded-load hashing), or that hold fewer requests right now than every
+   replica under the bound (other routers' traffic). A hot prefix whose holder is at the bound
+   goes to the cheapest other replica, which then holds a copy and shares it. None turns this
+   off. When the bound excluded a cheaper replica the reason is ``LOAD_BOUND``.
+2. Price. Every candidate costs ``TTFTModel.predicted_ttft_s`` with ``miss_cost_factor``.
+   Candidates within ``tie_tolerance_s`` of the minimum tie; a unique winner is ``PREFIX``
+   (it holds a prefix) or ``SHORTEST_QUEUE`` (it holds none). Ties prefer the longest match,
+   then the fewest requests on the replica, then the fewest recently sent (spreads new
+   prefixes, like SGLang's smallest tree), then rendezvous (highest random weight) hashing of
+   the first block: ``TIE``, or ``COLD`` when no candidate holds anything.
+How it fails: the bound trades hits for balance. A prefix popular enough to exceed the
+bound on one replica is re-prefilled on another (its hit rate drops by one prefill per
+copy), and routers that share no history balance only their own traffic.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+from router.config import RouterConfig
+from router.index_types import Match
+from router.policy import (
+    Decision,
+    ReplicaView,
+    RoutingReason,
+    TTFTModel,
+    check_request,
+    num_matched,
+    rendezvous_pick,
+    replica_load,
+)
+from router.protocol import BlockHash
+
+# Additive room of the load bound, in requests: early on (or at low traffic) the mean recent
+# count is near 0 and a pure ratio would spill a prefix's second request; 2 lets a prefix's
+# first few requests stay together before the ratio takes over.
+LOAD_BOUND_SLACK_REQUESTS = 2.0
+
+
+class RecentCounts:
+    """Requests this router sent to each replica, decayed per decision (not per second).
+
+    Each decision multiplies every count by ``1 - 1 / (window_per_replica * num_replicas)``
+    and adds 1 to the chosen replica, so the counts sum to about ``window_per_replica`` per
+    replica: the recent rate, with no clock (the simulator and the cluster agree) and in O(1)
+    per decision (one global scale, renormalized when it grows large). A replica that joins
+    starts at 0 and catches up within a window instead of being flooded until its lifetime
+    count matches the others'. Not thread-safe: the policy holds its lock around it.
+    """
+
+    _RENORMALIZE_AT = 1e12
+
+    def __init__(self, window_per_replica: float) -> None:
+        self.window_per_replica = window_per_replica
+        self._raw: dict[str, float] = {}
+        self._scale = 1.0  # true count = raw / scale
+
+    def get(self, replica_id: str) -> float:
+        return self._raw.get(replica_id, 0.0) / self._scale
+
+    def add(self, replica_id: str, num_replicas: int, amount: float = 1.0) -> None:
+        self._scale /= 1.0 - 1.0 / (self.window_per_replica * max(num_replicas, 1))
+        self._raw[replica_id] = self._raw.get(replica_id, 0.0) + amount * self._scale
+        if self._scale > self._RENORMALIZE_AT:
+            self._raw = {k: v / self._scale for k, v in self._raw.items() if v / self._scale > 1e-6}
+            self._scale = 1.0
+
+
+class PrefixPolicy:
+    """Minimum predicted TTFT among the replicas under the load bound; ties by longest match,
+    then fewest requests in flight, then fewest recently sent, then rendezvous."""
+
+    name = "prefix"
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.model = TTFTModel(config)
+        self.tie_tolerance_s = config.tie_tolerance_s
+        self.miss_cost_factor = config.miss_cost_factor
+        self.max_load_ratio = config.max_load_ratio
+        self._recent = RecentCounts(config.load_window_per_replica)
+        self._lock = threading.Lock()
+
+    def _under_bound(self, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """Replicas that may take one more request without their recent count passing
+        ``max_load_ratio`` times the mean plus ``LOAD_BOUND_SLACK_REQUESTS`` (bounded-load
+        consistent hashing, Mirrokni et al. 2018, over the router's recent counts)."""
+        if self.max_load_ratio is None or len(replicas) == 1:
+            return list(replicas)
+        counts = [self._recent.get(v.replica_id) for v in replicas]
+        bound = self.max_load_ratio * sum(counts) / len(replicas) + LOAD_BOUND_SLACK_REQUESTS
+        under = [n + 1.0 <= bound for n in counts]
+        if all(under):
+            return list(replicas)
+        # The counts see only this router's traffic: a replica over the bound stays a candidate
+        # when it is strictly less loaded right now than every replica under it.
+        least_under = min(replica_load(v) for v, ok in zip(replicas, under, strict=True) if ok)
+        return [
+            v for v, ok in zip(replicas, under, strict=True) if ok or replica_load(v) < least_under
+        ]
+
+    def choose(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_prompt_tokens: int,
+        replicas: Sequence[ReplicaView],
+        matches: Mapping[str, Match],
+    ) -> Decision:
+        check_request(replicas, num_prompt_tokens)
+        with self._lock:
+            candidates = self._under_bound(replicas)
+            view, longest, reason = self._pick(block_hashes, num_prompt_tokens, candidates, matches)
+            if len(candidates) < len(replicas):
+                best_all_s = min(self._cost(v, matches, num_prompt_tokens) for v in replicas)
+                chosen_s = self._cost(view, matches, num_prompt_tokens)
+                if best_all_s + self.tie_tolerance_s < chosen_s:
+                    reason = RoutingReason.LOAD_BOUND  # the bound, not the price, decided
+            self._recent.add(view.replica_id, len(replicas))
+        ttft_s = self.model.predicted_ttft_s(view, matches.get(view.replica_id), num_prompt_tokens)
+        return Decision(view.replica_id, ttft_s, longest, reason)
+
+    def _cost(self, view: ReplicaView, matches: Mapping[str, Match], num_prompt_tokens: int) -> float:
+        return self.model.predicted_ttft_s(
+            view, matches.get(view.replica_id), num_prompt_tokens, self.miss_cost_factor
+        )
+
+    def _pick(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_prompt_tokens: int,
+        replicas: Sequence[ReplicaView],
+        matches: Mapping[str, Match],
+    ) -> tuple[ReplicaView, int, RoutingReason]:
+        """The cheapest of ``replicas`` (after tie-breaks), its matched blocks and the reason."""
+        scored = [(self._cost(v, matches, num_prompt_tokens), v) for v in replicas]
+        best_s = min(score for score, _ in scored)
+        tied = [v for score, v in scored if score <= best_s + self.tie_tolerance_s]
+        longest = max(num_matched(matches, v.replica_id) for v in tied)
+        tied = [v for v in tied if num_matched(matches, v.replica_id) == longest]
+        if len(tied) == 1:
+            reason = RoutingReason.PREFIX if longest > 0 else RoutingReason.SHORTEST_QUEUE
+            return tied[0], longest, reason
+        # Equal cost and equal match: the least loaded, then the least recently used (spreads
+        # new prefixes like SGLang's smallest tree), then rendezvous on the first block, so
+        # a cold prefix lands where every router with the same history agrees.
+        least = min(replica_load(v) for v in tied)
+        tied = [v for v in tied if replica_load(v) == least]
+        fewest = min(round(self._recent.get(v.replica_id)) for v in tied)
+        tied = [v for v in tied if round(self._recent.get(v.replica_id)) == fewest]
+        key = block_hashes[0] if block_hashes else b""
+        chosen_id = rendezvous_pick(key, [v.replica_id for v in tied])
+        view = next(v for v in tied if v.replica_id == chosen_id)
+        any_match = any(num_matched(matches, v.replica_id) for v in replicas)
+        return view, longest, (RoutingReason.TIE if any_match else RoutingReason.COLD)
