@@ -19,6 +19,11 @@ from worker.sampling_params import SamplingParams
 from worker.tokenizer import IncrementalDetokenizer
 
 
+def cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up (``a >= 0``, ``b > 0``): e.g. how many blocks ``a`` tokens fill."""
+    return -(-a // b)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -74,6 +79,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def must_wait_for_sibling(self) -> bool:
+        """Whether admission must wait for ``wait_for``, the sibling computing the shared prompt.
+
+        True while that sibling is unfinished and has not yet computed this request's prompt:
+        admitted now, this request would compute the prompt's blocks a second time instead of
+        finding them in the prefix cache. False for a request with no sibling to wait for.
+        """
+        first = self.wait_for
+        return first is not None and not first.is_finished and first.num_computed_tokens < len(self.prompt_token_ids)
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from worker.block_pool import BlockPool, NoFreeBlocksError
 from worker.config import EngineConfig
-from worker.request import Request, Status
+from worker.request import Request, Status, cdiv
 
 
 @dataclass
@@ -63,7 +63,10 @@ class Scheduler:
 
     def queued_prefill_tokens(self) -> int:
         waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        return waiting + sum(r.num_tokens - 1 - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
+        # A running request still prefilling has every token past its computed ones to go (the
+        # last prompt token included: it is what the first sample reads); a decode has none.
+        prefilling = (r for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
+        return waiting + sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
 
     # -- the step's plan ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -93,7 +96,7 @@ class Scheduler:
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Make ``req`` hold blocks for ``num_computed_tokens + num_new`` tokens."""
-        needed = -(-(req.num_computed_tokens + num_new) // self.pool.block_size) - len(req.blocks)
+        needed = cdiv(req.num_computed_tokens + num_new, self.pool.block_size) - len(req.blocks)
         if needed <= 0:
             return True
         try:
@@ -115,7 +118,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.wait_for is not None and not req.wait_for.is_finished and req.wait_for.num_computed_tokens < len(req.prompt_token_ids):
+            if req.must_wait_for_sibling():
                 break
             # Never a full hit: the last token is recomputed so the step yields its logits.
             max_hit_blocks = (req.num_tokens - 1) // self.pool.block_size
@@ -126,7 +129,7 @@ class Scheduler:
             hits += host_hits
             num_hit_tokens = len(hits) * self.pool.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            needed = -(-(num_hit_tokens + num_new) // self.pool.block_size) - len(hits)
+            needed = cdiv(num_hit_tokens + num_new, self.pool.block_size) - len(hits)
             try:
                 fresh = self.pool.allocate(needed)
             except NoFreeBlocksError:

@@ -1,0 +1,343 @@
+"""Scheduler policy without a model: real ``Scheduler``, ``BlockPool`` and ``Request`` objects,
+driven by hand the way ``LLMEngine.step`` drives them (schedule -> commit_computed -> sample ->
+finish), with made-up tokens standing in for the model's.
+
+Covers first-come first-served admission without starvation, which request preemption picks
+and how it comes back, the per-step token budget and ``max_num_seqs``, siblings of an
+``n > 1`` request waiting for the shared prompt, never a full prefix-cache hit, and
+``queued_prefill_tokens``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from worker.block_pool import BlockPool
+from worker.config import EngineConfig
+from worker.request import Request, Status, cdiv
+from worker.sampling_params import SamplingParams
+from worker.scheduler import ScheduledBatch, Scheduler
+
+BS = 8
+"""Block size of every test here: the smallest ``EngineConfig`` accepts, so cases stay small."""
+
+_token_ids = itertools.count(1000)
+"""Fresh token ids: prompts never share a block by accident, and sampled tokens are unique."""
+
+
+def tokens(n: int) -> list[int]:
+    return [next(_token_ids) for _ in range(n)]
+
+
+def make_scheduler(*, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16,
+                   enable_prefix_caching: bool = True) -> Scheduler:
+    config = EngineConfig(block_size=BS, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
+                          max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+    return Scheduler(config, BlockPool(num_blocks, BS, enable_prefix_caching))
+
+
+def make_request(name: str, prompt: list[int], max_tokens: int = 4, index: int = 0) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(name, index, list(prompt), params, seed=0, block_size=BS, model_id="test-model",
+                   cache_salt=None, detokenizer=None, max_total_tokens=10_000)
+
+
+def step(sched: Scheduler) -> ScheduledBatch:
+    """One engine step with a made-up model: every request whose step reaches its last known
+    token samples one new token; a request at ``max_tokens`` finishes (as in ``LLMEngine``)."""
+    batch = sched.schedule()
+    sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+                if r.num_computed_tokens + n == r.num_tokens]
+    sched.commit_computed(batch)
+    for req in sampling:
+        req.append_token(next(_token_ids))
+        if req.max_tokens_reached():
+            sched.finish(req)
+    sched.pool.check_invariants()
+    return batch
+
+
+def plan(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    """The step's plan as ``(request_id, num_new_tokens)``, in batch order."""
+    return [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)]
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def run_until_idle(sched: Scheduler, max_steps: int = 1000) -> list[ScheduledBatch]:
+    batches = []
+    while sched.num_unfinished:
+        assert len(batches) < max_steps, f"still {ids(sched.waiting)} waiting, {ids(sched.running)} running"
+        batches.append(step(sched))
+    return batches
+
+
+# -- (1) first come, first served --------------------------------------------------------------
+def test_admits_in_arrival_order_and_chunks_the_one_the_budget_cuts():
+    sched = make_scheduler(budget=48)
+    a, b, c = make_request("a", tokens(20)), make_request("b", tokens(20)), make_request("c", tokens(5))
+    for r in (a, b, c):
+        sched.add(r)
+    assert plan(step(sched)) == [("a", 20), ("b", 20), ("c", 5)]
+    assert ids(sched.running) == ["a", "b", "c"]
+
+    sched = make_scheduler(budget=32)
+    a, b, c = make_request("a", tokens(20)), make_request("b", tokens(20)), make_request("c", tokens(5))
+    for r in (a, b, c):
+        sched.add(r)
+    # b gets what is left of the budget; c, though short, does not jump ahead of it.
+    assert plan(step(sched)) == [("a", 20), ("b", 12)]
+    assert ids(sched.waiting) == ["c"]
+
+
+def test_later_short_request_never_overtakes_a_waiting_one_that_does_not_fit():
+    sched = make_scheduler(num_blocks=7)
+    running = make_request("running", tokens(30), max_tokens=3)  # 4 blocks to the end
+    sched.add(running)
+    step(sched)
+    long = make_request("long", tokens(32))  # needs 4 blocks; 3 are free
+    # Fits in the free blocks, and its first block is even in the prefix cache.
+    short = make_request("short", running.prompt_token_ids[:9])
+    sched.add(long)
+    sched.add(short)
+    for _ in range(2):
+        assert plan(step(sched)) == [("running", 1)]
+        assert ids(sched.waiting) == ["long", "short"]
+    assert running.is_finished
+    assert plan(step(sched)) == [("long", 32), ("short", 1)]
+    assert short.num_cached_tokens == BS
+
+
+def test_waiting_request_is_admitted_with_whatever_budget_is_left():
+    sched = make_scheduler(budget=16)
+    decoders = [make_request(f"d{i}", tokens(5), max_tokens=50) for i in range(2)]
+    for r in decoders:
+        sched.add(r)
+    step(sched)
+    long, short = make_request("long", tokens(40)), make_request("short", tokens(3))
+    sched.add(long)
+    sched.add(short)
+    assert plan(step(sched)) == [("d0", 1), ("d1", 1), ("long", 14)]
+    assert ids(sched.waiting) == ["short"]
+
+
+# -- (2) preemption by recompute ----------------------------------------------------------------
+def test_out_of_blocks_in_decode_preempts_the_newest_running_request():
+    sched = make_scheduler(num_blocks=6)
+    a, b, c = (make_request(n, tokens(15), max_tokens=4) for n in "abc")  # 2 blocks each: pool full
+    for r in (a, b, c):
+        sched.add(r)
+    step(sched)  # prefill, sample token 16
+    step(sched)  # decode position 15: still 2 blocks each
+    late = make_request("late", tokens(1))
+    sched.add(late)
+    assert sched.pool.num_free_blocks == 0 and all(r.num_tokens == 17 for r in (a, b, c))
+
+    batch = step(sched)  # a and b each need a third block: c, the newest, makes room
+    assert plan(batch) == [("a", 1), ("b", 1)]
+    assert c.status == Status.WAITING and c.blocks == [] and c.num_computed_tokens == 0
+    assert c.num_preemptions == 1 and sched.counters.num_preemptions == 1
+    assert ids(sched.waiting) == ["c", "late"], "the preempted request goes back to the head of the queue"
+    assert sum(blk.ref_count for blk in sched.pool.blocks) == len(a.blocks) + len(b.blocks) == 6
+    assert len(c.output_token_ids) == 2, "its sampled tokens are kept"
+    assert sched.queued_prefill_tokens() == c.num_tokens + late.num_tokens
+
+    while c.status == Status.WAITING:
+        batch = step(sched)
+    # a and b took c's two blocks (evicting them), so c recomputes all 17 tokens, the 2 it
+    # generated included, and samples its next one in the same step.
+    assert ("c", 17) in plan(batch) and len(c.output_token_ids) == 3
+    run_until_idle(sched)
+    assert all(r.is_finished and len(r.output_token_ids) == 4 for r in (a, b, c, late))
+    assert sched.counters.prefix_cache_queries_tokens == 3 * 15 + 1, "a recompute is not a second query"
+    assert sched.pool.num_free_blocks == sched.pool.num_blocks
+
+
+def test_no_admission_in_a_step_that_preempted():
+    sched = make_scheduler(num_blocks=6)
+    shared = tokens(2 * BS)
+    # Admitted together, both compute the shared prompt: a's copy is cached, b's stays private.
+    a = make_request("a", shared + tokens(7), max_tokens=10)
+    b = make_request("b", shared + tokens(7), max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    step(sched)
+    assert sched.pool.num_free_blocks == 0 and a.num_tokens == b.num_tokens == 25
+    # a needs a fourth block: b is preempted and a takes one of its three. The two left are
+    # enough to readmit b (its first two blocks are a's cached ones), but not in this step.
+    assert plan(step(sched)) == [("a", 1)]
+    assert sched.pool.num_free_blocks == 2 and ids(sched.waiting) == ["b"]
+    assert plan(step(sched)) == [("a", 1), ("b", 25 - 2 * BS)]
+
+
+def test_a_request_alone_without_a_block_preempts_itself():
+    sched = make_scheduler(num_blocks=2)
+    a = make_request("a", tokens(15), max_tokens=3)
+    sched.add(a)
+    step(sched)
+    step(sched)
+    assert sched.pool.num_free_blocks == 0 and a.num_tokens == 17  # no third block for a
+    # With no other victim, a is the newest running request: it goes back to the queue.
+    assert not step(sched)
+    assert a.status == Status.WAITING and ids(sched.waiting) == ["a"] and a.blocks == []
+
+
+# -- (3) the token budget and max_num_seqs --------------------------------------------------------
+def test_chunked_prefill_then_decodes_share_the_budget():
+    sched = make_scheduler(budget=16)
+    a = make_request("a", tokens(40), max_tokens=10)
+    sched.add(a)
+    chunks = []
+    while not a.output_token_ids:
+        chunks.append(plan(step(sched)))
+    assert chunks == [[("a", 16)], [("a", 16)], [("a", 8)]], "a samples only after its last chunk"
+    b = make_request("b", tokens(40))
+    sched.add(b)
+    assert [plan(step(sched)) for _ in range(3)] == [
+        [("a", 1), ("b", 15)], [("a", 1), ("b", 15)], [("a", 1), ("b", 10)]]
+    assert len(b.output_token_ids) == 1
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched = make_scheduler(budget=64, max_num_seqs=2)
+    reqs = [make_request(f"r{i}", tokens(4), max_tokens=3) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    assert plan(step(sched)) == [("r0", 4), ("r1", 4)]
+    assert ids(sched.waiting) == ["r2"]
+    while not reqs[0].is_finished:
+        assert ids(step(sched).requests) == ["r0", "r1"]
+    assert ("r2", 4) in plan(step(sched))
+
+
+def test_random_load_respects_budget_and_max_num_seqs(test_seed):
+    rng = random.Random(test_seed)
+    budget, max_num_seqs = 24, 4
+    sched = make_scheduler(num_blocks=20, budget=budget, max_num_seqs=max_num_seqs)
+    shared = tokens(2 * BS)
+    pending = [make_request(f"r{i}", shared[: rng.choice([0, BS, 2 * BS])] + tokens(rng.randint(1, 60)),
+                            max_tokens=rng.randint(1, 10)) for i in range(40)]
+    everyone, steps = list(pending), 0
+    while pending or sched.num_unfinished:
+        while pending and rng.random() < 0.3:
+            sched.add(pending.pop(0))
+        batch = step(sched)
+        steps += 1
+        assert batch.total_tokens <= budget, f"seed {test_seed}: {plan(batch)}"
+        assert len(sched.running) <= max_num_seqs
+        assert all(n >= 1 for n in batch.num_new_tokens)
+        assert len(set(map(id, batch.requests))) == len(batch.requests), "a request twice in one step"
+        assert steps < 3000, f"seed {test_seed}: requests left after {steps} steps"
+    assert all(r.is_finished and len(r.output_token_ids) == r.params.max_tokens for r in everyone)
+    assert sched.pool.num_free_blocks == sched.pool.num_blocks
+
+
+# -- (4) siblings of an n > 1 request -----------------------------------------------------------
+def make_group(name: str, prompt: list[int], n: int) -> list[Request]:
+    """``n`` sequences of one request, linked as ``LLMEngine.add_request`` links them."""
+    group = []
+    for i in range(n):
+        req = make_request(name, prompt, index=i)
+        req.wait_for = group[0] if group else None
+        group.append(req)
+    return group
+
+
+def test_siblings_wait_until_the_first_has_computed_the_prompt():
+    sched = make_scheduler(budget=16)
+    first, s1, s2 = make_group("g", tokens(40), 3)
+    other = make_request("other", tokens(2))
+    for r in (first, s1, s2, other):
+        sched.add(r)
+    for chunk in (16, 16, 8):
+        # The last chunk leaves 8 tokens of budget, yet nothing is admitted: the prompt is not
+        # computed until that step ends, and nobody overtakes the waiting siblings.
+        assert s1.must_wait_for_sibling() and s2.must_wait_for_sibling()
+        batch = step(sched)
+        assert batch.requests == [first] and batch.num_new_tokens == [chunk]
+    assert ids(sched.waiting) == ["g", "g", "other"]
+    assert not s1.must_wait_for_sibling()
+    batch = step(sched)
+    assert batch.requests == [first, s1, s2]
+    assert batch.num_new_tokens == [1, 8, 7]
+    assert s1.num_cached_tokens == s2.num_cached_tokens == 32
+    shared_ids = [blk.block_id for blk in first.blocks[:4]]
+    assert [blk.block_id for blk in s1.blocks[:4]] == [blk.block_id for blk in s2.blocks[:4]] == shared_ids, (
+        "the shared prompt blocks are computed once")
+
+
+def test_sibling_of_a_finished_first_does_not_wait():
+    sched = make_scheduler()
+    first, second = make_group("g", tokens(20), 2)
+    sched.add(first)
+    sched.add(second)
+    assert second.must_wait_for_sibling()
+    sched.finish(first)  # aborted before it ran
+    assert not second.must_wait_for_sibling()
+    batch = step(sched)
+    assert batch.requests == [second] and batch.num_new_tokens == [20]
+
+
+# -- (5) never a full prefix-cache hit ----------------------------------------------------------
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    sched = make_scheduler()
+    prompt = tokens(2 * BS)
+    sched.add(make_request("warm", prompt, max_tokens=1))
+    run_until_idle(sched)
+
+    same = make_request("same", prompt, max_tokens=1)
+    sched.add(same)
+    # Both blocks are cached, but the last one is recomputed so the step yields logits.
+    assert plan(step(sched)) == [("same", BS)]
+    assert same.num_cached_tokens == BS and len(same.output_token_ids) == 1
+
+    longer = make_request("longer", prompt + tokens(1), max_tokens=1)
+    sched.add(longer)
+    assert plan(step(sched)) == [("longer", 1)]
+    assert longer.num_cached_tokens == 2 * BS and len(longer.output_token_ids) == 1
+    assert sched.counters.prefix_cache_hits_tokens == 3 * BS
+
+
+def test_no_hits_when_prefix_caching_is_off():
+    sched = make_scheduler(enable_prefix_caching=False)
+    prompt = tokens(2 * BS)
+    sched.add(make_request("warm", prompt, max_tokens=1))
+    run_until_idle(sched)
+    again = make_request("again", prompt, max_tokens=1)
+    sched.add(again)
+    assert plan(step(sched)) == [("again", 2 * BS)] and again.num_cached_tokens == 0
+
+
+# -- (6) queued_prefill_tokens ------------------------------------------------------------------
+def test_queued_prefill_tokens_counts_waiting_prompts_and_not_decodes():
+    sched = make_scheduler(budget=16)
+    assert sched.queued_prefill_tokens() == 0
+    a, b = make_request("a", tokens(40), max_tokens=20), make_request("b", tokens(10), max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    assert sched.queued_prefill_tokens() == 50
+    step(sched)
+    before = sched.queued_prefill_tokens()
+    assert plan(step(sched)) == [("a", 16)]
+    assert before - sched.queued_prefill_tokens() == 16, "a prefill chunk leaves the queue as it computes"
+    while b.num_computed_tokens < len(b.prompt_token_ids):
+        step(sched)
+    assert a.output_token_ids and b.output_token_ids
+    assert sched.queued_prefill_tokens() == 0, "decoding requests queue no prefill"
+
+
+def test_queued_prefill_tokens_counts_every_token_a_partial_prefill_still_needs():
+    sched = make_scheduler(budget=16)
+    a, b = make_request("a", tokens(40)), make_request("b", tokens(10))
+    sched.add(a)
+    sched.add(b)
+    assert plan(step(sched)) == [("a", 16)]
+    assert sched.queued_prefill_tokens() == (40 - 16) + 10
+
+
+def test_cdiv_rounds_up():
+    assert [cdiv(n, BS) for n in (0, 1, BS - 1, BS, BS + 1, 3 * BS)] == [0, 1, 1, 1, 2, 3]
