@@ -11,6 +11,7 @@ that request's batch (recorded by a logits processor), counted from t=0.
 
     python -m bench.engine                 # full run, writes bench/results/engine_<date>.json/.png
     python -m bench.engine --quick         # 16 requests, 16 tokens: a smoke run
+    python -m bench.engine --only deterministic --max-num-seqs 8 --threads 2   # one system, small batches
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def make_workload(tokenizer, num_requests: int, seed: int = 0) -> list[list[int]
     return prompts
 
 
-def run_ours(prompts, max_tokens: int, deterministic: bool) -> dict:
+def run_ours(prompts, max_tokens: int, deterministic: bool, max_num_seqs: int = 64) -> dict:
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
     from worker.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=4096, max_num_seqs=64,
+    engine = LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=4096, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=512, deterministic=deterministic))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.monotonic()
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="16 requests x 16 tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="our engine's running-batch cap (default 64)")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one system, in a child process
     args = ap.parse_args(argv)
     if args.quick:
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "transformers":
             row = run_transformers(prompts, args.max_tokens, int(batch), path)
         else:
-            row = run_ours(prompts, args.max_tokens, kind == "deterministic")
+            row = run_ours(prompts, args.max_tokens, kind == "deterministic", args.max_num_seqs)
         print(ROW_PREFIX + json.dumps(row), flush=True)
         return 0
     systems = ["deterministic", "fast"]

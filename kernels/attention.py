@@ -8,19 +8,22 @@ with no transposing copy (measured: those copies were 30% of a decode step).
 
 Batch-invariant path (``deterministic=True``)
     torch's CPU GEMMs pick kernels by shape, so a dot product's rounding can change with the
-    number of rows in the call. Here every matmul has one fixed shape:
-    ``[ATTN_TILE_ROWS, head_dim] @ [head_dim, ATTN_KV_CHUNK]`` for scores and
-    ``[ATTN_TILE_ROWS, ATTN_KV_CHUNK] @ [ATTN_KV_CHUNK, head_dim]`` for values, or the same
-    with ``SMALL_TILE_ROWS`` rows for chunks that few rows meet, where a startup check
-    (``small_tiles_are_exact``) found both row counts give a row the same bits.
+    number of rows in the call. Here every matmul has a fixed shape:
+    ``[T, head_dim] @ [head_dim, ATTN_KV_CHUNK]`` for scores and
+    ``[T, ATTN_KV_CHUNK] @ [ATTN_KV_CHUNK, head_dim]`` for values, where T is the reference
+    ``ATTN_TILE_ROWS`` or a smaller row count that a startup probe (``exact_tile_rows``) found
+    to give every row the reference's bits on this CPU.
     A *row* is one (query token, query head) pair; ``kernels/attention_plan.py`` packs the rows
-    that attend to one chunk of ``ATTN_KV_CHUNK`` keys (aligned to position 0) into tiles of
-    ``ATTN_TILE_ROWS``, so a chunk shared by many sequences is read once. Each tile's softmax
-    over its chunk is computed alone (keys a row may not see get probability exactly 0), and
-    each row then folds its chunks' partial results elementwise in ascending chunk order.
-    A row meets only the chunks it can see, so a query's output is the same whether it is
-    computed in a fresh prefill, after a cache hit, in any chunk of a chunked prefill, or as
-    a decode, and whatever shares the batch.
+    that attend to one chunk of ``ATTN_KV_CHUNK`` keys (aligned to position 0) into tiles (full
+    ones, and the smallest exact one for the rest), so a chunk shared by many sequences is
+    read once. Each tile's softmax over its chunk is computed alone (keys a row may not see get
+    probability exactly 0), and each row then folds its chunks' partial results elementwise in
+    ascending chunk order. A row meets only the chunks it can see, so a query's output is the
+    same whether it is computed in a fresh prefill, after a cache hit, in any chunk of a
+    chunked prefill, or as a decode, and whatever shares the batch.
+    Per-call overhead dominates a small batch's attention, so a region of tiles is one
+    ``bmm`` over every KV head (a head-major batch), its keys one gather for all heads, and the
+    fold one pass per chunk index over all rows.
 
 Fast path (``deterministic=False``)
     One ``scaled_dot_product_attention`` call per prefill sequence (its rounding depends on the
@@ -31,21 +34,23 @@ Fast path (``deterministic=False``)
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kernels.attention_plan import AttentionPlan, build_plan
+from kernels.linear import cpu_description
+
+log = logging.getLogger(__name__)
 
 ATTN_TILE_ROWS = 16
-"""Rows per score tile."""
-SMALL_TILE_ROWS = 4
-"""Rows per tile of a chunk met by at most this many rows: a decode's own last chunk holds
-one token's ``group`` query heads (3 for SmolLM2), which a full tile would pad 16/3-fold.
-Used only where ``small_tiles_are_exact``. Measured on a decode step of the engine benchmark
-(64 sequences, 1 thread): its 79 private chunks take 1.75 ms per head and layer in 4-row
-tiles against 5.5 ms in 16-row ones; the step's whole attention 455 vs 500 ms of CPU."""
+"""Rows of the reference score tile, whose bits every tile size used must reproduce."""
+ATTN_TILE_LADDER_ROWS = (1, 2, 4, 8)
+"""Smaller tile row counts ``exact_tile_rows`` tries. A chunk that few rows meet (a decode's own
+last chunk: one token's ``group`` query heads, 3 for SmolLM2; a prompt's chunk shared by two
+decodes: 6) gets the smallest exact tile that holds them instead of a mostly padded full one."""
 ATTN_KV_CHUNK = 128
 """Keys per softmax chunk; a multiple of every supported block size."""
 _MASKED = -1.0e30
@@ -111,111 +116,149 @@ def _step_buffer(meta: AttentionMetadata, key: tuple, shape: tuple[int, ...], li
     return buf
 
 
+def _probe_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    n, rows = q.shape[:2]
+    m, l_sum, o = q.new_empty(n, rows, 1), q.new_empty(n, rows, 1), q.new_empty(n, rows, q.shape[2])
+    _tile_softmax(q, k.transpose(1, 2), v, masked, m, l_sum, o)
+    return m, l_sum, o
+
+
 @functools.cache
-def small_tiles_are_exact(head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether this CPU's ``bmm`` gives every row of a ``[SMALL_TILE_ROWS, head_dim]`` tile the
-    same bits as the same row in a full ``[ATTN_TILE_ROWS, head_dim]`` tile, for both of the
-    attention's products, with the chunk copied or read in place (a stride-0 batch).
+def exact_tile_rows(head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The tile row counts of ``ATTN_TILE_LADDER_ROWS`` for which this CPU gives every row the
+    bits of the same row in a full ``ATTN_TILE_ROWS`` tile, plus ``ATTN_TILE_ROWS`` itself.
 
-    A GEMM library may pick its kernel by the row count (MKL does for 1 and 2 rows, measured),
-    so this is checked once per process and shape, on random data, rather than assumed. Where
-    it fails every chunk keeps full tiles: slower at decode, equally exact.
-    """
+    A GEMM library may pick its kernel by the row count, so this runs the tile softmax itself
+    (both products, the mask, the reductions) once per process and shape on random data: full
+    tiles against the same rows cut into smaller tiles (a different bmm batch count too), with
+    each tile's chunk copied or read in place (a stride-0 batch). Where a size fails, chunks
+    that would use it take the next exact size up: slower at decode, equally exact."""
     gen = torch.Generator().manual_seed(0)
-    small, full, keys = SMALL_TILE_ROWS, ATTN_TILE_ROWS, ATTN_KV_CHUNK
+    full, keys, batch = ATTN_TILE_ROWS, ATTN_KV_CHUNK, 6
+    exact = set(ATTN_TILE_LADDER_ROWS)
     for _ in range(3):
-        q = torch.randn(6, full, head_dim, generator=gen).to(dtype)
-        k_t = torch.randn(6, head_dim, keys, generator=gen).to(dtype)
-        p = torch.rand(6, full, keys, generator=gen).to(dtype)
-        v = torch.randn(6, keys, head_dim, generator=gen).to(dtype)
-        for kk, vv in ((k_t, v), (k_t[:1].expand(6, -1, -1), v[:1].expand(6, -1, -1))):
-            if not (torch.equal(torch.bmm(q[:, :small].contiguous(), kk), torch.bmm(q, kk)[:, :small])
-                    and torch.equal(torch.bmm(p[:, :small].contiguous(), vv), torch.bmm(p, vv)[:, :small])):
-                return False
-    return True
+        q = torch.randn(batch, full, head_dim, generator=gen).to(dtype)
+        k = torch.randn(batch, keys, head_dim, generator=gen).to(dtype)
+        v = torch.randn(batch, keys, head_dim, generator=gen).to(dtype)
+        masked = torch.rand(batch, full, keys, generator=gen) < 0.3
+        masked[..., 0] = False  # a row always sees its chunk's first key
+        for kk, vv in ((k, v), (k[:1].expand(batch, -1, -1), v[:1].expand(batch, -1, -1))):
+            reference = _probe_softmax(q, kk, vv, masked)
+            for rows in sorted(exact):
+                split = full // rows  # each full tile's first split * rows rows, cut into small tiles
+                used = split * rows
+                got = _probe_softmax(q[:, :used].reshape(batch * split, rows, head_dim), kk.repeat_interleave(split, 0),
+                                     vv.repeat_interleave(split, 0), masked[:, :used].reshape(batch * split, rows, keys))
+                if not all(torch.equal(a.reshape(batch, used, -1), b[:, :used]) for a, b in zip(got, reference, strict=True)):
+                    exact.discard(rows)
+    chosen = tuple(sorted(exact | {full}))
+    log.info("attention tiles: probe on %s found row tiles %s exact (head_dim %d, %s); reference %d rows",
+             cpu_description(), list(chosen), head_dim, str(dtype).removeprefix("torch."), full)
+    return chosen
 
 
-def plan_for(meta: AttentionMetadata, block_size: int, group: int, head_dim: int, dtype: torch.dtype) -> AttentionPlan:
+def plan_for(meta: AttentionMetadata, block_size: int, group: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype) -> AttentionPlan:
     """The step's ``AttentionPlan``, built on the first layer and reused by the others."""
-    key = (block_size, group)
+    key = (block_size, group, num_kv_heads)
     plan = meta.plans.get(key)
     if plan is None:
-        small = SMALL_TILE_ROWS if group <= SMALL_TILE_ROWS and small_tiles_are_exact(head_dim, dtype) else None
-        plan = build_plan(meta.query_start_loc_list, meta.seq_lens_list, meta.block_tables.tolist(),
-                          block_size, group, ATTN_TILE_ROWS, ATTN_KV_CHUNK, small)
+        plan = build_plan(meta.query_start_loc_list, meta.seq_lens_list, meta.block_tables.tolist(), block_size,
+                          group, num_kv_heads, ATTN_TILE_ROWS, ATTN_KV_CHUNK, exact_tile_rows(head_dim, dtype))
         meta.plans[key] = plan
     return plan
 
 
-def _tile_softmax(q, k_t, v, masked, m_out, l_out, o_out) -> None:
-    """Tiles ``q [n, T, D]`` against their chunks ``k_t [n, D, C]``, ``v [n, C, D]``; ``masked``
-    covers the first tiles only (the others see every key of their chunk).
+def _tile_softmax(q, k_t, v, masked, m_out, l_out, o_out, num_heads: int = 1) -> None:
+    """Tiles ``q [H * n, T, D]`` against their chunks ``k_t [H * n, D, C]``, ``v [H * n, C, D]``
+    (H = ``num_heads`` KV heads, head-major); ``masked [num_masked, T, C]`` covers each head's
+    first tiles (the others see every key of their chunk).
 
     ``k_t`` and ``v`` may be one chunk expanded to ``n`` tiles (a stride-0 batch): ``bmm`` then
     multiplies the same fixed ``[T, D] @ [D, C]`` shape per tile without copying the chunk.
     """
     scores = torch.bmm(q, k_t)
-    scores[: masked.shape[0]].masked_fill_(masked, _MASKED)  # the tiles that need a mask come first
+    if masked.shape[0]:  # the tiles that need a mask come first
+        scores.view(num_heads, -1, *scores.shape[1:])[:, : masked.shape[0]].masked_fill_(masked, _MASKED)
     torch.amax(scores, dim=-1, keepdim=True, out=m_out)
     p = scores.sub_(m_out).exp_()
     torch.sum(p, dim=-1, keepdim=True, out=l_out)
     torch.bmm(p, v, out=o_out)
 
 
+def _block_ids(meta: AttentionMetadata, key: tuple, blocks: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Rows of the ``[Hkv * num_blocks, block_size * D]`` view of the cache holding ``blocks``
+    for every KV head, head-major; kept in ``meta.plans`` for the step's other layers."""
+    ids = meta.plans.get(key)
+    if ids is None:
+        ids = meta.plans[key] = (torch.arange(num_kv_heads)[:, None] * num_blocks + blocks.reshape(1, -1)).reshape(-1)
+    return ids
+
+
 def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
+    num_kv_heads, num_blocks, block_size = k_cache.shape[:3]
     group = num_heads // num_kv_heads
-    plan = plan_for(meta, block_size, group, head_dim, query.dtype)
+    plan = plan_for(meta, block_size, group, num_kv_heads, head_dim, query.dtype)
+    chunk = plan.kv_chunk
 
     # Queries as rows [Hkv, R, D]; each tile set copies them tile-major [Hkv, tiles, T, D].
     qh = (query * scale).view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
     qh = qh.reshape(num_kv_heads, num_tokens * group, head_dim)
+    # Every cache row is one block of one KV head: a region's keys for all heads are one gather.
+    k_rows = k_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
+    v_rows = v_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
 
-    # Each tile's softmax over its chunk alone: max m, sum l and unnormalised output o, per
-    # slot; every tile set fills its own slice of the slots.
-    m = query.new_empty(num_kv_heads, plan.num_slots, 1)
-    l_sum = query.new_empty(num_kv_heads, plan.num_slots, 1)
-    o = query.new_empty(num_kv_heads, plan.num_slots, head_dim)
+    # Each tile's softmax over its chunk alone: max m, sum l and unnormalised output o per slot
+    # (see kernels/attention_plan.py).
+    m = query.new_empty(plan.num_slots)
+    l_sum = query.new_empty(plan.num_slots)
+    o = query.new_empty(plan.num_slots, head_dim)
     for s, tiles in enumerate(plan.tile_sets):
         tile, num_tiles = tiles.tile_rows, tiles.num_tiles
         q_tiles = qh.index_select(1, tiles.tile_row_ids).view(num_kv_heads, num_tiles, tile, head_dim)
-        slots = slice(tiles.first_slot, tiles.first_slot + tiles.num_slots)
-        m_s = m[:, slots].view(num_kv_heads, num_tiles, tile, 1)
-        l_s = l_sum[:, slots].view(num_kv_heads, num_tiles, tile, 1)
-        o_s = o[:, slots].view(num_kv_heads, num_tiles, tile, head_dim)
         for i, region in enumerate(tiles.regions):
-            a, b = region.first, region.first + region.count
-            shape = (num_kv_heads, region.blocks.numel(), block_size * head_dim)
-            # [Hkv, count, C, D], or [Hkv, C, D] when shared
-            k = _gather_kv(k_cache, region.blocks, _step_buffer(meta, ("k", s, i), shape, k_cache))
-            v = _gather_kv(v_cache, region.blocks, _step_buffer(meta, ("v", s, i), shape, v_cache))
-            if region.shared:  # every tile reads the one chunk in place: a stride-0 batch
-                k = k[:, None].expand(-1, region.count, -1, -1)
-                v = v[:, None].expand(-1, region.count, -1, -1)
+            a, b, count = region.first, region.first + region.count, region.count
+            slots = slice(region.first_slot, region.first_slot + num_kv_heads * count * tile)
+            m_r, l_r, o_r = m[slots].view(-1, tile, 1), l_sum[slots].view(-1, tile, 1), o[slots].view(-1, tile, head_dim)
+            ids_key = ("ids", block_size, group, num_kv_heads, num_blocks, s, i)
+            ids = _block_ids(meta, ids_key, region.blocks, num_kv_heads, num_blocks)
+            shape = (ids.numel(), block_size * head_dim)
+            k = torch.index_select(k_rows, 0, ids, out=_step_buffer(meta, ("k", s, i), shape, k_cache))
+            v = torch.index_select(v_rows, 0, ids, out=_step_buffer(meta, ("v", s, i), shape, v_cache))
             masked = tiles.tile_masked[a : a + region.num_masked]
-            for h in range(num_kv_heads):
-                _tile_softmax(q_tiles[h, a:b], k[h].transpose(1, 2), v[h], masked, m_s[h, a:b], l_s[h, a:b], o_s[h, a:b])
+            if region.shared:  # every tile reads the one chunk in place (a stride-0 batch), per head
+                k, v = k.view(num_kv_heads, 1, chunk, head_dim), v.view(num_kv_heads, 1, chunk, head_dim)
+                for h in range(num_kv_heads):
+                    heads = slice(h * count, (h + 1) * count)
+                    _tile_softmax(q_tiles[h, a:b], k[h].expand(count, -1, -1).transpose(1, 2), v[h].expand(count, -1, -1),
+                                  masked, m_r[heads], l_r[heads], o_r[heads])
+            else:  # one batch over every KV head's tiles, each with its own copy of its chunk
+                k = k.view(num_kv_heads * count, chunk, head_dim)
+                v = v.view(num_kv_heads * count, chunk, head_dim)
+                q = q_tiles[:, a:b].reshape(num_kv_heads * count, tile, head_dim)
+                _tile_softmax(q, k.transpose(1, 2), v, masked, m_r, l_r, o_r, num_kv_heads)
 
     # Fold each row's chunks in ascending order: elementwise, so per row and batch-invariant.
-    src0 = plan.merge_src[0]
-    run_m, run_l, run_o = m.index_select(1, src0), l_sum.index_select(1, src0), o.index_select(1, src0)
-    for rows, src in zip(plan.merge_rows[1:], plan.merge_src[1:], strict=True):
-        old_m = run_m if rows is None else run_m.index_select(1, rows)
-        old_l = run_l if rows is None else run_l.index_select(1, rows)
-        old_o = run_o if rows is None else run_o.index_select(1, rows)
-        new_m = m.index_select(1, src)
-        both_m = torch.maximum(old_m, new_m)
-        a, b = torch.exp(old_m - both_m), torch.exp(new_m - both_m)
-        merged_l = old_l * a + l_sum.index_select(1, src) * b
-        merged_o = old_o * a + o.index_select(1, src) * b
-        if rows is None:
-            run_m, run_l, run_o = both_m, merged_l, merged_o
-        else:
-            run_m.index_copy_(1, rows, both_m)
-            run_l.index_copy_(1, rows, merged_l)
-            run_o.index_copy_(1, rows, merged_o)
-    out = (run_o / run_l).view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+    # Rows are in the plan's fold order, so the rows meeting chunk index c are a prefix.
+    index = plan.merge_index.reshape(-1)
+    all_m = m.index_select(0, index).view(num_kv_heads, -1, 1)
+    all_l = l_sum.index_select(0, index).view(num_kv_heads, -1, 1)
+    all_o = o.index_select(0, index).view(num_kv_heads, -1, head_dim)
+    rows = plan.num_rows
+    run_m, run_l, run_o = all_m[:, :rows], all_l[:, :rows], all_o[:, :rows]  # chunk 0: every row
+    start = rows
+    for count in plan.merge_counts[1:]:
+        new = slice(start, start + count)
+        old_m = run_m[:, :count]
+        both_m = torch.maximum(old_m, all_m[:, new])
+        a, b = torch.exp(old_m - both_m), torch.exp(all_m[:, new] - both_m)
+        torch.add(run_l[:, :count] * a, all_l[:, new] * b, out=run_l[:, :count])
+        torch.add(run_o[:, :count] * a, all_o[:, new] * b, out=run_o[:, :count])
+        old_m.copy_(both_m)
+        start += count
+    out = (run_o / run_l).index_select(1, plan.merge_rank)
+    out = out.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 

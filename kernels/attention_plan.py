@@ -7,17 +7,22 @@ identified by its index and the block ids that hold it, so two sequences that sh
 blocks (a system prompt, a chat history, the ``n > 1`` siblings of one prompt) share the
 chunk, and its keys are read once for all of their rows.
 
-Rows meeting one chunk are packed into *tiles* of ``tile_rows`` rows (the last one padded).
-Every tile is one fixed-shape matmul, so a row's result never depends on which other rows
-share its tile or the batch (see ``kernels/attention.py``). A chunk met by at most
-``small_tile_rows`` rows (a decode's own last chunk: one token's ``group`` heads) gets one
-small tile instead, when the caller has checked that this CPU's matmul gives a row the same
-bits in a small tile as in a full one (``kernels/attention.py``'s ``small_tiles_are_exact``):
-a full tile would be mostly padding. Small and full tiles form two *tile sets*.
+Rows meeting one chunk are packed into *tiles*. Every tile is one fixed-shape matmul, so a
+row's result never depends on which other rows share its tile or the batch (see
+``kernels/attention.py``). The reference tile has ``tile_rows`` rows; the caller passes the
+smaller row counts it has proven to give a row the same bits (``exact_tile_rows``). A chunk
+met by at most ``tile_rows`` rows gets one tile of the smallest proven size that holds them
+(a decode's own last chunk: one token's ``group`` heads); a chunk met by more gets full tiles
+and, for the rest, one tile of the smallest proven size that holds the rest. Tiles of one row
+count form a *tile set*.
 
-A row meets chunks ``0 .. pos // kv_chunk``, always in that order; ``merge_rows``/``merge_src``
-say, for chunk index ``c``, which rows fold in which tile slot's partial result (the slots of
-all tile sets are numbered one after the other).
+A row meets chunks ``0 .. pos // kv_chunk``, always in that order. The tiles write their
+partial softmax results (max, sum, unnormalised output) to *slots*, one per tile row and KV
+head, numbered region by region and, inside a region, head-major (so a region's tiles for
+every KV head are one contiguous batch). The fold then walks chunk indices in ascending
+order over the rows sorted by how many chunks they meet (most first), so the rows that meet
+chunk ``c`` are always a prefix, ``merge_counts[c]`` long: ``merge_index[h]`` lists, chunk
+index by chunk index, the slot of each such row's partial result under KV head ``h``.
 
 Tiles are laid out in *regions* computed together: first every tile of lightly shared chunks
 (their keys gathered into one batched copy, one tile per copy), then one region per heavily
@@ -51,6 +56,9 @@ class TileRegion:
     blocks: torch.Tensor
     """[count, blocks_per_chunk] block ids of each tile's chunk (gathered region), or
     [blocks_per_chunk] of the one chunk every tile reads (shared region). Padded with 0."""
+    first_slot: int
+    """The region's first slot: its ``num_kv_heads * count * tile_rows`` slots follow, for KV
+    head 0's tiles first."""
 
     @property
     def shared(self) -> bool:
@@ -62,21 +70,15 @@ class TileSet:
     """Tiles of one row count, laid out in regions."""
 
     tile_rows: int
-    first_slot: int
-    """Slot number of this set's first slot in the step's slot numbering."""
     tile_row_ids: torch.Tensor
-    """[num_tiles * tile_rows] row of each tile slot (0 for padding slots)."""
+    """[num_tiles * tile_rows] row of each tile position (0 for padding)."""
     tile_masked: torch.Tensor
-    """[num_tiles, tile_rows, kv_chunk] bool: True where a slot may not see a key."""
+    """[num_tiles, tile_rows, kv_chunk] bool: True where a tile position may not see a key."""
     regions: list[TileRegion]
 
     @property
     def num_tiles(self) -> int:
         return self.tile_masked.shape[0]
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_tiles * self.tile_rows
 
 
 @dataclass
@@ -84,33 +86,45 @@ class AttentionPlan:
     kv_chunk: int
     num_rows: int
     """Rows of the batch: ``num_tokens * group``."""
+    num_kv_heads: int
     tile_sets: list[TileSet]
-    merge_rows: list[torch.Tensor | None]
-    """Per chunk index ``c``: rows that meet a chunk at index c (None: every row)."""
-    merge_src: list[torch.Tensor]
-    """Per chunk index ``c``: the slot (``first_slot + tile * tile_rows + slot``) of each such row."""
-
-    @property
-    def num_slots(self) -> int:
-        return sum(ts.num_slots for ts in self.tile_sets)
+    num_slots: int
+    """Slots of every tile set and KV head together."""
+    merge_rank: torch.Tensor
+    """[num_rows] position of each row in the fold's order (rows meeting more chunks first)."""
+    merge_counts: list[int]
+    """Per chunk index ``c``: how many rows meet a chunk at index c (a prefix of the order)."""
+    merge_index: torch.Tensor
+    """[num_kv_heads, sum(merge_counts)] slot of each (chunk index, row of that prefix) pair's
+    partial result, chunk index by chunk index."""
 
 
 @dataclass
 class _ChunkTiles:
-    """One chunk's rows packed into tiles, before the tiles are placed in a region."""
+    """Some of one chunk's rows packed into tiles of one size, before they get a region."""
 
     index: int
     blocks: list[int]
     rows: torch.Tensor
-    """[count, T] row per slot, -1 for padding."""
+    """[count, T] row per tile position, -1 for padding."""
     pos: torch.Tensor
-    """[count, T] position per slot, -1 for padding."""
+    """[count, T] position per tile position, -1 for padding."""
     needs_mask: torch.Tensor
     """[count] bool: some real row of the tile cannot see the chunk's last key."""
 
 
-def _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows_of):
-    """Every chunk some row meets, its rows packed in tiles of ``tile_rows_of(num_rows)``."""
+def _tiles_for(num_rows: int, tile_rows: int, exact: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(rows, tile size) pieces: full tiles for the bulk, the smallest proven tile for the rest."""
+    full = (num_rows // tile_rows) * tile_rows if num_rows > tile_rows else 0
+    pieces = [(full, tile_rows)] if full else []
+    rest = num_rows - full
+    if rest:
+        pieces.append((rest, min(t for t in exact if t >= rest)))
+    return pieces
+
+
+def _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows, exact):
+    """Every chunk some row meets, its rows packed in tiles."""
     blocks_per_chunk = kv_chunk // block_size
     # chunk key (index, block ids) -> segments (first row, end row, position of row r - r // group)
     segments_by_chunk: dict[tuple, list[tuple[int, int, int]]] = {}
@@ -126,29 +140,33 @@ def _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, 
             segments_by_chunk.setdefault(key, []).append((t0 * group, q1 * group, first_pos - q0))
     chunks = []
     for (c, blocks), segments in segments_by_chunk.items():
-        rows = torch.cat([torch.arange(a, b) for a, b, _ in segments])
-        pos = torch.cat([torch.arange(a, b) // group + offset for a, b, offset in segments])
-        tile_rows = tile_rows_of(rows.numel())
-        pad = (-rows.numel()) % tile_rows
-        rows = torch.cat([rows, rows.new_full((pad,), -1)]).view(-1, tile_rows)
-        pos = torch.cat([pos, pos.new_full((pad,), -1)]).view(-1, tile_rows)
-        lowest = torch.where(rows >= 0, pos, torch.iinfo(pos.dtype).max).amin(dim=1)
-        chunks.append(_ChunkTiles(c, list(blocks) + [0] * (blocks_per_chunk - len(blocks)), rows, pos,
-                                  lowest < (c + 1) * kv_chunk - 1))
+        all_rows = torch.cat([torch.arange(a, b) for a, b, _ in segments])
+        all_pos = torch.cat([torch.arange(a, b) // group + offset for a, b, offset in segments])
+        padded_blocks = list(blocks) + [0] * (blocks_per_chunk - len(blocks))
+        start = 0
+        for count, size in _tiles_for(all_rows.numel(), tile_rows, exact):
+            rows, pos = all_rows[start : start + count], all_pos[start : start + count]
+            start += count
+            pad = (-count) % size
+            rows = torch.cat([rows, rows.new_full((pad,), -1)]).view(-1, size)
+            pos = torch.cat([pos, pos.new_full((pad,), -1)]).view(-1, size)
+            lowest = torch.where(rows >= 0, pos, torch.iinfo(pos.dtype).max).amin(dim=1)
+            chunks.append(_ChunkTiles(c, padded_blocks, rows, pos, lowest < (c + 1) * kv_chunk - 1))
     return chunks
 
 
-def _tile_set(chunks: list[_ChunkTiles], tile_rows: int, kv_chunk: int, first_slot: int,
-              merge_entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> TileSet:
-    """Lays ``chunks`` (all tiled by ``tile_rows``) out in regions; appends their rows' merge
-    entries (chunk index, row, slot)."""
+def _tile_set(chunks: list[_ChunkTiles], tile_rows: int, kv_chunk: int, num_kv_heads: int, first_slot: int,
+              merge_entries: list[tuple[torch.Tensor, ...]]) -> tuple[TileSet, int]:
+    """Lays ``chunks`` (all tiled by ``tile_rows``) out in regions from slot ``first_slot`` on;
+    appends their rows' merge entries (chunk index, row, slot of head 0, slots per head).
+    Returns the tile set and the next free slot."""
     light = [ch for ch in chunks if ch.rows.shape[0] < SHARED_CHUNK_MIN_TILES]
     heavy = [ch for ch in chunks if ch.rows.shape[0] >= SHARED_CHUNK_MIN_TILES]
     # Lay out regions: tile arrays in final order, masked tiles first within each region.
-    groups = ([light] if light else []) + [[ch] for ch in heavy]
+    groups = ([(light, False)] if light else []) + [([ch], True) for ch in heavy]
     regions, rows_out, pos_out, first_key = [], [], [], []
     num_tiles = 0
-    for members in groups:
+    for members, shared in groups:
         rows = torch.cat([ch.rows for ch in members])
         pos = torch.cat([ch.pos for ch in members])
         index = torch.cat([torch.full((ch.rows.shape[0],), ch.index) for ch in members])
@@ -156,23 +174,26 @@ def _tile_set(chunks: list[_ChunkTiles], tile_rows: int, kv_chunk: int, first_sl
         order = torch.argsort(needs.to(torch.int8), descending=True, stable=True)
         rows, pos, index = rows[order], pos[order], index[order]
         count = rows.shape[0]
-        if len(members) == 1 and members[0] in heavy:
+        if shared:
             blocks = torch.tensor(members[0].blocks, dtype=torch.long)
         else:
             chunk_blocks = torch.cat([torch.tensor([ch.blocks], dtype=torch.long).expand(ch.rows.shape[0], -1)
                                       for ch in members])
             blocks = chunk_blocks[order]
-        regions.append(TileRegion(num_tiles, count, int(needs.sum()), blocks))
-        slots = first_slot + num_tiles * tile_rows + torch.arange(count * tile_rows)
+        regions.append(TileRegion(num_tiles, count, int(needs.sum()), blocks, first_slot))
+        per_head = count * tile_rows
+        slots = first_slot + torch.arange(per_head)
         real = rows.flatten() >= 0
-        merge_entries.append((index[:, None].expand(-1, tile_rows).flatten()[real], rows.flatten()[real], slots[real]))
+        merge_entries.append((index[:, None].expand(-1, tile_rows).flatten()[real], rows.flatten()[real],
+                              slots[real], torch.full((int(real.sum()),), per_head)))
         rows_out.append(rows.clamp(min=0))
         pos_out.append(pos)
         first_key.append(index * kv_chunk)
         num_tiles += count
+        first_slot += num_kv_heads * per_head
     tile_pos = torch.cat(pos_out)
     key_pos = torch.cat(first_key)[:, None, None] + torch.arange(kv_chunk)[None, None, :]
-    return TileSet(tile_rows, first_slot, torch.cat(rows_out).flatten(), key_pos > tile_pos[:, :, None], regions)
+    return TileSet(tile_rows, torch.cat(rows_out).flatten(), key_pos > tile_pos[:, :, None], regions), first_slot
 
 
 def build_plan(
@@ -181,36 +202,36 @@ def build_plan(
     block_tables: list[list[int]],
     block_size: int,
     group: int,
+    num_kv_heads: int,
     tile_rows: int,
     kv_chunk: int,
-    small_tile_rows: int | None = None,
+    exact_tile_rows: tuple[int, ...] = (),
 ) -> AttentionPlan:
     """Groups every sequence's rows by the chunks they meet; see the module docstring.
-    ``small_tile_rows``: tile size for chunks met by that many rows or fewer (None: none)."""
-
-    def tile_rows_of(num_rows: int) -> int:
-        return small_tile_rows if small_tile_rows is not None and num_rows <= small_tile_rows else tile_rows
-
-    chunks = _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows_of)
-    merge_entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (chunk index, row, slot)
+    ``exact_tile_rows``: tile row counts below ``tile_rows`` proven to round like it."""
+    exact = tuple(sorted({t for t in exact_tile_rows if t < tile_rows} | {tile_rows}))
+    chunks = _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows, exact)
+    merge_entries: list[tuple[torch.Tensor, ...]] = []  # (chunk index, row, head-0 slot, slots per head)
     tile_sets: list[TileSet] = []
+    num_slots = 0
     for size in sorted({ch.rows.shape[1] for ch in chunks}, reverse=True):
-        first_slot = sum(ts.num_slots for ts in tile_sets)
         members = [ch for ch in chunks if ch.rows.shape[1] == size]
-        tile_sets.append(_tile_set(members, size, kv_chunk, first_slot, merge_entries))
+        tiles, num_slots = _tile_set(members, size, kv_chunk, num_kv_heads, num_slots, merge_entries)
+        tile_sets.append(tiles)
 
-    # Merge schedule, by chunk index. Every row meets chunk 0, and each chunk index once.
+    # Fold order: rows meeting more chunks first, so the rows of chunk index c are a prefix.
     num_rows = query_start_loc[-1] * group
-    entry_chunk = torch.cat([e[0] for e in merge_entries]) if merge_entries else torch.zeros(0, dtype=torch.long)
-    entry_row = torch.cat([e[1] for e in merge_entries]) if merge_entries else entry_chunk
-    entry_slot = torch.cat([e[2] for e in merge_entries]) if merge_entries else entry_chunk
-    # Sort by (chunk index, row): row ids are < num_rows, so one key orders both.
-    order = torch.argsort(entry_chunk * num_rows + entry_row)
-    entry_chunk, entry_row, entry_slot = entry_chunk[order], entry_row[order], entry_slot[order]
-    counts = torch.bincount(entry_chunk).tolist() if entry_chunk.numel() else []
-    merge_rows: list[torch.Tensor | None] = []
-    merge_src: list[torch.Tensor] = []
-    for rows, src in zip(entry_row.split(counts), entry_slot.split(counts), strict=True):
-        merge_rows.append(None if rows.numel() == num_rows else rows)
-        merge_src.append(src)
-    return AttentionPlan(kv_chunk, num_rows, tile_sets, merge_rows, merge_src)
+    if merge_entries:
+        entry_chunk, entry_row, entry_slot, entry_stride = (torch.cat(parts) for parts in zip(*merge_entries, strict=True))
+    else:
+        entry_chunk = entry_row = entry_slot = entry_stride = torch.zeros(0, dtype=torch.long)
+    chunks_of_row = torch.zeros(num_rows, dtype=torch.long).scatter_reduce_(0, entry_row, entry_chunk + 1, "amax")
+    order = torch.argsort(chunks_of_row, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(num_rows)
+    counts = torch.bincount(entry_chunk, minlength=int(chunks_of_row.max()) if num_rows else 0)
+    offsets = torch.cumsum(counts, 0) - counts
+    heads = torch.arange(num_kv_heads)[:, None]
+    merge_index = torch.empty(num_kv_heads, int(counts.sum()), dtype=torch.long)
+    merge_index[:, offsets[entry_chunk] + rank[entry_row]] = entry_slot[None] + heads * entry_stride[None]
+    return AttentionPlan(kv_chunk, num_rows, num_kv_heads, tile_sets, num_slots, rank, counts.tolist(), merge_index)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, exact_tile_rows
+from kernels.linear import log_tile_choices
 from kernels.ops import select_backend
 from worker.config import EngineConfig
 from worker.models.llama import CausalLM, ModelSpec
@@ -61,6 +62,9 @@ class ModelRunner:
         weights = {k: v.to(self.device) for k, v in weights.items()}
         self.ops = select_backend(config.kernel_backend, config.deterministic, config.device)
         self.model = CausalLM(spec, weights, self.ops, max_positions=max_model_len, comm=comm, vocab_start=vocab_start)
+        log_tile_choices()  # what the CPU probes chose for this model's linear weights
+        if self.ops.name == "torch":
+            exact_tile_rows(spec.head_dim, config.torch_dtype)  # the attention's probe, logged now, not mid-step
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = comm.min_int(self._decide_num_blocks())
         dtype = config.torch_dtype
