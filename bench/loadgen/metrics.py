@@ -27,7 +27,8 @@ METRICS = (
 )
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); 0.0 for no values."""
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -45,7 +46,7 @@ def _stats_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]
         f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
     }
     for p in percentiles:
-        out[f"p{p:g}_{name}_ms"] = _percentile(ms, p)
+        out[f"p{p:g}_{name}_ms"] = percentile(ms, p)
     return out
 
 

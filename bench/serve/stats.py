@@ -1,6 +1,6 @@
 """Per-row metrics from per-request records, and the check against the offline engine's text.
 
-Owns ``percentile`` (numpy's default interpolation, 0.0 for no values), ``summarize`` (one
+Owns ``summarize`` (one
 row: throughputs over the wall time, TTFT percentiles, ITL/TPOT means, cached-token ratio over
 the requests that reported it, short digests of each greedy text) and ``same_as_offline``.
 
@@ -14,16 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+from bench.loadgen.metrics import percentile
 
 
 def _digest(text: str) -> str:
