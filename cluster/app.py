@@ -90,7 +90,11 @@ def build_app_from_configs(
     replica_options.update(tensor_parallel_options(engine, cluster))
     engine_dict = dataclasses.asdict(engine)
     replicas = EngineReplica.options(**replica_options).bind(
-        engine_dict, hub, cluster.served_model_name or "", dataclasses.asdict(router)
+        engine_dict,
+        hub,
+        cluster.served_model_name or "",
+        dataclasses.asdict(router),
+        cluster.stream_interval,
     )
     return Ingress.options(
         num_replicas=1,

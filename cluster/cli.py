@@ -184,6 +184,14 @@ _FLAGS = [
         "torch intra-op threads per engine replica on CPU (default: torch's choice).",
     ),
     (
+        "--stream-interval",
+        "cluster",
+        "stream_interval",
+        int,
+        "Tokens per streamed message from a replica; more cost less CPU per token, stream in "
+        "bursts (default 1).",
+    ),
+    (
         "--enable-log-requests",
         "cluster",
         "enable_log_requests",

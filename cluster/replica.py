@@ -31,6 +31,7 @@ from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
 from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
+from worker.async_engine import coalesce
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
 
 # Serve routes the "ray.serve" logger into each replica's log file.
@@ -108,6 +109,7 @@ class EngineReplica:
         metrics_hub=None,
         model_name: str = "",
         router_config: dict | None = None,
+        stream_interval: int = 1,
     ) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -115,6 +117,7 @@ class EngineReplica:
         launcher = RayWorkerLauncher() if config.tensor_parallel_size > 1 else None
         self.engine = AsyncEngine(config, replica_id=self.replica_id, launcher=launcher)
         self.model_name = model_name or self.engine.model_id
+        self.stream_interval = stream_interval
         self.metrics = ReplicaMetrics()
         self._hub = metrics_hub
         self._in_flight: set[str] = set()
@@ -145,6 +148,7 @@ class EngineReplica:
         del block_hashes  # read by the request router from the call's arguments, not here
         reported: set[int] = set()
         last_step_s: float | None = None
+        pending: RequestOutput | None = None  # outputs held back to send stream_interval tokens
         self._in_flight.add(request_id)
         try:
             stream = self.engine.generate(
@@ -154,8 +158,13 @@ class EngineReplica:
                 async for out in stream:
                     now_s = time.monotonic()
                     self._observe(out, now_s, last_step_s)
+                    pending = out if pending is None else coalesce(pending, out)
+                    if last_step_s is not None and not self._due(pending):
+                        last_step_s = now_s
+                        continue
                     last_step_s = now_s
-                    yield output_to_dict(out, self.replica_id, reported)
+                    yield output_to_dict(pending, self.replica_id, reported)
+                    pending = None
         except ValueError as exc:
             yield rejection(self.replica_id, RejectKind.INVALID, str(exc))
         except EngineOverloadedError as exc:
@@ -167,6 +176,13 @@ class EngineReplica:
             yield rejection(self.replica_id, RejectKind.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
             self._in_flight.discard(request_id)
+
+    def _due(self, pending: RequestOutput) -> bool:
+        """Whether held-back outputs go now: the request ended, or a choice has
+        ``stream_interval`` new tokens."""
+        if pending.finished or any(c.finished for c in pending.outputs):
+            return True
+        return any(len(c.new_token_ids) >= self.stream_interval for c in pending.outputs)
 
     def _observe(self, out: RequestOutput, now_s: float, last_step_s: float | None) -> None:
         """Latency histograms from the engine's timestamps (missing ones read as now)."""

@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-kv-blocks", type=int, default=2048, help="KV blocks per engine (offline and served)"
     )
     ap.add_argument(
+        "--serve-args",
+        default="",
+        help="more flags for every prefixserve serve run, e.g. '--stream-interval 4' (default none)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="smoke run: 8 requests, 16 tokens, concurrency 1,4"
     )
     ap.add_argument("--out-dir", type=Path, default=RESULTS)

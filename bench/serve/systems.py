@@ -15,6 +15,7 @@ reports all its replicas.
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ def start_servers(
             str(args.num_kv_blocks),
             "--port",
             str(port),
+            *shlex.split(args.serve_args),
         ]
         servers.append(
             Server(run.label, argv, args.log_dir / f"serve_{tag}.log", server_env(run.threads))
