@@ -188,8 +188,8 @@ _FLAGS = [
         "cluster",
         "stream_interval",
         int,
-        "Tokens per streamed message from a replica; more cost less CPU per token, stream in "
-        "bursts (default 1).",
+        "Tokens per streamed message from a replica; more send fewer, larger messages and "
+        "stream in bursts (default 1).",
     ),
     (
         "--enable-log-requests",

@@ -65,8 +65,8 @@ class ClusterConfig:
     """Serve application name (several apps may share one Ray cluster)."""
     stream_interval: int = 1
     """Tokens per streamed message from an engine replica (vLLM's ``--stream-interval``): more
-    send fewer, larger messages, which costs less CPU per token (each message crosses two Ray
-    hops) at the price of burstier streams. A request's first tokens and its end go at once."""
+    send fewer, larger messages (each crosses two Ray hops) and stream in bursts. A request's
+    first tokens and its end go at once."""
     enable_log_requests: bool = False
     """Log one line per HTTP request (Serve's access log) in the proxy, ingress and replicas.
     Off by default, as in vLLM: on a small machine the log lines cost serving throughput."""
