@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 from worker.config import EngineConfig
 from worker.engine_core import EngineCore, EngineInfo, EngineLoop, StepResult, info_of
 from worker.outputs import CompletionOutput, EngineDeadError, RequestOutput
+from worker.parallel.workers import child_env
 from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -125,10 +126,8 @@ class ProcessCore(EngineCore):
     def __init__(self, config: EngineConfig, replica_id: str) -> None:
         self.replica_id = replica_id
         parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine_process", str(child_sock.fileno())],
-                                      pass_fds=(child_sock.fileno(),), env=env)
+                                      pass_fds=(child_sock.fileno(),), env=child_env())
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
         self._send_lock = threading.Lock()
@@ -166,8 +165,6 @@ class ProcessCore(EngineCore):
     def submit(self, command: tuple) -> None:
         if command[0] == "add":
             self._assembler.add(command[1], command[2])
-        elif command[0] == "abort":
-            pass  # its final output (finish_reason "abort") still comes back through the assembler
         try:
             self._send(command)
         except OSError:  # the process is gone; the reader thread reports it

@@ -147,7 +147,7 @@ def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
         runner.execute_message(message)
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """The parent's environment with its ``sys.path`` as ``PYTHONPATH``, so a worker imports
     the same code (an editable install, a checkout, the script's own folder)."""
     paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
@@ -167,7 +167,7 @@ class LocalProcessLauncher:
     def start(self, spec: WorkerSpec) -> None:
         from worker.parallel.local_worker import encode_frame
 
-        env = _child_env()
+        env = child_env()
         for rank in range(1, spec.world_size):
             label = f"tp-{spec.replica_id}-rank{rank}"  # shows in ps; the worker ignores it
             proc = subprocess.Popen([sys.executable, "-m", LOCAL_WORKER_MODULE, label],
