@@ -31,6 +31,17 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class EngineConfig:
     model: str = DEFAULT_MODEL
     """A Hugging Face folder, a ``.gguf`` file, or the alias ``smollm2`` (bundled)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``model`` is a hub repo id."""
+    download_dir: str | None = None
+    """Where hub models are downloaded; defaults to the Hugging Face cache (``HF_HOME``)."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; defaults to the model's own."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file path or the template itself) replacing the model's."""
+    generation_config: str = "auto"
+    """Sampling defaults: ``auto`` (the model's ``generation_config.json``), ``vllm`` (none),
+    or a folder holding a ``generation_config.json``."""
     model_id: str | None = None
     """Name served in the API and mixed into block hashes; defaults to the model's name."""
     block_size: int = 16
@@ -52,6 +63,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
+    gpu_memory_utilization: float | None = None
+    """vLLM's knob (CUDA only): fraction of the device's total memory for weights,
+    activations and KV together; the KV cache gets what is left of it."""
     host_kv_cache_bytes: int | None = None
     """Second KV tier in host RAM for evicted prefix blocks (pinned on CUDA); None: off."""
     max_waiting_requests: int = 1024
@@ -79,12 +93,16 @@ class EngineConfig:
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend",
              f"must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
-        knobs = [k for k in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction") if getattr(self, k) is not None]
-        need(len(knobs) <= 1, "num_kv_blocks", f"set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction (got {', '.join(knobs)})")
+        knobs = [k for k in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction", "gpu_memory_utilization") if getattr(self, k) is not None]
+        need(len(knobs) <= 1, "num_kv_blocks", f"set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction, gpu_memory_utilization (got {', '.join(knobs)})")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", f"must be at least 2, got {self.num_kv_blocks}")
         need(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be positive, got {self.kv_cache_bytes}")
         frac = self.kv_cache_memory_fraction
         need(frac is None or 0.0 < frac <= 0.95, "kv_cache_memory_fraction", f"must be in (0, 0.95], got {frac}")
+        gmu = self.gpu_memory_utilization
+        need(gmu is None or 0.0 < gmu <= 1.0, "gpu_memory_utilization", f"must be in (0, 1], got {gmu}")
+        need(isinstance(self.generation_config, str) and bool(self.generation_config), "generation_config",
+             "must be 'auto', 'vllm' or a folder holding generation_config.json")
         need(self.host_kv_cache_bytes is None or self.host_kv_cache_bytes > 0, "host_kv_cache_bytes",
              f"must be positive, got {self.host_kv_cache_bytes}")
         need(self.max_waiting_requests > 0, "max_waiting_requests", f"must be positive, got {self.max_waiting_requests}")
@@ -103,7 +121,7 @@ class EngineConfig:
     @property
     def memory_fraction(self) -> float:
         """The fraction knob in force when neither blocks nor bytes were given."""
-        if self.num_kv_blocks is None and self.kv_cache_bytes is None:
+        if self.num_kv_blocks is None and self.kv_cache_bytes is None and self.gpu_memory_utilization is None:
             return self.kv_cache_memory_fraction if self.kv_cache_memory_fraction is not None else 0.2
         return 0.0
 
