@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from worker.structured_output import StructuredOutputSpec
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
@@ -37,6 +39,8 @@ class SamplingParams:
     """None: no logprobs; k >= 0: the sampled token's logprob plus k top alternatives."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None
+    """Constrained decoding: the output must match this grammar (see worker/structured_output.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +86,8 @@ class SamplingParams:
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
              "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        need(self.structured_output is None or isinstance(self.structured_output, StructuredOutputSpec),
+             "structured_output", f"must be a StructuredOutputSpec, got {type(self.structured_output).__name__}")
 
     @property
     def greedy(self) -> bool:
