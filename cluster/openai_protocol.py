@@ -10,6 +10,7 @@ prompt length (``max_tokens`` against the context). Unknown fields are ignored, 
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -36,10 +37,47 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict = "{}"
+    """OpenAI sends a JSON string; some clients send the object itself."""
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_dict(self) -> dict:
+        # Chat templates render arguments with `| tojson` (Llama 3.1) or as given (Qwen2.5);
+        # an object suits both, so a string that holds a JSON object is decoded (as vLLM does).
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except ValueError:
+                decoded = None
+            if isinstance(decoded, dict):
+                arguments = decoded
+        return {
+            "id": self.id,
+            "type": self.type,
+            "function": {"name": self.function.name, "arguments": arguments},
+        }
+
+
 class ChatMessage(_Strict):
+    """One message of a conversation, as the chat template sees it.
+
+    Assistant ``tool_calls``, a tool message's ``tool_call_id`` and ``name`` are kept for the
+    template (a template that ignores them renders as before).
+    """
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -47,6 +85,12 @@ class ChatMessage(_Strict):
             content = "".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role}
         message["content"] = content or ""
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
