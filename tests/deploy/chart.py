@@ -30,9 +30,10 @@ KUBERAY_SCHEMAS_DIR = REPO_ROOT / "deploy" / "schemas" / "kuberay-v1.7.0"
 KUBERNETES_VERSION = "1.30"
 RELEASE_NAME = "ps"
 NAMESPACE = "llm"
-# Kinds from operators whose CRDs are not bundled anywhere offline; they are checked by the
-# tests that assert their contents instead.
-UNVALIDATED_KINDS = frozenset({"PodMonitor", "ServiceMonitor", "ScaledObject"})
+# Kinds from operators (and the Gateway API) whose CRDs are not bundled anywhere offline and
+# could not be fetched (the test machines reach PyPI, npm and Debian only); they are checked by
+# the tests that assert their contents instead.
+UNVALIDATED_KINDS = frozenset({"PodMonitor", "ServiceMonitor", "ScaledObject", "HTTPRoute"})
 # helm template takes well under a second; a hang means something is badly wrong.
 HELM_TIMEOUT_S = 60
 

@@ -62,6 +62,11 @@ def test_core_validation_rejects_a_misspelt_field() -> None:
         ({"router": {"policy": "random"}}, "policy"),
         ({"gpuWorkers": {"gpu": 2}}, "gpu"),
         ({"redis": {"external": {"url": "http://redis:6379"}}}, "url"),
+        # Removed: KubeRay ignores these since v1.1 (ray-project/kuberay#1685).
+        ({"serve": {"deploymentUnhealthySecondThreshold": 900}}, "deploymentUnhealthySecondThreshold"),
+        ({"serve": {"upgradeStrategy": {"type": "Rolling"}}}, "type"),
+        ({"modelCache": {"accessModes": ["ReadWriteAll"]}}, "accessModes"),
+        ({"extraArgs": {"engin": {}}}, "engin"),
     ],
 )
 def test_values_schema_rejects_typos_and_bad_values(values, message) -> None:
@@ -77,6 +82,18 @@ def test_values_schema_rejects_typos_and_bad_values(values, message) -> None:
         ({"engine": {"device": "cpu"}}, "cpuWorkers.enabled"),
         ({"apiKey": {"enabled": True}}, "apiKey"),
         ({"keda": {"enabled": True}}, "scaleTargetRef"),
+        (
+            {"keda": {"enabled": True, "scaleTargetRef": {"kind": "Deployment", "name": "x"}}},
+            "serviceMonitor",
+        ),
+        ({"gcsFaultTolerance": {"enabled": True}, "redis": {"enabled": False}}, "needs a Redis"),
+        (
+            {"serve": {"upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade"}}},
+            "clusterUpgradeOptions",
+        ),
+        ({"httpRoute": {"enabled": True}}, "parentRefs"),
+        ({"ingress": {"enabled": True}, "httpRoute": {"enabled": True, "parentRefs": [{"name": "g"}]}}, "only one"),
+        ({"extraArgs": {"engine": {"maxModelLen": 4096}}}, "max_model_len"),
     ],
 )
 def test_inconsistent_values_fail_rendering(values, message) -> None:

@@ -34,6 +34,11 @@ def _env(container: dict) -> dict[str, dict]:
     return {entry["name"]: entry for entry in container.get("env", [])}
 
 
+def _api_key_secrets(docs) -> list[dict]:
+    """The API-key Secrets (the in-cluster Redis's password Secret aside)."""
+    return [s for s in chart.by_kind(docs, "Secret") if not s["metadata"]["name"].endswith("-redis")]
+
+
 @pytest.mark.parametrize(("tp_size", "gpus_per_pod"), [(1, 1), (2, 2), (2, 4), (4, 8)])
 def test_tensor_parallel_size_sets_bundles_and_gpu_limits(tp_size, gpus_per_pod) -> None:
     docs = chart.render(
@@ -105,7 +110,7 @@ def test_external_redis_replaces_the_statefulset_and_wires_url_and_password() ->
 
 def test_api_key_reaches_every_ray_container_from_the_secret_only() -> None:
     docs = chart.render(values={"apiKey": {"enabled": True, "value": "sk-test-123"}})
-    secret = chart.only(docs, "Secret")
+    (secret,) = _api_key_secrets(docs)
     assert base64.b64decode(secret["data"]["api-key"]).decode() == "sk-test-123"
     for container in _all_containers(docs):
         ref = _env(container)["PREFIXSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
@@ -116,7 +121,7 @@ def test_api_key_reaches_every_ray_container_from_the_secret_only() -> None:
 
 def test_existing_api_key_secret_is_referenced_not_created() -> None:
     docs = chart.render([chart.CHART_DIR / "ci" / "tp2-autoscaling-values.yaml"])
-    assert not chart.by_kind(docs, "Secret")
+    assert not _api_key_secrets(docs)
     for container in _all_containers(docs):
         ref = _env(container)["PREFIXSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "prefixserve-keys", "key": "token"}
@@ -124,12 +129,12 @@ def test_existing_api_key_secret_is_referenced_not_created() -> None:
 
 def test_no_api_key_env_unless_enabled() -> None:
     docs = chart.render()
-    assert not chart.by_kind(docs, "Secret")
+    assert not _api_key_secrets(docs)
     assert all("PREFIXSERVE_API_KEY" not in _env(c) for c in _all_containers(docs))
 
 
 def test_model_cache_claim_is_mounted_everywhere() -> None:
-    docs = chart.render()
+    docs = chart.render(values={"modelCache": {"enabled": True}})
     claim = chart.only(docs, "PersistentVolumeClaim")["metadata"]["name"]
     cluster = chart.only(docs, "RayService")["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
@@ -199,7 +204,7 @@ def test_deployment_options_name_a_deployment_of_the_built_application() -> None
 
 # Fields the chart sets itself (from other values or the cluster layout) or never sets.
 CHART_DERIVED_FIELDS = {
-    "engine": {"cache_dir", "tensor_parallel_size"},
+    "engine": {"cache_dir", "tensor_parallel_size", "download_dir"},
     "router": {"block_size", "index_backend", "redis_url"},
     "cluster": {"num_gpus_per_replica", "app_name", "host", "port", "ray_address", "api_key"},
 }

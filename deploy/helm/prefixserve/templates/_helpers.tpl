@@ -68,6 +68,69 @@ other bundles.
 {{- if and .Values.redis.enabled (not .Values.redis.external.url) }}true{{ end }}
 {{- end }}
 
+{{/* The Secret of the in-cluster Redis's password. */}}
+{{- define "prefixserve.redisSecretName" -}}
+{{- default (printf "%s-redis" (include "prefixserve.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{/*
+Where the prefix index's Redis password comes from, as JSON {name, key}, or "" for none:
+the in-cluster Redis's Secret (redis.auth) or the external Redis's (redis.external).
+*/}}
+{{- define "prefixserve.redisPasswordRef" -}}
+{{- if .Values.redis.external.url }}
+{{- if .Values.redis.external.passwordSecret }}
+{{- toJson (dict "name" .Values.redis.external.passwordSecret "key" .Values.redis.external.passwordSecretKey) }}
+{{- end }}
+{{- else if and .Values.redis.enabled .Values.redis.auth.enabled }}
+{{- toJson (dict "name" (include "prefixserve.redisSecretName" .) "key" .Values.redis.auth.secretKey) }}
+{{- end }}
+{{- end }}
+
+{{/*
+KubeRay's gcsFaultToleranceOptions as JSON: the chart's Redis (host:port of the in-cluster
+Service or of redis.external.url, and its password Secret) unless gcsFaultTolerance names
+another one.
+*/}}
+{{- define "prefixserve.gcsFaultToleranceOptions" -}}
+{{- $ft := .Values.gcsFaultTolerance }}
+{{- $opts := dict }}
+{{- if $ft.redisAddress }}
+{{- $_ := set $opts "redisAddress" $ft.redisAddress }}
+{{- if $ft.redisPasswordSecret }}
+{{- $_ := set $opts "redisPassword" (dict "valueFrom" (dict "secretKeyRef" (dict "name" $ft.redisPasswordSecret "key" $ft.redisPasswordSecretKey))) }}
+{{- end }}
+{{- else }}
+{{- if .Values.redis.external.url }}
+{{- $u := urlParse .Values.redis.external.url }}
+{{- $_ := set $opts "redisAddress" $u.host }}
+{{- else }}
+{{- $_ := set $opts "redisAddress" (printf "%s.%s.svc:%d" (include "prefixserve.redisName" .) .Release.Namespace (int .Values.redis.port)) }}
+{{- end }}
+{{- $ref := include "prefixserve.redisPasswordRef" . }}
+{{- if $ref }}
+{{- $_ := set $opts "redisPassword" (dict "valueFrom" (dict "secretKeyRef" ($ref | fromJson))) }}
+{{- end }}
+{{- end }}
+{{- with $ft.externalStorageNamespace }}
+{{- $_ := set $opts "externalStorageNamespace" . }}
+{{- end }}
+{{- toJson $opts }}
+{{- end }}
+
+{{/* Where hub models are downloaded on the pods: engine.downloadDir, else the cache volume. */}}
+{{- define "prefixserve.downloadDir" -}}
+{{- default (printf "%s/hub" (trimSuffix "/" .Values.modelCache.mountPath)) .Values.engine.downloadDir }}
+{{- end }}
+
+{{- define "prefixserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "prefixserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
 {{/* The index URL without password (the password comes from env PREFIXSERVE_REDIS_PASSWORD). */}}
 {{- define "prefixserve.redisUrl" -}}
 {{- if .Values.redis.external.url }}
@@ -99,6 +162,31 @@ other bundles.
 {{- if and .Values.keda.enabled (not .Values.keda.scaleTargetRef.name) }}
 {{- fail "keda.enabled needs keda.scaleTargetRef.name (RayService has no /scale subresource)" }}
 {{- end }}
+{{- if and .Values.keda.enabled (not .Values.monitoring.serviceMonitor.enabled) }}
+{{- fail "keda.enabled needs monitoring.serviceMonitor.enabled=true: the ScaledObject's query reads prefixserve:num_requests_waiting, which Prometheus only has when it scrapes the Serve service" }}
+{{- end }}
+{{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) (not (include "prefixserve.redisUrl" .)) }}
+{{- fail "gcsFaultTolerance.enabled needs a Redis: redis.enabled=true, redis.external.url or gcsFaultTolerance.redisAddress" }}
+{{- end }}
+{{- if and .Values.gcsFaultTolerance.enabled .Values.redis.external.url (hasPrefix "unix" .Values.redis.external.url) (not .Values.gcsFaultTolerance.redisAddress) }}
+{{- fail "gcsFaultTolerance needs a TCP Redis: redis.external.url is a unix socket, set gcsFaultTolerance.redisAddress" }}
+{{- end }}
+{{- if and (eq .Values.serve.upgradeStrategy.type "NewClusterWithIncrementalUpgrade") (not .Values.serve.upgradeStrategy.clusterUpgradeOptions.gatewayClassName) }}
+{{- fail "serve.upgradeStrategy.type NewClusterWithIncrementalUpgrade needs serve.upgradeStrategy.clusterUpgradeOptions with gatewayClassName, stepSizePercent and intervalSeconds" }}
+{{- end }}
+{{- if and .Values.ingress.enabled .Values.httpRoute.enabled }}
+{{- fail "set only one of ingress.enabled and httpRoute.enabled" }}
+{{- end }}
+{{- if and .Values.httpRoute.enabled (not .Values.httpRoute.parentRefs) }}
+{{- fail "httpRoute.enabled needs httpRoute.parentRefs (the Gateway to attach to)" }}
+{{- end }}
+{{- range $section, $extra := .Values.extraArgs }}
+{{- range $key, $_ := $extra }}
+{{- if ne $key (snakecase $key) }}
+{{- fail (printf "extraArgs.%s.%s: use the config's snake_case field name (%s)" $section $key (snakecase $key)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -127,6 +215,8 @@ number as float64; 8589934592 would otherwise reach Python as 8.589934592e+09).
 {{- $_ := set $engine "tensor_parallel_size" (int .Values.engine.tensorParallelSize) }}
 {{- end }}
 {{- $_ := set $engine "cache_dir" .Values.modelCache.mountPath }}
+{{- $_ := set $engine "download_dir" (include "prefixserve.downloadDir" .) }}
+{{- $engine = mergeOverwrite $engine (include "prefixserve.snakeArgs" .Values.extraArgs.engine | fromJson) }}
 {{- $router := include "prefixserve.snakeArgs" .Values.router | fromJson }}
 {{- $_ := set $router "block_size" (int .Values.engine.blockSize) }}
 {{- $redisUrl := include "prefixserve.redisUrl" . }}
@@ -136,11 +226,13 @@ number as float64; 8589934592 would otherwise reach Python as 8.589934592e+09).
 {{- else }}
 {{- $_ := set $router "index_backend" "embedded" }}
 {{- end }}
+{{- $router = mergeOverwrite $router (include "prefixserve.snakeArgs" .Values.extraArgs.router | fromJson) }}
 {{- $cluster := include "prefixserve.snakeArgs" .Values.cluster | fromJson }}
 {{- $_ := set $cluster "num_gpus_per_replica" (include "prefixserve.gpusPerReplicaActor" . | int) }}
 {{- $_ := set $cluster "app_name" .Values.serve.appName }}
 {{- $_ := set $cluster "host" "0.0.0.0" }}
 {{- $_ := set $cluster "port" (int .Values.serve.port) }}
+{{- $cluster = mergeOverwrite $cluster (include "prefixserve.snakeArgs" .Values.extraArgs.cluster | fromJson) }}
 {{- toJson (dict "engine" $engine "router" $router "cluster" $cluster) }}
 {{- end }}
 
@@ -190,12 +282,18 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
       name: {{ include "prefixserve.apiKeySecretName" . }}
       key: {{ .Values.apiKey.secretKey }}
 {{- end }}
-{{- if and .Values.redis.external.url .Values.redis.external.passwordSecret }}
+{{- with include "prefixserve.redisPasswordRef" . }}
 - name: PREFIXSERVE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.external.passwordSecret }}
-      key: {{ .Values.redis.external.passwordSecretKey }}
+      {{- toYaml (fromJson .) | nindent 6 }}
+{{- end }}
+{{- if .Values.hfToken.existingSecret }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.hfToken.existingSecret }}
+      key: {{ .Values.hfToken.secretKey }}
 {{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
@@ -207,6 +305,9 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
   mountPath: {{ .Values.modelCache.mountPath }}
 - name: dshm
   mountPath: /dev/shm
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Volumes of a Ray pod; the argument is (dict "root" $ "shmSize" "2Gi"). */}}
@@ -216,6 +317,9 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
 {{- if $v.modelCache.enabled }}
   persistentVolumeClaim:
     claimName: {{ default (printf "%s-model-cache" (include "prefixserve.fullname" .root)) $v.modelCache.existingClaim }}
+{{- else if $v.modelCache.emptyDirSizeLimit }}
+  emptyDir:
+    sizeLimit: {{ $v.modelCache.emptyDirSizeLimit }}
 {{- else }}
   emptyDir: {}
 {{- end }}
@@ -223,6 +327,61 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
   emptyDir:
     medium: Memory
     sizeLimit: {{ .shmSize }}
+{{- with $v.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pod-level fields every Ray pod shares: service account, security context, and the
+model-download initContainer. Argument: (dict "root" $ "weights" true|false); the head
+fetches only the tokenizer and configs (weights false), the workers everything.
+*/}}
+{{- define "prefixserve.podCommon" -}}
+{{- $root := .root }}
+{{- with include "prefixserve.serviceAccountName" $root }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with $root.Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if $root.Values.modelDownload.enabled }}
+initContainers:
+  - name: model-download
+    image: {{ include "prefixserve.image" $root }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    command: ["python", "-c"]
+    args:
+      - {{ include "prefixserve.downloadScript" . | quote }}
+    env:
+      - name: PREFIXSERVE_MODEL
+        value: {{ $root.Values.engine.model | quote }}
+      - name: PREFIXSERVE_REVISION
+        value: {{ $root.Values.engine.revision | default "" | quote }}
+      - name: PREFIXSERVE_DOWNLOAD_DIR
+        value: {{ include "prefixserve.downloadDir" $root | quote }}
+      {{- include "prefixserve.env" $root | nindent 6 }}
+    {{- with $root.Values.modelDownload.resources }}
+    resources:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with $root.Values.securityContext }}
+    securityContext:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    volumeMounts:
+      {{- include "prefixserve.volumeMounts" $root | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The initContainer's program: download engine.model when it is a hub id (anything else is a
+path or alias the engine resolves itself), with the same function and cache layout the engine
+uses, so the engine finds it cached.
+*/}}
+{{- define "prefixserve.downloadScript" -}}
+import os; from worker.hub import download_repo, looks_like_repo_id; m = os.environ['PREFIXSERVE_MODEL']; hub = looks_like_repo_id(m); print(('downloading ' + m) if hub else (m + ' is not a hub id: nothing to download'), flush=True); hub and download_repo(m, revision=os.environ['PREFIXSERVE_REVISION'] or None, download_dir=os.environ['PREFIXSERVE_DOWNLOAD_DIR'], weights={{ if .weights }}True{{ else }}False{{ end }})
 {{- end }}
 
 {{- define "prefixserve.containerPorts" -}}

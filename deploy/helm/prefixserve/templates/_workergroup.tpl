@@ -25,6 +25,9 @@ schedules), and the nvidia.com/gpu request and limit (what Kubernetes allocates)
         {{- include "prefixserve.labels" $root | nindent 8 }}
         app.kubernetes.io/component: {{ .component }}
     spec:
+      {{- with include "prefixserve.podCommon" (dict "root" $root "weights" true) | trim }}
+      {{- . | nindent 6 }}
+      {{- end }}
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -62,6 +65,10 @@ schedules), and the nvidia.com/gpu request and limit (what Kubernetes allocates)
               {{- if gt (int .gpus) 0 }}
               nvidia.com/gpu: {{ .gpus | toString | quote }}
               {{- end }}
+          {{- with $root.Values.securityContext }}
+          securityContext:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
           volumeMounts:
             {{- include "prefixserve.volumeMounts" $root | nindent 12 }}
       volumes:
