@@ -38,6 +38,7 @@ from worker.parallel.workers import (
     WorkerLauncher,
     threads_per_rank,
 )
+from worker.prompt_logprobs import prompt_logit_rows, record_prompt_logprobs
 from worker.request import Request
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
@@ -128,6 +129,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
                          kv_capacity_tokens=self.pool.num_blocks * self.block_size)
+        if self.tp is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with tensor parallelism (tensor_parallel_size > 1)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
         self.validate(prompt_token_ids, params)
@@ -168,12 +171,16 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         try:
-            logits, sampling_idx = self.runner.execute(batch)
+            prompt_rows, prompt_spans = prompt_logit_rows(batch)
+            logits, sampling_idx = self.runner.execute(batch, prompt_rows)
         except RuntimeError as exc:
             if self.tp is None:
                 raise
             raise RuntimeError(f"tensor-parallel step failed: {self._tp_failure(exc)}") from exc
         sampling_reqs = [batch.requests[i] for i in sampling_idx]
+        if prompt_spans:
+            record_prompt_logprobs(logits[len(sampling_idx):], prompt_spans)
+            logits = logits[: len(sampling_idx)]
         results = self.sampler.sample(logits, sampling_reqs)
         self.scheduler.commit_computed(batch)
         new: dict[int, tuple[list, str]] = {}
@@ -232,7 +239,8 @@ class LLMEngine:
                    "first_token_time": min((r.first_token_time for r in group if r.first_token_time), default=None)}
         if finished:
             metrics["finished_time"] = time.monotonic()
-        return RequestOutput(request_id, first.prompt_token_ids, outs, first.num_cached_tokens or 0, finished, None, metrics)
+        return RequestOutput(request_id, first.prompt_token_ids, outs, first.num_cached_tokens or 0, finished, None, metrics,
+                             prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None)
 
     # -- KV events and stats -----------------------------------------------------------------
     def _collect_events(self) -> None:
@@ -300,6 +308,9 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, voc
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.logit_bias or () if not t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
     n = len(prompt_token_ids)
     if n >= max_model_len:
         raise ValueError(f"prompt has {n} tokens; this model's context is {max_model_len} tokens (prompt plus output)")

@@ -164,9 +164,15 @@ class ModelRunner:
             seq_lens_list=lens,
         )
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Runs the batch. Returns (logits [num_sampling, vocab], indices into batch.requests)."""
+    def execute(self, batch: ScheduledBatch, extra_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Runs the batch. Returns (logits [num_sampling + len(extra_rows), vocab], indices into
+        batch.requests of the sampling rows). ``extra_rows``: rows of the flat batch whose logits
+        follow the sampling rows' (prompt logprobs; one rank only, the step message has no room)."""
         inputs, sampling_reqs = inputs_of(batch)
+        if extra_rows:
+            if self._encoder is not None:
+                raise ValueError("prompt logprobs are not supported with tensor parallelism")
+            inputs.sampling_rows.extend(extra_rows)
         if self._encoder is not None:
             self.comm.send_step(self._encoder.encode(batch, inputs))
         return self.run_inputs(inputs).cpu(), sampling_reqs

@@ -35,6 +35,8 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
     """Top alternatives as (token id, logprob), best first; empty unless asked for."""
+    rank: int | None = None
+    """1 + how many tokens are more likely than this one; filled for prompt logprobs only."""
 
 
 @dataclass
@@ -65,6 +67,17 @@ class RequestOutput:
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     """Timing: arrival_time, first_token_time, finished_time (time.monotonic seconds)."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Asked for with ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for
+    the first, which nothing predicts). Complete from the output with the first new tokens on;
+    None before that and when not asked for."""
+
+    @property
+    def carries_first_tokens(self) -> bool:
+        """Whether this output holds choice 0's first tokens: where a server that sends only
+        what is new sends ``prompt_logprobs``, once."""
+        first = next((c for c in self.outputs if c.index == 0), None)
+        return first is not None and 0 < len(first.new_token_ids) == len(first.token_ids)
 
     @property
     def text(self) -> str:

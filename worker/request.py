@@ -62,6 +62,9 @@ class Request:
         self.max_total_tokens = max_total_tokens
         self.output_counts: Counter[int] = Counter()
         self.logprobs: list = []
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
+        """Entries for the prompt's tokens so far (None for the first), when asked for; only
+        output 0 of a group collects them, the prompt being the same for all."""
         self.finish_reason = None
         self.stop_reason: str | int | None = None
         self.wait_for: Request | None = None
@@ -75,6 +78,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs still to collect: the prompt must be computed, not taken from the
+        prefix cache (whose hits carry no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

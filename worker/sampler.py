@@ -1,6 +1,6 @@
 """``Sampler``: picks each sequence's next token from its logits row.
 
-Every row is processed on its own (penalties, temperature, top-k, top-p, min-p), so a row's
+Every row is processed on its own (penalties, logit_bias, temperature, top-k, top-p, min-p), so a row's
 result never depends on the rest of the batch. Random choices come from a counter-based
 stream: a fresh generator keyed by ``(request seed, output index, output position)``, and the
 Gumbel-style race ``argmax(p / E)`` with ``E ~ Exp(1)``. A seeded request therefore gets the
@@ -50,7 +50,8 @@ class Sampler:
 
     def _plain_greedy(self, req: Request) -> bool:
         p = req.params
-        return p.greedy and not p.needs_penalties and len(req.output_token_ids) >= p.min_tokens
+        return (p.greedy and not p.needs_penalties and not p.logit_bias
+                and len(req.output_token_ids) >= p.min_tokens)
 
     def _sample_row(self, row: torch.Tensor, req: Request, greedy_token: int | None = None) -> SampleResult:
         """``greedy_token``: the row's argmax, already taken with other plain greedy rows."""
@@ -64,6 +65,8 @@ class Sampler:
         raw = row
         if p.needs_penalties:
             row = self._apply_penalties(row.clone(), req)
+        if p.logit_bias:
+            row = self._apply_logit_bias(row.clone() if row is raw else row, p.logit_bias)
         if len(req.output_token_ids) < p.min_tokens:
             row = row.clone() if row is raw else row
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
@@ -82,6 +85,14 @@ class Sampler:
             ids = torch.tensor(list(req.output_counts.keys()), dtype=torch.long)
             counts = torch.tensor(list(req.output_counts.values()), dtype=row.dtype)
             row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        return row
+
+    @staticmethod
+    def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+        """OpenAI's logit_bias: each listed token's logit plus its bias (ids past the row are
+        refused at admission, so none is out of range here)."""
+        ids = torch.tensor(list(bias.keys()), dtype=torch.long)
+        row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype)
         return row
 
     @staticmethod

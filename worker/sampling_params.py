@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -37,6 +38,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """None: no logprobs; k >= 0: the sampled token's logprob plus k top alternatives."""
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: every prompt token's logprob (the first has none) plus k top ones.
+    Such a request computes its whole prompt: it takes no prefix-cache hits."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias in [-100, 100] added to the logits before sampling (OpenAI's)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutputSpec | None = None
@@ -86,6 +92,16 @@ class SamplingParams:
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
              "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        need(self.prompt_logprobs is None
+             or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+             "prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.logit_bias is not None:
+            need(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
+            need(all(is_int(t) and t >= 0 for t in self.logit_bias), "logit_bias",
+                 "keys must be token ids (non-negative integers)")
+            need(all(is_num(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+                 "logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         need(self.structured_output is None or isinstance(self.structured_output, StructuredOutputSpec),
              "structured_output", f"must be a StructuredOutputSpec, got {type(self.structured_output).__name__}")
 

@@ -122,6 +122,8 @@ class Scheduler:
                 break
             # Never a full hit: the last token is recomputed so the step yields its logits.
             max_hit_blocks = (req.num_tokens - 1) // self.pool.block_size
+            if req.needs_prompt_logits:
+                max_hit_blocks = 0  # prompt logprobs need every prompt position's logits
             hashes = req.block_hashes[:max_hit_blocks]
             hits = self.pool.find_cached_prefix(hashes, req.all_token_ids)
             self.pool.touch(hits)
