@@ -43,6 +43,7 @@ from worker.request import Request
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
+from worker.structured_output import GrammarCompiler, check_spec
 from worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class LLMEngine:
             self.pool.attach_host(self.runner.num_host_blocks, self.runner)
         self.scheduler = Scheduler(config, self.pool)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size)
         self.metrics = EngineMetrics()
         self._groups: dict[str, list[Request]] = {}
         self._event_seq = itertools.count()
@@ -139,6 +141,8 @@ class LLMEngine:
         if len(self.scheduler.waiting) + params.n > self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests waiting (limit {self.config.max_waiting_requests})")
         seed = params.seed if params.seed is not None else hash((self.config.seed, next(self._unseeded)))
+        constraint = params.structured_output
+        grammar = self.grammars.matcher(constraint) if constraint is not None else None  # compiles before any state changes
         group = []
         for i in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
@@ -146,6 +150,8 @@ class LLMEngine:
             req = Request(request_id, i, list(prompt_token_ids), params, seed, self.block_size, self.model_id,
                           cache_salt, detok, self.max_model_len)
             req.wait_for = group[0] if group else None
+            if constraint is not None:
+                req.grammar = grammar if i == 0 else self.grammars.matcher(constraint)
             group.append(req)
             self.scheduler.add(req)
         self._groups[request_id] = group
@@ -220,6 +226,8 @@ class LLMEngine:
             req.finish_reason, req.stop_reason = FinishReason.STOP, req.detokenizer.stop_reason
         elif req.max_tokens_reached():
             req.finish_reason = FinishReason.LENGTH
+        if req.grammar is not None and req.finish_reason is None and req.grammar.advance(token):
+            req.finish_reason, req.stop_reason = FinishReason.STOP, None  # the grammar is complete
         if req.finish_reason is not None:
             self.scheduler.finish(req)
         return [token], req.detokenizer.take_delta(req.finish_reason is not None)
@@ -321,3 +329,5 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, voc
         )
     if n > kv_capacity_tokens:
         raise ValueError(f"prompt of {n} tokens does not fit the KV cache ({kv_capacity_tokens} tokens)")
+    if params.structured_output is not None:
+        check_spec(params.structured_output)

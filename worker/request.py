@@ -16,6 +16,7 @@ from collections import Counter
 from router.protocol import BlockHash, hash_blocks
 from worker.block_pool import Block
 from worker.sampling_params import SamplingParams
+from worker.structured_output import GrammarMatcher
 from worker.tokenizer import IncrementalDetokenizer
 
 
@@ -72,6 +73,8 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        self.grammar: GrammarMatcher | None = None
+        """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
         self._salt = (model_id, cache_salt)
         self.block_hashes: list[BlockHash] = hash_blocks(prompt_token_ids, block_size, model_id, cache_salt)
 

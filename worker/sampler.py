@@ -6,6 +6,11 @@ stream: a fresh generator keyed by ``(request seed, output index, output positio
 Gumbel-style race ``argmax(p / E)`` with ``E ~ Exp(1)``. A seeded request therefore gets the
 same tokens alone, in any batch, after any preemption, on any replica.
 
+A request with a structured output (``req.grammar``) has every token its grammar forbids set
+to -inf after penalties, logit_bias and the min_tokens ban, before temperature and the
+filters; the mask depends on that request's own tokens only, so the contract above holds.
+Unconstrained rows never touch the grammar code.
+
 Logprobs are those of the model's distribution before sampling transforms (vLLM's default).
 """
 
@@ -50,6 +55,8 @@ class Sampler:
 
     def _plain_greedy(self, req: Request) -> bool:
         p = req.params
+        if req.grammar is not None:
+            return False
         return (p.greedy and not p.needs_penalties and not p.logit_bias
                 and len(req.output_token_ids) >= p.min_tokens)
 
@@ -72,6 +79,11 @@ class Sampler:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             if banned:
                 row[torch.tensor(banned)] = _NEG_INF
+        if req.grammar is not None:
+            masked = req.grammar.mask_logits(row)
+            if len(req.output_token_ids) < p.min_tokens and not torch.isfinite(masked).any():
+                masked = req.grammar.mask_logits(raw)  # min_tokens banned all it allows: the grammar wins
+            row = masked
         return int(torch.argmax(row)) if p.greedy else self._random_choice(row, req)
 
     @staticmethod
