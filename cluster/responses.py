@@ -6,8 +6,12 @@ and, once, its ``finish_reason``/``text``. ``ResponseBuilder`` turns those into
 ``chat.completion(.chunk)`` or ``text_completion`` objects; it owns the per-choice state
 (text so far, token counts, logprobs) and the usage, whose
 ``prompt_tokens_details.cached_tokens`` is always filled. Choices of a batched completions
-request are numbered ``prompt_index * n + output_index``. Nothing here raises on well-formed
-replica output; a choice that ends in an engine error is reported by the caller.
+request are numbered ``prompt_index * n + output_index``. With a ``ToolPlan`` each chat
+choice's text goes through its own tool-call parser (``cluster/tool_parsers.py``): streamed as
+``content`` and ``tool_calls`` deltas, whole as ``message.tool_calls`` (``content`` null when
+there are only calls), and a choice that ended by itself with calls has finish_reason
+``tool_calls``. Nothing here raises on well-formed replica output; a choice that ends in an
+engine error is reported by the caller.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from cluster.tool_calls import ToolPlan
+from cluster.tool_parsers import ToolCallStream
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -45,6 +52,8 @@ class ChoiceState:
     stop_reason: str | int | None = None
     role_sent: bool = False
     num_chars: int = 0
+    tool_stream: ToolCallStream | None = None
+    """Parses this choice's text into tool calls (requests with tools only)."""
 
     @property
     def text(self) -> str:
@@ -66,8 +75,10 @@ class ResponseBuilder:
         token_to_str: Callable[[int], str],
         include_usage: bool = False,
         continuous_usage: bool = False,
+        tool_plan: ToolPlan | None = None,
     ) -> None:
         self.chat = chat
+        self.tool_plan = tool_plan
         self.request_id = request_id
         self.model = model
         self.n = n
@@ -77,6 +88,9 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.choices = [ChoiceState(i) for i in range(n * num_prompts)]
+        if tool_plan is not None:
+            for choice in self.choices:
+                choice.tool_stream = tool_plan.new_stream()
         self.num_prompt_tokens = [0] * num_prompts
         self.num_cached_tokens = [0] * num_prompts
 
@@ -175,9 +189,9 @@ class ResponseBuilder:
                     events.append(sse_event(self._chunk([role])))
                 choice = {
                     "index": state.index,
-                    "delta": {"content": new_text} if new_text else {},
+                    "delta": self._chat_delta(state, new_text),
                     "logprobs": self.chat_logprobs(new_logprobs),
-                    "finish_reason": state.finish_reason,
+                    "finish_reason": self._chat_finish_reason(state, state.tool_stream),
                 }
             else:
                 choice = {
@@ -191,6 +205,37 @@ class ResponseBuilder:
             state.num_chars += len(new_text)
             events.append(sse_event(self._chunk([choice])))
         return events
+
+    @staticmethod
+    def _chat_delta(state: ChoiceState, new_text: str) -> dict:
+        stream = state.tool_stream
+        if stream is None:
+            return {"content": new_text} if new_text else {}
+        content, calls = stream.feed(new_text)
+        if state.finish_reason is not None:
+            more_content, more_calls = stream.finish()
+            content, calls = content + more_content, calls + more_calls
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [call.to_dict() for call in calls]
+        return delta
+
+    @staticmethod
+    def _chat_finish_reason(state: ChoiceState, stream: ToolCallStream | None) -> str | None:
+        """``tool_calls`` when a choice that ended on its own made calls (OpenAI's reason)."""
+        if state.finish_reason == "stop" and stream is not None and stream.calls:
+            return "tool_calls"
+        return state.finish_reason
+
+    def _chat_message(self, state: ChoiceState) -> tuple[dict, ToolCallStream | None]:
+        if self.tool_plan is None:
+            return {"role": "assistant", "content": state.text}, None
+        stream = self.tool_plan.new_stream()
+        content, calls = stream.parse(state.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_dict() for call in calls]
+        return message, stream
 
     def closing_events(self) -> list[str]:
         """The usage chunk (when asked for) and ``[DONE]``."""
@@ -207,11 +252,12 @@ class ResponseBuilder:
         choices = []
         for state in self.choices:
             if self.chat:
+                message, stream = self._chat_message(state)
                 choice = {
                     "index": state.index,
-                    "message": {"role": "assistant", "content": state.text},
+                    "message": message,
                     "logprobs": self.chat_logprobs(state.logprobs),
-                    "finish_reason": state.finish_reason,
+                    "finish_reason": self._chat_finish_reason(state, stream),
                 }
             else:
                 choice = {
