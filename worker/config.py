@@ -2,35 +2,81 @@
 
 Names follow vLLM's flags where the meaning is the same (``--block-size``,
 ``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
-``--enable-prefix-caching``). The KV cache is sized by exactly one of three knobs:
+``--enable-prefix-caching``). The KV cache is sized by exactly one of four knobs:
 
 - ``num_kv_blocks``: an explicit number of blocks;
 - ``kv_cache_bytes``: a byte budget, turned into blocks by the model's bytes per block;
 - ``kv_cache_memory_fraction`` (the default, 0.2): a fraction of the memory *left after the
-  weights and a profile run* (device memory on CUDA, available RAM on CPU).
+  weights and a profile run* (device memory on CUDA, available RAM on CPU);
+- ``gpu_memory_utilization`` (vLLM's knob, CUDA only): a fraction of the device's *total*
+  memory for weights, activations and KV together; the KV cache gets that budget minus the
+  weights and the profile run's peak activations. ``0.9`` on an 80 GiB GPU with 16 GiB of
+  weights and 2 GiB of activations leaves 72 - 18 = 54 GiB of KV. On CPU it is an error naming
+  ``kv_cache_memory_fraction``/``kv_cache_bytes``.
+
+The two fraction knobs differ in what they are a fraction of: ``kv_cache_memory_fraction`` of
+what is *free* after loading (the other processes' use is respected whatever they hold), and
+``gpu_memory_utilization`` of the *whole device* (a budget for this engine alone, vLLM's
+meaning; two engines on one GPU need fractions that sum to under 1).
 
 Setting more than one is an error; the engine logs the blocks and tokens it ends up with.
 With ``tensor_parallel_size`` > 1 the budgets are per rank (each rank holds its share of the
 KV heads), and the ranks agree on the smallest block count any of them can hold.
+
+``device`` and ``dtype`` default to ``auto``: CUDA when a GPU is visible, else CPU; bfloat16 on
+CUDA devices that support it (compute capability 8.0 and up), float16 on older ones, float32
+on CPU. ``resolved()`` turns ``auto`` into concrete values; the engine calls it once where it
+runs (the replica's engine process, never the driver) and logs the result, and
+``torch_dtype`` refuses ``auto`` so nothing reads an unresolved value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 MAX_TENSOR_PARALLEL_SIZE = 64
 """More ranks than any single node holds GPUs; a larger value is surely a typo."""
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTO = "auto"
+BF16_MIN_CAPABILITY = (8, 0)
+"""Ampere and later compute bfloat16 natively; older GPUs emulate it slowly, so float16 there."""
+
+
+def resolve_device(device: str, cuda_available: bool) -> str:
+    """``auto``: ``cuda`` when a GPU is visible, else ``cpu``; anything else unchanged."""
+    if device != AUTO:
+        return device
+    return "cuda" if cuda_available else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str, cuda_capability: tuple[int, int] | None) -> str:
+    """``auto``: float32 on CPU; on CUDA bfloat16 from capability 8.0 up, else float16."""
+    if dtype != AUTO:
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    if cuda_capability is not None and tuple(cuda_capability) >= BF16_MIN_CAPABILITY:
+        return "bfloat16"
+    return "float16"
+
+
+_CPU_GMU_MESSAGE = ("is for CUDA devices (a fraction of the GPU's total memory); on CPU size the KV cache with "
+                    "kv_cache_memory_fraction (--kv-cache-memory-fraction, of the RAM left after loading) or "
+                    "kv_cache_bytes (--kv-cache-bytes)")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    """A Hugging Face folder, a ``.gguf`` file, or the alias ``smollm2`` (bundled)."""
+    """A Hugging Face folder, a hub repo id (``org/name``, downloaded: ``worker/hub.py``), a
+    ``.gguf`` file, or the alias ``smollm2`` (bundled)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``model`` is a hub repo id."""
     download_dir: str | None = None
@@ -52,8 +98,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     """Token budget of one step: prefill chunks and decodes share it."""
     enable_prefix_caching: bool = True
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = AUTO
+    """``float32``, ``float16``, ``bfloat16`` or ``auto`` (see the module docstring)."""
+    device: str = AUTO
+    """``cpu``, ``cuda[:N]`` or ``auto`` (CUDA when visible)."""
     seed: int = 0
     """Seed for requests that give none; sampling is keyed by (seed, position)."""
     deterministic: bool = True
@@ -89,8 +137,9 @@ class EngineConfig:
         need(self.max_num_seqs > 0, "max_num_seqs", f"must be positive, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens",
              f"must be at least block_size ({self.block_size}), got {self.max_num_batched_tokens}")
-        need(self.dtype in _DTYPES, "dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        need(self.device == "cpu" or self.device.startswith("cuda"), "device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(self.dtype in _DTYPES or self.dtype == AUTO, "dtype", f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        need(isinstance(self.device, str) and (self.device in ("cpu", AUTO) or self.device.startswith("cuda")), "device",
+             f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend",
              f"must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
         knobs = [k for k in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction", "gpu_memory_utilization") if getattr(self, k) is not None]
@@ -101,6 +150,7 @@ class EngineConfig:
         need(frac is None or 0.0 < frac <= 0.95, "kv_cache_memory_fraction", f"must be in (0, 0.95], got {frac}")
         gmu = self.gpu_memory_utilization
         need(gmu is None or 0.0 < gmu <= 1.0, "gpu_memory_utilization", f"must be in (0, 1], got {gmu}")
+        need(gmu is None or self.device != "cpu", "gpu_memory_utilization", _CPU_GMU_MESSAGE)
         need(isinstance(self.generation_config, str) and bool(self.generation_config), "generation_config",
              "must be 'auto', 'vllm' or a folder holding generation_config.json")
         need(self.host_kv_cache_bytes is None or self.host_kv_cache_bytes > 0, "host_kv_cache_bytes",
@@ -116,7 +166,23 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == AUTO:
+            raise ValueError("EngineConfig.dtype is 'auto': call EngineConfig.resolved() where the engine runs")
         return _DTYPES[self.dtype]
+
+    def resolved(self) -> EngineConfig:
+        """A copy with ``auto`` device and dtype made concrete for this process's hardware."""
+        device = resolve_device(self.device, torch.cuda.is_available())
+        capability = None
+        if self.dtype == AUTO and device.startswith("cuda"):
+            capability = torch.cuda.get_device_capability(torch.device(device))
+        dtype = resolve_dtype(self.dtype, device, capability)
+        if device == "cpu" and self.gpu_memory_utilization is not None:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization: {_CPU_GMU_MESSAGE} (device 'auto' found no GPU)")
+        if (device, dtype) != (self.device, self.dtype):
+            log.info("engine config: device %s -> %s, dtype %s -> %s%s", self.device, device, self.dtype, dtype,
+                     f" (compute capability {capability[0]}.{capability[1]})" if capability else "")
+        return self.replace(device=device, dtype=dtype)
 
     @property
     def memory_fraction(self) -> float:

@@ -26,7 +26,7 @@ from router.protocol import KVEventBatch, ReplicaStats
 from worker.block_pool import BlockPool
 from worker.config import EngineConfig
 from worker.cpu_runtime import configure_cpu_allocator
-from worker.loader import load_weights, resolve_model
+from worker.loader import load_tokenizer, load_weights, resolve_engine_model
 from worker.metrics import EngineMetrics
 from worker.model_runner import ModelRunner
 from worker.models.llama import ModelSpec
@@ -44,7 +44,7 @@ from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
 from worker.structured_output import GrammarCompiler, check_spec
-from worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None):
         """``launcher`` starts tensor-parallel ranks 1..N-1; default: local processes."""
+        config = config.resolved()  # device/dtype "auto" made concrete here, where the engine runs
         tp = config.tensor_parallel_size
         if config.device == "cpu":
             configure_cpu_allocator()
@@ -62,7 +63,7 @@ class LLMEngine:
         self.tp: TensorParallelGroup | None = None
         self._tp_finalizer: weakref.finalize | None = None
         t0 = time.perf_counter()
-        resolved = resolve_model(config.model, config.cache_dir)
+        resolved = resolve_engine_model(config)
         self.config = config
         self.replica_id = replica_id
         self.model_id = config.model_id or resolved.model_id
@@ -70,7 +71,7 @@ class LLMEngine:
         if config.max_model_len and config.max_model_len > resolved.max_model_len:
             raise ValueError(f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context ({resolved.max_model_len})")
         self.model_path = resolved.path
-        self.tokenizer = Tokenizer(resolved.path)
+        self.tokenizer = load_tokenizer(config, model_path=resolved.path, chat_template=False)
         if tp == 1:
             spec, weights = load_weights(resolved.path, config.torch_dtype)
             self.runner = ModelRunner(config, spec, weights, self.max_model_len)

@@ -40,9 +40,9 @@ from multiprocessing.connection import Connection
 
 from worker.config import EngineConfig
 from worker.engine_core import EngineCore, EngineInfo, EngineLoop, StepResult, info_of
+from worker.loader import load_tokenizer
 from worker.outputs import CompletionOutput, EngineDeadError, RequestOutput
 from worker.parallel.workers import child_env
-from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class ProcessCore(EngineCore):
         self._finalizer = weakref.finalize(self, _end_process, self._proc, self._conn)
         self._send(("init", config, replica_id))
         self.info = self._wait_ready()
-        self.tokenizer = Tokenizer(self.info.model_path)
+        self.tokenizer = load_tokenizer(config, model_path=self.info.model_path, chat_template=False)
         self._assembler = OutputAssembler()
         self._dead_reason = ""
         self._reader = threading.Thread(target=self._read, name=f"engine-reader-{replica_id}", daemon=True)

@@ -1,6 +1,8 @@
-"""Finding, converting and loading a model: a Hugging Face folder, a GGUF file, or ``smollm2``.
+"""Finding, converting and loading a model: a folder, a hub repo id, a GGUF file, or ``smollm2``.
 
 - A folder needs ``config.json``, ``*.safetensors`` and tokenizer files.
+- A hub repo id (``org/name`` that is not a local path) is downloaded into the Hugging Face
+  cache (or ``download_dir``) at ``revision``, or found there offline: ``worker/hub.py``.
 - A ``.gguf`` file is dequantised once through transformers' GGUF support and cached as a
   safetensors folder under ``cache_dir`` (default ``~/.cache/prefixserve/models``), keyed by the
   file's size and mtime. A file lock makes concurrent replicas convert it only once.
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from worker import hub
+from worker.config import EngineConfig
 from worker.models.llama import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -103,8 +107,10 @@ def _convert_locked(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
-    """Turn the ``model`` option into a loadable folder, converting GGUF once if needed."""
+def resolve_model(model: str, cache_dir: str | None = None, *, revision: str | None = None,
+                  download_dir: str | None = None, weights: bool = True) -> ResolvedModel:
+    """Turn the ``model`` option into a loadable folder: converts GGUF once, downloads hub
+    repos (``weights=False``: all but the weights, for a process that only tokenizes)."""
     cache = Path(cache_dir) if cache_dir else None
     if model in BUNDLED_ALIASES:
         gguf, model_id = _bundled_gguf(model)
@@ -113,12 +119,15 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
         if not Path(model).is_file():
             raise ValueError(f"GGUF file not found: {model}")
         folder, model_id = convert_gguf(Path(model), cache), Path(model).stem
+    elif hub.looks_like_repo_id(model):
+        folder = Path(hub.download_repo(model, revision=revision, download_dir=download_dir, weights=weights))
+        model_id = model  # the repo id, as vLLM serves it
     else:
         folder = Path(model)
         if not (folder / "config.json").is_file():
             raise ValueError(
                 f"model {model!r} is neither a bundled alias ({', '.join(BUNDLED_ALIASES)}), a .gguf file, "
-                "nor a folder with config.json (model hubs are not contacted)"
+                "a folder with config.json, nor a hub repo id (org/name)"
             )
         model_id = folder.name
     config = json.loads((Path(folder) / "config.json").read_text())
@@ -129,11 +138,17 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
     return ResolvedModel(path=str(folder), model_id=model_id, max_model_len=max_len)
 
 
+def resolve_engine_model(config: EngineConfig, weights: bool = True) -> ResolvedModel:
+    """``resolve_model`` with the config's cache, revision and download folder."""
+    return resolve_model(config.model, config.cache_dir, revision=config.revision, download_dir=config.download_dir,
+                         weights=weights)
+
+
 def load_weights(folder: str, dtype: torch.dtype) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     spec = ModelSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
-    files = sorted(Path(folder).glob("*.safetensors"))
+    files = weight_files(folder)
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}")
     weights: dict[str, torch.Tensor] = {}
@@ -143,8 +158,37 @@ def load_weights(folder: str, dtype: torch.dtype) -> tuple[ModelSpec, dict[str, 
     return spec, weights
 
 
-def load_tokenizer(model: str, cache_dir: str | None = None):
-    """The model's tokenizer and chat template, wrapped (``worker.tokenizer.Tokenizer``)."""
-    from worker.tokenizer import Tokenizer
+def weight_files(folder: str | Path) -> list[Path]:
+    """The folder's safetensors; only the shards ``model.safetensors.index.json`` names when
+    it exists (a repo may also hold a ``consolidated.safetensors`` copy of every weight)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        named = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        files = [f for f in files if f.name in named]
+    return files
 
-    return Tokenizer(resolve_model(model, cache_dir).path)
+
+def tokenizer_path(config: EngineConfig, model_path: str | None = None) -> str:
+    """The tokenizer's folder: ``config.tokenizer`` (a folder or hub id) or the model's own."""
+    if config.tokenizer is not None:
+        if Path(config.tokenizer).is_dir():
+            return config.tokenizer
+        if hub.looks_like_repo_id(config.tokenizer):
+            return hub.download_repo(config.tokenizer, download_dir=config.download_dir, weights=False)
+        raise ValueError(f"EngineConfig.tokenizer: {config.tokenizer!r} is neither a folder nor a hub repo id (org/name)")
+    return model_path or resolve_engine_model(config, weights=False).path
+
+
+def load_tokenizer(config: EngineConfig | str, cache_dir: str | None = None, *, model_path: str | None = None,
+                   chat_template: bool = True):
+    """The tokenizer (``worker.tokenizer.Tokenizer``) a config names, with its chat template
+    override (``chat_template=False``: the model's own, for a process that never renders
+    one). A bare model string stands for ``EngineConfig(model=..., cache_dir=...)``."""
+    from worker.tokenizer import Tokenizer, read_chat_template
+
+    if isinstance(config, str):
+        config = EngineConfig(model=config, cache_dir=cache_dir)
+    template = read_chat_template(config.chat_template) if chat_template and config.chat_template else None
+    return Tokenizer(tokenizer_path(config, model_path), chat_template=template)

@@ -7,7 +7,9 @@ step reaches the end of their known tokens (those sample a token).
 KV sizing happens here because it needs the model's shape: ``num_kv_blocks`` as given, or
 ``kv_cache_bytes`` divided by the bytes of one block, or a fraction of the memory left after
 the weights and a profile run (``/proc/meminfo`` MemAvailable on CPU, free device memory on
-CUDA). Too little memory for two blocks is a ``ValueError`` that says which knob to raise.
+CUDA), or, with ``gpu_memory_utilization`` (CUDA), that fraction of the device's total memory
+less the weights and the profile run's peak activations (``kv_bytes_for_utilization``, vLLM's
+arithmetic). Too little memory for two blocks is a ``ValueError`` that says which knob to raise.
 
 Tensor parallelism: every rank runs a ``ModelRunner`` over its shard with the same config.
 Rank 0's ``execute`` sends the step to the others (``worker/parallel/step_message.py``) before
@@ -45,6 +47,23 @@ def available_memory_bytes(device: str) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def kv_bytes_for_utilization(total_bytes: int, weight_bytes: int, peak_activation_bytes: int, utilization: float) -> int:
+    """KV bytes under ``gpu_memory_utilization``: the engine may use ``utilization`` of the
+    device's total memory; the weights and the profile run's peak activations come first.
+    A budget that the weights and activations already exceed is a ``ValueError``."""
+    budget_bytes = int(total_bytes * utilization)
+    kv_bytes = budget_bytes - weight_bytes - peak_activation_bytes
+    if kv_bytes <= 0:
+        gib = 2**30
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} allows {budget_bytes / gib:.2f} GiB of the device's "
+            f"{total_bytes / gib:.2f} GiB, but the weights take {weight_bytes / gib:.2f} GiB and the profile run's "
+            f"activations {peak_activation_bytes / gib:.2f} GiB: no room for the KV cache; raise "
+            "gpu_memory_utilization, or lower max_num_batched_tokens"
+        )
+    return kv_bytes
 
 
 class ModelRunner:
@@ -122,13 +141,44 @@ class ModelRunner:
             if blocks < 2:
                 raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of {self.bytes_per_block} bytes; need at least 2")
             return int(blocks)
-        self._profile_run()
-        budget = int(available_memory_bytes(c.device) * c.memory_fraction)
+        if c.gpu_memory_utilization is not None:
+            budget = self._utilization_budget_bytes()
+            knob = f"gpu_memory_utilization={c.gpu_memory_utilization}"
+        else:
+            self._profile_run()
+            budget = int(available_memory_bytes(c.device) * c.memory_fraction)
+            knob = f"kv_cache_memory_fraction={c.memory_fraction}"
         blocks = budget // self.bytes_per_block
         if blocks < 2:
-            raise ValueError(f"kv_cache_memory_fraction={c.memory_fraction} leaves {budget} bytes: under 2 KV blocks; raise it or set --num-kv-blocks")
+            raise ValueError(f"{knob} leaves {budget} bytes: under 2 KV blocks; raise it or set --num-kv-blocks")
         # No use holding more than every running sequence could fill at full length, plus slack.
         return int(min(blocks, c.max_num_seqs * self.max_blocks_per_seq + 64))
+
+    def _utilization_budget_bytes(self) -> int:
+        """KV bytes for ``gpu_memory_utilization``: measures the weights and the profile run."""
+        if self.device.type != "cuda":
+            raise ValueError("gpu_memory_utilization is for CUDA devices; on CPU use kv_cache_memory_fraction or kv_cache_bytes")
+        dev = self.device
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weight_bytes = torch.cuda.memory_allocated(dev)  # weights and the model's own buffers
+        torch.cuda.reset_peak_memory_stats(dev)
+        self._profile_run()
+        torch.cuda.synchronize(dev)
+        peak_activation_bytes = max(0, torch.cuda.max_memory_allocated(dev) - weight_bytes)
+        torch.cuda.empty_cache()
+        free_bytes, total_bytes = torch.cuda.mem_get_info(dev)
+        kv_bytes = kv_bytes_for_utilization(total_bytes, weight_bytes, peak_activation_bytes, self.config.gpu_memory_utilization)
+        if kv_bytes > free_bytes:
+            raise ValueError(
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} asks for {kv_bytes / 2**30:.2f} GiB of KV "
+                f"but only {free_bytes / 2**30:.2f} GiB of {dev} is free (other processes hold the rest); lower it"
+            )
+        log.info("gpu_memory_utilization=%s of %.2f GiB: weights %.2f GiB, activations %.2f GiB, KV %.2f GiB",
+                 self.config.gpu_memory_utilization, total_bytes / 2**30, weight_bytes / 2**30,
+                 peak_activation_bytes / 2**30, kv_bytes / 2**30)
+        return kv_bytes
 
     def _profile_run(self) -> None:
         """One forward of a full token budget, so its activations are counted as used memory."""

@@ -1,5 +1,10 @@
 """The model's tokenizer, its chat template, and incremental detokenisation with stop strings.
 
+``chat_template`` (``--chat-template``) replaces the model's template: ``read_chat_template``
+takes a file (a ``.jinja`` file, or a ``.json`` holding ``{"chat_template": ...}``) or the
+template itself, and checks that Jinja parses it, so a broken template fails at start-up
+with a ``ValueError`` naming the field rather than on every request.
+
 ``IncrementalDetokenizer`` turns a growing list of token ids into text deltas. It decodes a
 short window of recent tokens (not the whole output each step), never emits half a
 multi-byte character (a trailing U+FFFD means "wait for the next token"), and holds back the
@@ -9,7 +14,9 @@ partly streamed before it is recognised.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -18,9 +25,39 @@ _PREFIX_WINDOW_TOKENS = 6
 """Tokens of left context decoded with the new ones, so merges at the boundary are right."""
 
 
+def read_chat_template(value: str) -> str:
+    """The Jinja source ``--chat-template`` names: a file's contents or the value itself."""
+    path = Path(value)
+    is_inline = "{{" in value or "{%" in value
+    if not is_inline and path.is_file():
+        text = path.read_text()
+        if path.suffix == ".json":
+            try:
+                text = json.loads(text)["chat_template"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"EngineConfig.chat_template: {value} is JSON without a 'chat_template' string") from None
+    elif is_inline:
+        text = value
+    else:
+        raise ValueError(f"EngineConfig.chat_template: {value!r} is neither a file nor a Jinja template")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"EngineConfig.chat_template: {value!r} holds an empty template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"EngineConfig.chat_template: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
+
+
 class Tokenizer:
-    def __init__(self, path: str):
+    def __init__(self, path: str, chat_template: str | None = None):
+        """``chat_template``: Jinja source replacing the model's own (``read_chat_template``)."""
+        self.path = path
         self._tok = AutoTokenizer.from_pretrained(path)
+        if chat_template is not None:
+            self._tok.chat_template = chat_template
         self.vocab_size = len(self._tok)
         eos = self._tok.eos_token_id
         self.eos_token_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
@@ -35,7 +72,10 @@ class Tokenizer:
     def token_to_str(self, token_id: int) -> str:
         return self._tok.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the rendered conversation; ``tools`` (OpenAI tool definitions) go to
+        the template as transformers passes them (a template may ignore them)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, m in enumerate(messages):
@@ -45,7 +85,8 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}].content must be a string")
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             tokenize=False)
         return self.encode(text)
 
 
