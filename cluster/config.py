@@ -26,6 +26,10 @@ DEFAULT_MAX_ONGOING_REQUESTS = 128
 # past this the ingress answers 429 instead of letting the queue (and latency) grow unbounded.
 DEFAULT_MAX_QUEUED_REQUESTS = 512
 DEFAULT_PORT = 8000
+# An ingress replica holds each request for its whole stream, but its CPU work (parse,
+# template, tokenize, hash) comes at the start; autoscaling adds one per this many streams.
+DEFAULT_INGRESS_TARGET_ONGOING_REQUESTS = 256.0
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Where the ingress (and the CLI) look for the API key when the config gives none, so the key
 # need not appear in Serve config files or the dashboard.
 API_KEY_ENV = "PREFIXSERVE_API_KEY"
@@ -58,7 +62,26 @@ class ClusterConfig:
     ray_address: str | None = None
     """Join this Ray cluster (``auto``, ``ray://...``, ``host:port``); None starts a local one."""
     num_cpus_per_replica: float = 1.0
-    num_gpus_per_replica: float = 0.0
+    num_gpus_per_replica: float | None = None
+    """Ray GPUs of each engine replica and, under tensor parallelism, of each rank's bundle.
+    None: 1 on CUDA (and on ``device: auto`` when the Ray cluster has GPUs), else 0."""
+    num_ingress_replicas: int | None = None
+    """Ingress replicas (FastAPI: parse, template, tokenize, route; no CPU reserved); the
+    minimum when autoscaling. None: 2 when more than one engine replica runs, else 1."""
+    max_ingress_replicas: int | None = None
+    """Above ``num_ingress_replicas``: Serve autoscales the ingress up to this many replicas."""
+    ingress_target_ongoing_requests: float = DEFAULT_INGRESS_TARGET_ONGOING_REQUESTS
+    """Autoscaling target: open requests (streams) per ingress replica."""
+    allowed_origins: tuple[str, ...] = ()
+    """CORS: browser origins allowed to call the API (``*``: any); empty: no CORS headers."""
+    allowed_methods: tuple[str, ...] = ("*",)
+    """CORS: HTTP methods allowed cross-origin (with ``allowed_origins``)."""
+    allowed_headers: tuple[str, ...] = ("*",)
+    """CORS: request headers allowed cross-origin (with ``allowed_origins``)."""
+    root_path: str = ""
+    """FastAPI's root_path: the path prefix a proxy in front serves the API under."""
+    log_level: str = "info"
+    """Log level of the driver, the Serve deployments and the engine processes."""
     served_model_name: str | None = None
     """Model name in the API; defaults to the engine's model id."""
     app_name: str = "prefixserve"
@@ -76,6 +99,57 @@ class ClusterConfig:
             if not cond:
                 raise ValueError(f"ClusterConfig.{field}: {msg}")
 
+        for field in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, field)
+            if isinstance(value, str):  # "a,b" from a config file or an env variable
+                value = [part.strip() for part in value.split(",") if part.strip()]
+            need(
+                isinstance(value, (list, tuple))
+                and all(isinstance(v, str) and v.strip() for v in value),
+                field,
+                f"must be a list of non-empty strings, got {value!r}",
+            )
+            object.__setattr__(self, field, tuple(value))
+        if isinstance(self.log_level, str):
+            object.__setattr__(self, "log_level", self.log_level.lower())
+
+        need(
+            _is_int(self.num_replicas) and self.num_replicas >= 1,
+            "num_replicas",
+            f"must be an integer >= 1, got {self.num_replicas!r}",
+        )
+        need(
+            _is_int(self.max_ongoing_requests) and self.max_ongoing_requests >= 1,
+            "max_ongoing_requests",
+            f"must be an integer >= 1, got {self.max_ongoing_requests!r}",
+        )
+        need(
+            self.max_queued_requests is None
+            or (_is_int(self.max_queued_requests) and self.max_queued_requests >= 1),
+            "max_queued_requests",
+            f"must be None or an integer >= 1, got {self.max_queued_requests!r}",
+        )
+        need(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
+        need(
+            _is_int(self.port) and 0 < self.port < 65536,
+            "port",
+            f"must be an integer in [1, 65535], got {self.port!r}",
+        )
+        need(
+            self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
+            "api_key",
+            "must be None or a non-empty string",
+        )
+        need(
+            _is_int(self.max_request_body_bytes) and self.max_request_body_bytes >= 1024,
+            "max_request_body_bytes",
+            f"must be an integer >= 1024, got {self.max_request_body_bytes!r}",
+        )
+        need(
+            _is_int(self.stream_interval) and self.stream_interval >= 1,
+            "stream_interval",
+            f"must be an integer >= 1, got {self.stream_interval!r}",
+        )
         need(
             _is_int(self.num_replicas) and self.num_replicas >= 1,
             "num_replicas",
@@ -125,9 +199,40 @@ class ClusterConfig:
             f"must be a number >= 0, got {self.num_cpus_per_replica!r}",
         )
         need(
-            _is_number(self.num_gpus_per_replica) and self.num_gpus_per_replica >= 0,
+            self.num_gpus_per_replica is None
+            or (_is_number(self.num_gpus_per_replica) and self.num_gpus_per_replica >= 0),
             "num_gpus_per_replica",
-            f"must be a number >= 0, got {self.num_gpus_per_replica!r}",
+            f"must be None or a number >= 0, got {self.num_gpus_per_replica!r}",
+        )
+        need(
+            self.num_ingress_replicas is None
+            or (_is_int(self.num_ingress_replicas) and self.num_ingress_replicas >= 1),
+            "num_ingress_replicas",
+            f"must be None or an integer >= 1, got {self.num_ingress_replicas!r}",
+        )
+        need(
+            self.max_ingress_replicas is None
+            or (_is_int(self.max_ingress_replicas) and self.max_ingress_replicas >= self.ingress_replicas),
+            "max_ingress_replicas",
+            f"must be None or an integer >= the ingress replicas ({self.ingress_replicas}), "
+            f"got {self.max_ingress_replicas!r}",
+        )
+        need(
+            _is_number(self.ingress_target_ongoing_requests)
+            and self.ingress_target_ongoing_requests > 0,
+            "ingress_target_ongoing_requests",
+            f"must be a number > 0, got {self.ingress_target_ongoing_requests!r}",
+        )
+        need(
+            isinstance(self.root_path, str)
+            and (self.root_path == "" or (self.root_path.startswith("/") and not self.root_path.endswith("/"))),
+            "root_path",
+            f"must be empty or a path like /api (leading '/', no trailing '/'), got {self.root_path!r}",
+        )
+        need(
+            self.log_level in LOG_LEVELS,
+            "log_level",
+            f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}",
         )
         need(
             self.served_model_name is None
@@ -141,6 +246,13 @@ class ClusterConfig:
             "app_name",
             f"must be letters, digits, '-' or '_', got {self.app_name!r}",
         )
+
+    @property
+    def ingress_replicas(self) -> int:
+        """Ingress replicas to start with (the autoscaling minimum)."""
+        if self.num_ingress_replicas is not None:
+            return self.num_ingress_replicas
+        return 2 if _is_int(self.num_replicas) and self.num_replicas > 1 else 1
 
     @property
     def url(self) -> str:

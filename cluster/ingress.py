@@ -9,6 +9,8 @@ refusal (bad input 400, full queue 429 with Retry-After, dead engine 503) is a p
 status; the serving replica goes out in the ``x-prefixserve-replica`` header. Failures
 after the stream started end it with an ``error`` event and ``[DONE]``. A client that goes
 away cancels the handle calls, which aborts the engine requests and frees their blocks.
+Several ingress replicas may run; ``x-prefixserve-ingress`` names the one that answered. Each
+replica's app gets ``ClusterConfig.root_path`` and, with ``allowed_origins``, CORS.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type on
@@ -21,6 +23,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,6 +50,8 @@ from worker.loader import load_tokenizer
 log = logging.getLogger("ray.serve")
 
 REPLICA_HEADER = "x-prefixserve-replica"
+# Names the ingress replica that answered (several may run; they share one prefix index).
+INGRESS_HEADER = "x-prefixserve-ingress"
 # /health and /metrics must answer even when the hub or every replica is wedged.
 HEALTH_TIMEOUT_S = 2.0
 
@@ -95,6 +100,23 @@ class Ingress:
         self.tokenizer = await asyncio.to_thread(
             load_tokenizer, self.engine_config.model, self.engine_config.cache_dir
         )
+        self._ingress_id = serve.get_replica_context().replica_id.unique_id
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve calls this after ``__init__``, before the first request: this replica's copy
+        of the app gets its CORS middleware and root_path from the cluster config."""
+        app = self.app
+        app.root_path = self.cluster.root_path
+        if self.cluster.allowed_origins:
+            app.add_middleware(
+                CORSMiddleware,
+                allow_origins=list(self.cluster.allowed_origins),
+                allow_methods=list(self.cluster.allowed_methods),
+                allow_headers=list(self.cluster.allowed_headers),
+                expose_headers=[REPLICA_HEADER, INGRESS_HEADER],
+            )
+        return app
+
 
     # ---- request plumbing ---------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -136,7 +158,7 @@ class Ingress:
 
     async def _respond(self, body, builder: ResponseBuilder, opened: list) -> Response:
         replicas = ",".join(dict.fromkeys(first["replica_id"] for first, _ in opened))
-        headers = {REPLICA_HEADER: replicas}
+        headers = {REPLICA_HEADER: replicas, INGRESS_HEADER: self._ingress_id}
         items = self.engines.merge(opened)
         if not body.stream:
             try:

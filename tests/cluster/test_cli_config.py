@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from cluster.cli import API_KEY_ENV, args_from_namespace, build_parser, main
 from cluster.config import ClusterConfig, configs_from_args
 from cluster.metrics import ReplicaMetrics, any_replica_serving, render_prometheus
+from router.config import RouterConfig
+from worker.config import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> dict:
@@ -126,6 +133,15 @@ def test_bad_flag_exits_2_naming_the_field(capsys):
         ({"api_key": ""}, "api_key"),
         ({"max_request_body_bytes": 10}, "max_request_body_bytes"),
         ({"num_gpus_per_replica": -1}, "num_gpus_per_replica"),
+        ({"num_ingress_replicas": 0}, "num_ingress_replicas"),
+        ({"num_replicas": 1, "max_ingress_replicas": 0}, "max_ingress_replicas"),
+        ({"num_ingress_replicas": 3, "max_ingress_replicas": 2}, "max_ingress_replicas"),
+        ({"ingress_target_ongoing_requests": 0}, "ingress_target_ongoing_requests"),
+        ({"allowed_origins": [""]}, "allowed_origins"),
+        ({"allowed_methods": 3}, "allowed_methods"),
+        ({"root_path": "api/"}, "root_path"),
+        ({"root_path": "/api/"}, "root_path"),
+        ({"log_level": "loud"}, "log_level"),
         ({"served_model_name": " "}, "served_model_name"),
         ({"app_name": "a b"}, "app_name"),
     ],
@@ -133,6 +149,184 @@ def test_bad_flag_exits_2_naming_the_field(capsys):
 def test_cluster_config_rejects_bad_values_naming_the_field(fields, name):
     with pytest.raises(ValueError, match=f"ClusterConfig.{name}"):
         ClusterConfig(**fields)
+
+
+def test_help_groups_flags_by_topic_and_shows_the_dataclass_defaults():
+    from cluster import cli
+
+    (serve,) = [
+        action.choices["serve"]
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    ]
+    titles = [group.title for group in serve._action_groups]
+    assert [t for t in titles if t in cli.GROUPS.values()] == list(cli.GROUPS.values())
+    by_dest = {action.dest: action for action in serve._actions}
+    for _, section, field, kind, _, _ in cli._rows():
+        default = cli.field_default(section, field)
+        help_text = by_dest[field].help
+        if default is None or default in ((), ""):
+            continue  # the text says what unset means, in words
+        if kind is None:
+            shown = "on" if default else "off"
+        else:
+            shown = ",".join(default) if kind == cli.LIST else str(default)
+        assert help_text.endswith(f"(default: {shown}).".replace("%", "%%")), (field, help_text)
+        assert help_text.count("(default") == 1, help_text  # never typed a second time
+    assert by_dest["block_size"].help.endswith(f"(default: {EngineConfig().block_size}).")
+    assert by_dest["num_replicas"].help.endswith(f"(default: {ClusterConfig().num_replicas}).")
+    serve.format_help()  # every help string formats (no stray '%')
+
+
+def test_positional_model_version_and_list_flags(monkeypatch, capsys):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert parse("/models/a")["engine"]["model"] == "/models/a"
+    assert parse("/models/a", "--model", "/models/a")["engine"]["model"] == "/models/a"
+    assert main(["serve", "/models/a", "--model", "/models/b"]) == 2
+    assert "disagrees with --model" in capsys.readouterr().err
+    args = parse("--allowed-origins", "http://a.example, http://b.example",
+                 "--allowed-origins", "http://c.example", "--allowed-methods", "GET,POST")  # fmt: skip
+    _, cluster, _ = configs_from_args(args)
+    assert cluster.allowed_origins == ("http://a.example", "http://b.example", "http://c.example")
+    assert (cluster.allowed_methods, cluster.allowed_headers) == (("GET", "POST"), ("*",))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("prefixserve ")
+
+
+def test_config_file_keys_match_flags_and_the_command_line_wins(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /models/from-file\n"
+        "max-num-seqs: 8\n"
+        "max_model_len: '512'\n"
+        "routing: round_robin\n"
+        "num-replicas: 3\n"
+        "enable-prefix-caching: false\n"
+        "allowed-origins: [http://a.example]\n"
+        "log-level: DEBUG\n"
+        "port: 9001\n"
+    )
+    engine, cluster, router = configs_from_args(
+        parse("--config", str(config), "--max-num-seqs", "4", "--port", "9002")
+    )
+    assert (engine.model, engine.max_num_seqs, engine.max_model_len) == ("/models/from-file", 4, 512)
+    assert engine.enable_prefix_caching is False and router.policy == "round_robin"
+    assert (cluster.num_replicas, cluster.port, cluster.log_level) == (3, 9002, "debug")
+    assert cluster.allowed_origins == ("http://a.example",)
+    assert parse("/models/positional", "--config", str(config))["engine"]["model"] == "/models/positional"
+
+    for text, named in (
+        ("max-num-seq: 8\n", "max-num-seq"),
+        ("max-num-seqs: many\n", "max-num-seqs"),
+        ("enable-prefix-caching: 1\n", "enable-prefix-caching"),
+        ("- just a list\n", "mapping"),
+    ):
+        config.write_text(text)
+        assert main(["serve", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert named in err and str(config) in err, err
+
+
+def test_detach_needs_a_running_ray_cluster(capsys):
+    assert main(["serve", "--detach"]) == 2
+    assert "--detach needs --address" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("device", "tp", "cluster_gpus", "explicit", "gpus"),
+    [
+        ("cpu", 1, 8.0, None, 0.0),
+        ("cuda", 1, 0.0, None, 1.0),  # one GPU per replica: replicas never share cuda:0
+        ("cuda:1", 2, 0.0, None, 1.0),
+        ("auto", 1, 8.0, None, 1.0),  # the cluster has GPUs
+        ("auto", 4, 8.0, None, 1.0),
+        ("auto", 1, 0.0, None, 0.0),  # CPU-only cluster
+        ("cuda", 1, 0.0, 0.5, 0.5),  # explicit: two replicas per GPU
+        ("auto", 2, 8.0, 0.0, 0.0),
+    ],
+)
+def test_replicas_reserve_one_gpu_per_rank_on_cuda(device, tp, cluster_gpus, explicit, gpus):
+    from ray import serve
+
+    from cluster.app import engine_replica_options, gpus_per_replica
+    from cluster.replica import EngineReplica
+
+    cluster = ClusterConfig(num_gpus_per_replica=explicit, num_cpus_per_replica=2)
+    assert gpus_per_replica(device, cluster, cluster_gpus) == gpus
+    if device == "auto" and not _engine_accepts_auto():
+        return
+    engine = EngineConfig(device=device, tensor_parallel_size=tp)
+    options = engine_replica_options(engine, cluster, RouterConfig(), cluster_gpus)
+    assert options["ray_actor_options"]["num_cpus"] == 2
+    assert options["ray_actor_options"]["num_gpus"] == gpus
+    if tp == 1:
+        assert "placement_group_bundles" not in options
+    else:
+        bundle = {"CPU": 2, "GPU": gpus} if gpus else {"CPU": 2}
+        assert options["placement_group_bundles"] == [bundle] * tp
+        assert options["placement_group_strategy"] == "STRICT_PACK"
+    # Serve accepts the options (its own validation; no Ray started).
+    deployment = EngineReplica.options(**options)
+    assert isinstance(deployment, serve.Deployment)
+    assert deployment.ray_actor_options["num_gpus"] == gpus
+
+
+def _engine_accepts_auto() -> bool:
+    try:
+        EngineConfig(device="auto")
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("fields", "replicas", "autoscaling"),
+    [
+        ({}, 2, None),  # two engine replicas: two ingress replicas
+        ({"num_replicas": 1}, 1, None),
+        ({"num_replicas": 1, "num_ingress_replicas": 3}, 3, None),
+        ({"num_ingress_replicas": 2, "max_ingress_replicas": 2}, 2, None),
+        (
+            {"max_ingress_replicas": 6, "ingress_target_ongoing_requests": 32},
+            None,
+            {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6, "target_ongoing_requests": 32},
+        ),
+    ],
+)
+def test_ingress_replicas_and_autoscaling(fields, replicas, autoscaling):
+    from cluster.app import LOG_LEVEL_ENV, ingress_options
+    from cluster.ingress import Ingress
+
+    cluster = ClusterConfig(**fields, log_level="warning")
+    options = ingress_options(cluster)
+    assert options.get("num_replicas") == replicas
+    assert options.get("autoscaling_config") == autoscaling
+    assert options["ray_actor_options"]["num_cpus"] == 0
+    assert options["ray_actor_options"]["runtime_env"]["env_vars"][LOG_LEVEL_ENV] == "WARNING"
+    assert options["logging_config"]["log_level"] == "WARNING"
+    deployment = Ingress.options(**options)  # Serve's own validation of the options
+    if autoscaling is None:
+        assert deployment.num_replicas == replicas
+    else:
+        config = deployment._deployment_config.autoscaling_config
+        assert (config.min_replicas, config.max_replicas) == (2, 6)
+        assert config.target_ongoing_requests == 32
+
+
+def test_serve_config_yaml_builds_the_app_with_the_cluster_fields():
+    import yaml
+
+    from cluster.app import build_app
+
+    path = REPO_ROOT / "deploy" / "serve_config.yaml"
+    (app_config,) = yaml.safe_load(path.read_text())["applications"]
+    args = app_config["args"]
+    _, cluster, _ = configs_from_args(args)
+    assert cluster.ingress_replicas == 2  # two engine replicas
+    build_app(args)  # binds every deployment with Serve's validation; no Ray needed
 
 
 def test_builder_args_reject_unknown_sections_fields_and_block_size_mismatch():
