@@ -86,13 +86,14 @@ def select_files(repo_files: list[str], weight_map_files: set[str] | None, weigh
     return sorted(chosen)
 
 
-def _describe(repo_id: str, revision: str | None) -> str:
-    return f"{repo_id!r}" + (f" (revision {revision!r})" if revision else "")
+def _describe(repo_id: str, revision: str | None, label: str = "model") -> str:
+    return f"{label} {repo_id!r}" + (f" (revision {revision!r})" if revision else "")
 
 
 def download_repo(repo_id: str, *, revision: str | None = None, download_dir: str | None = None,
-                  weights: bool = True) -> str:
-    """A local snapshot folder of ``repo_id`` holding what the engine needs; see the module doc."""
+                  weights: bool = True, need_config: bool = True) -> str:
+    """A local snapshot folder of ``repo_id`` holding what the engine needs; see the module doc.
+    ``need_config=False``: a tokenizer repo (``--tokenizer``), which may have no config.json."""
     try:
         import httpx2  # huggingface_hub >= 1.x's HTTP client
     except ImportError:  # pragma: no cover - older huggingface_hub
@@ -100,34 +101,34 @@ def download_repo(repo_id: str, *, revision: str | None = None, download_dir: st
     from huggingface_hub import snapshot_download
 
     cache = cache_dir(download_dir)
-    what = _describe(repo_id, revision)
+    what = _describe(repo_id, revision, "model" if need_config else "tokenizer")
     if offline():
-        folder = cached_snapshot(repo_id, revision, cache)
+        folder = cached_snapshot(repo_id, revision, cache, need_config)
         if folder is None:
-            raise ValueError(f"model {what}: HF_HUB_OFFLINE=1 and {repo_id} is not in {cache}; "
+            raise ValueError(f"{what}: HF_HUB_OFFLINE=1 and {repo_id} is not in {cache}; "
                              "download it once online (or unset HF_HUB_OFFLINE)")
-        _check_snapshot(Path(folder), repo_id, weights)
-        log.info("model %s: offline, using the cached snapshot %s", what, folder)
+        _check_snapshot(Path(folder), what, weights, need_config)
+        log.info("%s: offline, using the cached snapshot %s", what, folder)
         return folder
     url, token = endpoint(), _token()
     try:
-        files = _plan(repo_id, revision, cache, url, token, weights)
-        log.info("model %s: fetching %d files from %s into %s", what, len(files), url, cache)
+        files = _plan(repo_id, revision, cache, url, token, weights, need_config)
+        log.info("%s: fetching %d files from %s into %s", what, len(files), url, cache)
         folder = snapshot_download(repo_id, revision=revision, cache_dir=cache, endpoint=url, token=token,
                                    allow_patterns=files)
     except (httpx2.ConnectError, httpx2.TimeoutException) as exc:  # hub unreachable: the cache may do
-        folder = cached_snapshot(repo_id, revision, cache)
+        folder = cached_snapshot(repo_id, revision, cache, need_config)
         if folder is None:
-            raise ValueError(f"model {what}: cannot reach {url} ({type(exc).__name__}) and {repo_id} is not in "
+            raise ValueError(f"{what}: cannot reach {url} ({type(exc).__name__}) and {repo_id} is not in "
                              f"{cache}; check the network or HF_ENDPOINT") from exc
-        log.warning("model %s: cannot reach %s (%s); using the cached snapshot %s", what, url, type(exc).__name__, folder)
+        log.warning("%s: cannot reach %s (%s); using the cached snapshot %s", what, url, type(exc).__name__, folder)
     except Exception as exc:  # noqa: BLE001 - turned into one clear message per failure kind
         raise _hub_error(exc, what, repo_id, url, cache) from exc
-    _check_snapshot(Path(folder), repo_id, weights)
+    _check_snapshot(Path(folder), what, weights, need_config)
     return folder
 
 
-def cached_snapshot(repo_id: str, revision: str | None, cache: str) -> str | None:
+def cached_snapshot(repo_id: str, revision: str | None, cache: str, need_config: bool = True) -> str | None:
     """The snapshot folder the cache holds for ``revision`` (a commit, or a branch/tag through
     ``refs/``), or None. Reads huggingface_hub's cache layout directly: its own offline lookup
     also wants every file of the repo's listing, and we fetch only a subset."""
@@ -140,10 +141,12 @@ def cached_snapshot(repo_id: str, revision: str | None, cache: str) -> str | Non
             return None
         commit = ref.read_text().strip()
     folder = storage / "snapshots" / commit
-    return str(folder) if (folder / "config.json").is_file() else None
+    found = (folder / "config.json").is_file() if need_config else folder.is_dir()
+    return str(folder) if found else None
 
 
-def _plan(repo_id: str, revision: str | None, cache: str, url: str, token: str | None, weights: bool) -> list[str]:
+def _plan(repo_id: str, revision: str | None, cache: str, url: str, token: str | None, weights: bool,
+          need_config: bool) -> list[str]:
     """Lists the repo (one API call) and picks the files; reads the safetensors index if any."""
     from huggingface_hub import HfApi, hf_hub_download
 
@@ -155,18 +158,19 @@ def _plan(repo_id: str, revision: str | None, cache: str, url: str, token: str |
         weight_map_files = set(json.loads(Path(index).read_text()).get("weight_map", {}).values())
     files = select_files(repo_files, weight_map_files, weights)
     if weights and not any(f.endswith(".safetensors") for f in files):
-        raise ValueError(f"model {_describe(repo_id, revision)}: the repo has no *.safetensors weights "
+        raise ValueError(f"{_describe(repo_id, revision)}: the repo has no *.safetensors weights "
                          "(prefixserve reads safetensors only, not .bin/.pth)")
-    if "config.json" not in files:
-        raise ValueError(f"model {_describe(repo_id, revision)}: the repo has no config.json")
+    if need_config and "config.json" not in files:
+        raise ValueError(f"{_describe(repo_id, revision)}: the repo has no config.json")
     return files
 
 
-def _check_snapshot(folder: Path, repo_id: str, weights: bool) -> None:
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"model {repo_id!r}: the snapshot {folder} has no config.json")
+def _check_snapshot(folder: Path, what: str, weights: bool, need_config: bool) -> None:
+    if need_config and not (folder / "config.json").is_file():
+        raise ValueError(f"{what}: the snapshot {folder} has no config.json")
     if weights and not any(folder.glob("*.safetensors")):
-        raise ValueError(f"model {repo_id!r}: the snapshot {folder} has no *.safetensors weights")
+        raise ValueError(f"{what}: the snapshot {folder} has no *.safetensors weights (a tokenizer-only download? "
+                         "fetch the model once online)")
 
 
 def _hub_error(exc: Exception, what: str, repo_id: str, url: str, cache: str) -> Exception:
@@ -182,16 +186,16 @@ def _hub_error(exc: Exception, what: str, repo_id: str, url: str, cache: str) ->
         return exc  # ours, already clear
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, GatedRepoError):
-        return ValueError(f"model {what} is gated on {url}: accept its licence on the model's page, then set HF_TOKEN "
+        return ValueError(f"{what} is gated on {url}: accept its licence on the model's page, then set HF_TOKEN "
                           "to a token of that account")
     if isinstance(exc, RevisionNotFoundError):
-        return ValueError(f"model {what}: revision not found in {repo_id} on {url}")
+        return ValueError(f"{what}: revision not found in {repo_id} on {url}")
     if status in (401, 403):
-        return ValueError(f"model {what}: {url} refused access ({status}); the repo is private, gated or missing: "
+        return ValueError(f"{what}: {url} refused access ({status}); the repo is private, gated or missing: "
                           "set HF_TOKEN to a token that can read it" + (" (the one set was refused)" if _token() else ""))
     if isinstance(exc, RepositoryNotFoundError) or status == 404:
-        return ValueError(f"model {what}: repository not found on {url} (check the id; a private repo needs HF_TOKEN)")
+        return ValueError(f"{what}: repository not found on {url} (check the id; a private repo needs HF_TOKEN)")
     if isinstance(exc, LocalEntryNotFoundError):
-        return ValueError(f"model {what}: cannot reach {url} and {repo_id} is not in {cache} "
+        return ValueError(f"{what}: cannot reach {url} and {repo_id} is not in {cache} "
                           f"({type(exc.__cause__ or exc).__name__}); check the network or HF_ENDPOINT")
-    return ValueError(f"model {what}: download from {url} failed: {type(exc).__name__}: {exc}")
+    return ValueError(f"{what}: download from {url} failed: {type(exc).__name__}: {exc}")

@@ -176,7 +176,7 @@ def tokenizer_path(config: EngineConfig, model_path: str | None = None) -> str:
         if Path(config.tokenizer).is_dir():
             return config.tokenizer
         if hub.looks_like_repo_id(config.tokenizer):
-            return hub.download_repo(config.tokenizer, download_dir=config.download_dir, weights=False)
+            return hub.download_repo(config.tokenizer, download_dir=config.download_dir, weights=False, need_config=False)
         raise ValueError(f"EngineConfig.tokenizer: {config.tokenizer!r} is neither a folder nor a hub repo id (org/name)")
     return model_path or resolve_engine_model(config, weights=False).path
 
