@@ -66,6 +66,33 @@ class ToolCall(_Strict):
         }
 
 
+class FunctionDefinition(_Strict):
+    _FIELD_PATH = "tools[].function."
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    _FIELD_PATH = "tools[]."
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    _FIELD_PATH = "tool_choice.function."
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the one function the model must call."""
+
+    _FIELD_PATH = "tool_choice."
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     """One message of a conversation, as the chat template sees it.
 
@@ -183,7 +210,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: ``auto`` when tools are given, else ``none`` (see ``cluster/tool_calls.py``)."""
+    parallel_tool_calls: bool | None = None
     response_format: dict | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -202,8 +232,6 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_unsupported()
         if not self.messages:
             raise bad_request("messages must be a non-empty list", "messages")
-        if self.tools:
-            raise bad_request("tool calling is not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("only response_format type 'text' is supported", "response_format")
 
@@ -215,6 +243,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_messages(self) -> list[dict]:
         return [message.as_template_dict() for message in self.messages]
+
+    def tool_definitions(self) -> list[dict] | None:
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 class CompletionRequest(_SamplingRequest):
