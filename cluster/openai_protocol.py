@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.errors import APIError, bad_request, from_validation_error, from_value_error
 from worker.sampling_params import SamplingParams
+from worker.structured_output import SpecError, StructuredOutputSpec, spec_from_request
 
 # A batched completions request fans out into one engine request per prompt; more than this
 # many belongs in the offline batch API, not in one HTTP request.
@@ -144,6 +145,14 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    response_format: dict | None = None
+    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``."""
+    structured_outputs: dict | None = None
+    """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar``, ``json_object``."""
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -191,10 +200,23 @@ class _SamplingRequest(_Strict):
                 logprobs=self.engine_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_output=self.engine_structured_output(),
                 **kwargs,
             )
         except ValueError as exc:
             raise from_value_error(exc, self._param_renames()) from None
+
+    def engine_structured_output(self) -> StructuredOutputSpec | None:
+        """The constraint ``response_format``/``structured_outputs``/``guided_*`` ask for (at most
+        one), checked to compile: a 400 naming the field otherwise."""
+        try:
+            return spec_from_request(
+                response_format=self.response_format, structured_outputs=self.structured_outputs,
+                guided_json=self.guided_json, guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
+            )
+        except SpecError as exc:
+            raise bad_request(str(exc), exc.field) from None
 
     def _param_renames(self) -> dict[str, str]:
         return {}
@@ -214,7 +236,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """None: ``auto`` when tools are given, else ``none`` (see ``cluster/tool_calls.py``)."""
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -232,8 +253,6 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_unsupported()
         if not self.messages:
             raise bad_request("messages must be a non-empty list", "messages")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format type 'text' is supported", "response_format")
 
     def _param_renames(self) -> dict[str, str]:
         renamed = {"logprobs": "top_logprobs"}

@@ -69,7 +69,7 @@ class StructuredOutputSpec:
     ``json_schema``: a JSON schema (dict, or its JSON text); ``json_object``: any JSON object;
     ``regex``: the whole output matches it; ``choice``: the output is exactly one of these
     strings; ``grammar``: a Lark grammar (llguidance's dialect, which may embed
-    ``%json {...}``). ``field_name`` is what error messages call the request field the spec
+    ``%json {...}``) or a GBNF one (llama.cpp's, converted). ``field_name`` is what error messages call the request field the spec
     came from (``response_format``, ``guided_json``, ``tool_choice``...).
     """
 
@@ -155,7 +155,9 @@ def grammar_text(spec: StructuredOutputSpec) -> str:
         return LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-    return LLMatcher.grammar_from_lark(spec.grammar)
+    from llguidance import grammar_from
+
+    return grammar_from("grammar", spec.grammar)  # Lark, or GBNF (llama.cpp's) converted to Lark
 
 
 @lru_cache(maxsize=MAX_CACHED_GRAMMARS)
@@ -181,6 +183,77 @@ def check_spec(spec: StructuredOutputSpec) -> None:
 def _short(message: str, limit: int = 300) -> str:
     message = " ".join(message.split())
     return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+class SpecError(ValueError):
+    """A request's structured-output fields are wrong; ``field`` names the one to blame."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+"""vLLM's older per-kind request fields, and the spec field each fills."""
+STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                           "json_object": "json_object"}
+"""vLLM's ``structured_outputs`` object: its constraint keys and the spec field each fills."""
+
+
+def spec_from_request(*, response_format: dict | None = None, structured_outputs: dict | None = None,
+                      **guided) -> StructuredOutputSpec | None:
+    """The ``StructuredOutputSpec`` an OpenAI/vLLM request's fields ask for, or None.
+
+    ``response_format`` is OpenAI's (``text``, ``json_object``, ``json_schema`` with
+    ``json_schema.schema``), ``structured_outputs`` vLLM's object, ``guided`` vLLM's
+    ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar`` (None when unset).
+    At most one of them may constrain a request. Raises ``SpecError`` naming the field,
+    after checking that the constraint compiles (``check_spec``).
+    """
+    found: list[tuple[str, dict]] = []
+    if response_format is not None:
+        kind = response_format.get("type", "text")
+        name = "response_format"
+        if kind == "json_object":
+            found.append((name, {"json_object": True}))
+        elif kind == "json_schema":
+            inner = response_format.get("json_schema")
+            if not isinstance(inner, dict):
+                raise SpecError(name, "response_format.json_schema must be an object with a 'schema' when type is 'json_schema'")
+            schema = inner.get("schema", inner.get("json_schema"))
+            if schema is None:
+                raise SpecError(name, "response_format.json_schema.schema is required")
+            found.append((name, {"json_schema": schema}))
+        elif kind != "text":
+            raise SpecError(name, f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if structured_outputs is not None:
+        name = "structured_outputs"
+        if "structural_tag" in structured_outputs:
+            raise SpecError(name, "structured_outputs.structural_tag is not supported")
+        kwargs = {STRUCTURED_OUTPUTS_KEYS[k]: v for k, v in structured_outputs.items()
+                  if k in STRUCTURED_OUTPUTS_KEYS and v is not None and v is not False}
+        if kwargs:
+            found.append((name, kwargs))
+    for name, value in guided.items():
+        if name not in GUIDED_FIELDS:
+            raise TypeError(f"unknown structured-output field {name!r}")
+        if value is not None:
+            found.append((name, {GUIDED_FIELDS[name]: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [name for name, _ in found]
+        raise SpecError(names[1], f"{names[1]}: only one structured-output constraint per request, got {', '.join(names)}")
+    name, kwargs = found[0]
+    if "json_object" in kwargs:
+        kwargs["json_object"] = kwargs["json_object"] is True
+    try:
+        spec = StructuredOutputSpec(field_name=name, **kwargs)
+        check_spec(spec)
+    except ValueError as e:
+        raise SpecError(name, str(e)) from None
+    return spec
 
 
 class GrammarCompiler:
