@@ -54,12 +54,12 @@ def install_helm() -> tuple[str | None, str]:
     return str(Path(proc.stdout.strip().splitlines()[-1]) / "helm"), ""
 
 
-def _run_helm(args: list[str]) -> str:
+def _run_helm(args: list[str], cwd: Path | None = None) -> str:
     helm, reason = install_helm()
     if helm is None:
         raise HelmError(f"helm is not installed: {reason}")
     proc = subprocess.run(
-        [helm, *args], capture_output=True, text=True, timeout=HELM_TIMEOUT_S, check=False
+        [helm, *args], capture_output=True, text=True, timeout=HELM_TIMEOUT_S, check=False, cwd=cwd
     )
     if proc.returncode != 0:
         raise HelmError(proc.stderr.strip() or proc.stdout.strip())
@@ -86,6 +86,16 @@ def render(
             ["template", RELEASE_NAME, str(CHART_DIR), "--namespace", NAMESPACE]
             + _values_args(values_files or [], values, tmp)
         )
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def render_args(args: list[str]) -> list[dict[str, Any]]:
+    """``helm template`` with the value flags (``-f``, ``--set``, ...) of a documented
+    ``helm install`` command, run from the repo root as the docs say."""
+    out = _run_helm(
+        ["template", RELEASE_NAME, str(CHART_DIR), "--namespace", NAMESPACE, *args],
+        cwd=REPO_ROOT,
+    )
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
