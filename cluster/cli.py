@@ -68,6 +68,8 @@ _FLAGS = [
     ("--revision", "engine", "revision", str, "Hub revision (branch, tag or commit) of a hub model.", "model"),
     ("--download-dir", "engine", "download_dir", str, "Where hub models are downloaded (default: the Hugging Face cache).", "model"),
     ("--chat-template", "engine", "chat_template", str, "Jinja chat template (a file or the template itself) replacing the model's.", "model"),
+    ("--enable-auto-tool-choice", "cluster", "enable_auto_tool_choice", None, "Allow tool_choice 'auto' (the default when a request has tools); needs --tool-call-parser.", "model"),
+    ("--tool-call-parser", "cluster", "tool_call_parser", str, "How output becomes tool_calls: hermes (Hermes, Qwen) or llama3_json (default: hermes for 'required' and named choice; no 'auto').", "model"),
     ("--generation-config", "engine", "generation_config", str, "Sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding one.", "model"),
     ("--max-model-len", "engine", "max_model_len", int, "Context limit in tokens (default: the model's).", "model"),
     ("--dtype", "engine", "dtype", str, "Weights and activations: float32, float16, bfloat16 or auto (float32 on CPU; bfloat16 on CUDA from compute capability 8.0, else float16).", "model"),

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from cluster.tool_parsers import TOOL_CALL_STREAMS
 from router.config import RouterConfig
 from worker.config import EngineConfig
 
@@ -33,6 +34,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Where the ingress (and the CLI) look for the API key when the config gives none, so the key
 # need not appear in Serve config files or the dashboard.
 API_KEY_ENV = "PREFIXSERVE_API_KEY"
+TOOL_CALL_PARSERS = tuple(TOOL_CALL_STREAMS)
 SECTIONS = ("engine", "cluster", "router")
 
 
@@ -93,6 +95,12 @@ class ClusterConfig:
     enable_log_requests: bool = False
     """Log one line per HTTP request (Serve's access log) in the proxy, ingress and replicas.
     Off by default, as in vLLM: on a small machine the log lines cost serving throughput."""
+    enable_auto_tool_choice: bool = False
+    """Allow ``tool_choice: "auto"`` (the default when a request has tools), as vLLM's flag;
+    needs ``tool_call_parser``. ``required`` and a named function work without it."""
+    tool_call_parser: str | None = None
+    """How model output becomes ``tool_calls`` (vLLM's names): ``hermes`` or ``llama3_json``.
+    None: ``hermes`` for ``required``/named choice, and no ``auto``."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:
@@ -186,6 +194,16 @@ class ClusterConfig:
             _is_int(self.stream_interval) and self.stream_interval >= 1,
             "stream_interval",
             f"must be an integer >= 1, got {self.stream_interval!r}",
+        )
+        need(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}",
+        )
+        need(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice",
+            "needs tool_call_parser (--tool-call-parser) to say how calls are written",
         )
         need(
             self.ray_address is None

@@ -43,6 +43,12 @@ from cluster.openai_protocol import (
 )
 from cluster.request_router import router_metrics_snapshot
 from cluster.responses import ResponseBuilder
+from cluster.tool_calls import (
+    apply_tool_plan,
+    plan_tool_calls,
+    template_inputs,
+    template_renders_tools,
+)
 from worker import EngineConfig
 from worker.loader import load_tokenizer
 
@@ -99,6 +105,11 @@ class Ingress:
             self.accepted_names.add(self.engine_config.model)
         self.tokenizer = await asyncio.to_thread(
             load_tokenizer, self.engine_config.model, self.engine_config.cache_dir
+        )
+        # A template that ignores `tools` gets them written into the system message instead.
+        self.template_renders_tools = await asyncio.to_thread(
+            template_renders_tools,
+            lambda messages, tools: self.tokenizer.apply_chat_template(messages, True, tools=tools),
         )
         self._ingress_id = serve.get_replica_context().replica_id.unique_id
 
@@ -193,10 +204,12 @@ class Ingress:
     async def _encode(self, text: str) -> list[int]:
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
-    async def _apply_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def _apply_template(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
         try:
             return await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, messages, add_generation_prompt
+                self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools=tools
             )
         except ValueError as exc:
             raise errors.bad_request(f"messages: {exc}", "messages") from None
@@ -207,9 +220,17 @@ class Ingress:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         body.sampling_params()  # range checks before any tokenizing
-        prompt_ids = await self._apply_template(
-            body.template_messages(), body.add_generation_prompt
+        tool_plan = plan_tool_calls(
+            body.tool_definitions(),
+            body.tool_choice_value(),
+            body.parallel_tool_calls,
+            parser=self.cluster.tool_call_parser,
+            enable_auto_tool_choice=self.cluster.enable_auto_tool_choice,
         )
+        messages, tools = template_inputs(
+            body.template_messages(), tool_plan, self.template_renders_tools
+        )
+        prompt_ids = await self._apply_template(messages, body.add_generation_prompt, tools)
         tokens_param = (
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         )
@@ -220,7 +241,7 @@ class Ingress:
             prompt_param="messages",
             tokens_param=tokens_param,
         )
-        params = body.sampling_params(max_tokens)
+        params = apply_tool_plan(body.sampling_params(max_tokens), tool_plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         opened = await self.engines.open_all(request_id, [prompt_ids], [params], body.cache_salt)
         builder = ResponseBuilder(
@@ -235,6 +256,7 @@ class Ingress:
             continuous_usage=bool(
                 body.stream_options and body.stream_options.continuous_usage_stats
             ),
+            tool_plan=tool_plan,
         )
         return await self._respond(body, builder, opened)
 

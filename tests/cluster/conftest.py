@@ -89,7 +89,8 @@ REUSE_ENV = "PREFIXSERVE_TEST_TINY_SERVER"
 
 
 def start_tiny_cluster(folder) -> tuple[Server, object]:
-    """Two replicas of a tiny random llama; API key on; small limits to exercise them."""
+    """Two replicas of a tiny random llama; API key on; small limits to exercise them; tool
+    calling with ``auto`` allowed (hermes format)."""
     from worker.testing import make_tiny_model
 
     model = make_tiny_model(folder, "llama")
@@ -106,6 +107,8 @@ def start_tiny_cluster(folder) -> tuple[Server, object]:
         "max_ongoing_requests": 24,
         "max_queued_requests": 64,
         "max_request_body_bytes": TINY_MAX_BODY_BYTES,
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "hermes",
     }
     url, teardown = start_cluster(engine, cluster, "tiny")
     return Server(url, API_KEY, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES), teardown
