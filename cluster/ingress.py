@@ -50,7 +50,7 @@ from cluster.tool_calls import (
     template_renders_tools,
 )
 from worker import EngineConfig
-from worker.loader import load_tokenizer
+from worker.loader import load_frontend
 
 # Serve routes the "ray.serve" logger into each replica's log file.
 log = logging.getLogger("ray.serve")
@@ -103,8 +103,9 @@ class Ingress:
         self.accepted_names = {self.served_name}
         if self.cluster.served_model_name is None:
             self.accepted_names.add(self.engine_config.model)
-        self.tokenizer = await asyncio.to_thread(
-            load_tokenizer, self.engine_config.model, self.engine_config.cache_dir
+        # The model's generation_config.json fills sampling fields a request leaves unset.
+        self.tokenizer, self.generation_defaults = await asyncio.to_thread(
+            load_frontend, self.engine_config
         )
         # A template that ignores `tools` gets them written into the system message instead.
         self.template_renders_tools = await asyncio.to_thread(
@@ -241,7 +242,9 @@ class Ingress:
             prompt_param="messages",
             tokens_param=tokens_param,
         )
-        params = apply_tool_plan(body.sampling_params(max_tokens), tool_plan)
+        if body.requested_max_tokens() is None and "max_tokens" in self.generation_defaults:
+            max_tokens = min(max_tokens, self.generation_defaults["max_tokens"])  # max_new_tokens
+        params = apply_tool_plan(body.sampling_params(max_tokens, self.generation_defaults), tool_plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         opened = await self.engines.open_all(request_id, [prompt_ids], [params], body.cache_salt)
         builder = ResponseBuilder(
@@ -281,7 +284,7 @@ class Ingress:
                 prompt_param="prompt",
                 tokens_param="max_tokens",
             )
-            params.append(body.sampling_params(max_tokens))
+            params.append(body.sampling_params(max_tokens, self.generation_defaults))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         opened = await self.engines.open_all(request_id, prompts, params, body.cache_salt)
         builder = ResponseBuilder(

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.errors import APIError, bad_request, from_validation_error, from_value_error
+from worker.generation_defaults import apply_defaults
 from worker.sampling_params import SamplingParams
 from worker.structured_output import SpecError, StructuredOutputSpec, spec_from_request
 
@@ -175,8 +176,12 @@ class _SamplingRequest(_Strict):
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
 
-    def sampling_params(self, max_tokens: int | None = None) -> SamplingParams:
-        """SamplingParams for this request; ``max_tokens`` overrides the requested value."""
+    def sampling_params(
+        self, max_tokens: int | None = None, model_defaults: dict[str, float | int] | None = None
+    ) -> SamplingParams:
+        """SamplingParams for this request; ``max_tokens`` overrides the requested value.
+        ``model_defaults`` (``worker.generation_defaults``) fill sampling fields the request left
+        unset or null: the request's value, else the model's default, else ours."""
         self.check_unsupported()
         options = {
             "temperature": self.temperature,
@@ -187,7 +192,7 @@ class _SamplingRequest(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
-        kwargs = {key: value for key, value in options.items() if value is not None}
+        kwargs = apply_defaults(options, model_defaults or {})
         try:
             return SamplingParams(
                 n=self.n,

@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from worker.config import EngineConfig
+if TYPE_CHECKING:  # no torch import for the ingress's protocol module, which uses apply_defaults
+    from worker.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

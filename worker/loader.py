@@ -192,3 +192,13 @@ def load_tokenizer(config: EngineConfig | str, cache_dir: str | None = None, *, 
         config = EngineConfig(model=config, cache_dir=cache_dir)
     template = read_chat_template(config.chat_template) if chat_template and config.chat_template else None
     return Tokenizer(tokenizer_path(config, model_path), chat_template=template)
+
+
+def load_frontend(config: EngineConfig):
+    """What a process that only tokenizes and builds ``SamplingParams`` needs (the ingress):
+    the tokenizer with the chat template override, and the model's generation defaults
+    (``worker/generation_defaults.py``). Downloads no weights."""
+    from worker.generation_defaults import load_generation_defaults
+
+    model_path = resolve_engine_model(config, weights=False).path
+    return load_tokenizer(config, model_path=model_path), load_generation_defaults(config, model_path)
