@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +28,7 @@ from worker.block_pool import BlockPool
 from worker.config import EngineConfig
 from worker.cpu_runtime import configure_cpu_allocator
 from worker.loader import load_tokenizer, load_weights, resolve_engine_model
-from worker.metrics import EngineMetrics
+from worker.metrics import EngineMetrics, EngineMetricsSnapshot, HostTierMetrics
 from worker.model_runner import ModelRunner
 from worker.models.llama import ModelSpec
 from worker.outputs import CompletionOutput, EngineOverloadedError, FinishReason, RequestOutput
@@ -40,13 +41,21 @@ from worker.parallel.workers import (
 )
 from worker.prompt_logprobs import prompt_logit_rows, record_prompt_logprobs
 from worker.request import Request
-from worker.sampler import Sampler
+from worker.sampler import Sampler, SampleResult
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
 from worker.structured_output import GrammarCompiler, check_spec
 from worker.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepDelta:
+    """What one step added to one sequence: its new token ids and the text they completed."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
 
 
 class LLMEngine:
@@ -148,8 +157,11 @@ class LLMEngine:
         for i in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                            params.include_stop_str_in_output, params.skip_special_tokens)
-            req = Request(request_id, i, list(prompt_token_ids), params, seed, self.block_size, self.model_id,
-                          cache_salt, detok, self.max_model_len)
+            req = Request(
+                request_id=request_id, index=i, prompt_token_ids=list(prompt_token_ids),
+                params=params, seed=seed, block_size=self.block_size, model_id=self.model_id,
+                cache_salt=cache_salt, detokenizer=detok, max_total_tokens=self.max_model_len,
+            )
             req.wait_for = group[0] if group else None
             if constraint is not None:
                 req.grammar = grammar if i == 0 else self.grammars.matcher(constraint)
@@ -166,7 +178,7 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(req)
                 req.finish_reason = req.finish_reason or FinishReason.ABORT
-        return self._output(request_id, group, {id(r): ([], "") for r in group}, finished=True)
+        return self._output(request_id, group, {}, finished=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -190,10 +202,9 @@ class LLMEngine:
             logits = logits[: len(sampling_idx)]
         results = self.sampler.sample(logits, sampling_reqs)
         self.scheduler.commit_computed(batch)
-        new: dict[int, tuple[list, str]] = {}
         now = time.monotonic()
-        for req, res in zip(sampling_reqs, results, strict=True):
-            new[id(req)] = self._append(req, res, now)
+        deltas = {req: self._append(req, res, now)
+                  for req, res in zip(sampling_reqs, results, strict=True)}
         self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - t0)
         self._collect_events()
         touched = {r.request_id for r in batch.requests}
@@ -203,13 +214,13 @@ class LLMEngine:
             if group is None:
                 continue
             done = all(r.is_finished for r in group)
-            outputs.append(self._output(rid, group, new, finished=done))
+            outputs.append(self._output(rid, group, deltas, finished=done))
             if done:
                 del self._groups[rid]
         return outputs
 
-    def _append(self, req: Request, res, now: float) -> tuple[list[int], str]:
-        p = req.params
+    def _append(self, req: Request, res: SampleResult, now: float) -> StepDelta:
+        """Appends the sampled token to ``req``, applies the stop checks, returns the delta."""
         token = res.token_id
         req.append_token(token)
         if res.logprob is not None:
@@ -218,38 +229,60 @@ class LLMEngine:
             req.first_token_time = now
         self.metrics.generation_tokens_total += 1
         req.detokenizer.add_token(token)
-        min_done = len(req.output_token_ids) >= p.min_tokens
-        if min_done and not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            req.finish_reason, req.stop_reason = FinishReason.STOP, None
-        elif min_done and token in p.stop_token_ids:
-            req.finish_reason, req.stop_reason = FinishReason.STOP, token
-        elif min_done and req.detokenizer.stop_reason is not None:
-            req.finish_reason, req.stop_reason = FinishReason.STOP, req.detokenizer.stop_reason
-        elif req.max_tokens_reached():
-            req.finish_reason = FinishReason.LENGTH
+        self._check_stop(req, token)
         if req.grammar is not None and req.finish_reason is None and req.grammar.advance(token):
             req.finish_reason, req.stop_reason = FinishReason.STOP, None  # the grammar is complete
         if req.finish_reason is not None:
             self.scheduler.finish(req)
-        return [token], req.detokenizer.take_delta(req.finish_reason is not None)
+        finished = req.finish_reason is not None
+        return StepDelta(token_ids=[token], text=req.detokenizer.take_delta(finished))
 
-    def _output(self, request_id: str, group: list[Request], new: dict, finished: bool) -> RequestOutput:
+    def _check_stop(self, req: Request, token: int) -> None:
+        """Sets ``finish_reason``/``stop_reason`` if ``token`` (just appended) ends ``req``.
+
+        In order: EOS (unless ``ignore_eos``), a stop token id, a stop string (all three only
+        once ``min_tokens`` are out), then ``max_tokens`` or the model's context.
+        """
+        p = req.params
+        if len(req.output_token_ids) >= p.min_tokens:
+            if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+                req.finish_reason, req.stop_reason = FinishReason.STOP, None
+                return
+            if token in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = FinishReason.STOP, token
+                return
+            if req.detokenizer.stop_reason is not None:
+                req.finish_reason = FinishReason.STOP
+                req.stop_reason = req.detokenizer.stop_reason
+                return
+        if req.max_tokens_reached():
+            req.finish_reason = FinishReason.LENGTH
+
+    def _output(self, request_id: str, group: list[Request], deltas: dict[Request, StepDelta],
+                finished: bool) -> RequestOutput:
+        """The group's ``RequestOutput``; ``deltas`` holds this step's new tokens per sequence
+        (a sequence without one, e.g. a sibling still waiting, gets an empty delta)."""
         first = group[0]
         outs = []
         for req in group:
-            new_ids, new_text = new.get(id(req), ([], ""))
+            delta = deltas.get(req, StepDelta())
             outs.append(CompletionOutput(
                 index=req.index, text=req.detokenizer.text, token_ids=list(req.output_token_ids),
-                new_text=new_text, new_token_ids=new_ids,
+                new_text=delta.text, new_token_ids=delta.token_ids,
                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             ))
-        metrics = {"arrival_time": first.arrival_time,
-                   "first_token_time": min((r.first_token_time for r in group if r.first_token_time), default=None)}
+        first_token_time = min((r.first_token_time for r in group if r.first_token_time),
+                               default=None)
+        metrics = {"arrival_time": first.arrival_time, "first_token_time": first_token_time}
         if finished:
             metrics["finished_time"] = time.monotonic()
-        return RequestOutput(request_id, first.prompt_token_ids, outs, first.num_cached_tokens or 0, finished, None, metrics,
-                             prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None)
+        return RequestOutput(
+            request_id=request_id, prompt_token_ids=first.prompt_token_ids, outputs=outs,
+            num_cached_tokens=first.num_cached_tokens or 0, finished=finished, error=None,
+            metrics=metrics,
+            prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None,
+        )
 
     # -- KV events and stats -----------------------------------------------------------------
     def _collect_events(self) -> None:
@@ -276,34 +309,34 @@ class LLMEngine:
             num_queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
         )
 
-    def metrics_snapshot(self) -> dict[str, float]:
+    def metrics_snapshot(self) -> EngineMetricsSnapshot:
         c = self.scheduler.counters
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage_perc": self.pool.usage,
-            "prefix_cache_queries_total": c.prefix_cache_queries_tokens,
-            "prefix_cache_hits_total": c.prefix_cache_hits_tokens,
-            "num_preemptions_total": c.num_preemptions,
-            "prompt_tokens_total": self.metrics.prompt_tokens_total,
-            "generation_tokens_total": self.metrics.generation_tokens_total,
-            "num_free_blocks": self.pool.num_free_blocks,
-            "num_total_blocks": self.pool.num_blocks,
-            **self._host_metrics(),
-        }
+        return EngineMetricsSnapshot(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage_perc=self.pool.usage,
+            prefix_cache_queries_total=c.prefix_cache_queries_tokens,
+            prefix_cache_hits_total=c.prefix_cache_hits_tokens,
+            num_preemptions_total=c.num_preemptions,
+            prompt_tokens_total=self.metrics.prompt_tokens_total,
+            generation_tokens_total=self.metrics.generation_tokens_total,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_total_blocks=self.pool.num_blocks,
+            host=self._host_metrics(),
+        )
 
-    def _host_metrics(self) -> dict[str, float]:
+    def _host_metrics(self) -> HostTierMetrics | None:
         host = self.pool.host
         if host is None:
-            return {}
+            return None
         per_block = self.runner.bytes_per_block
-        return {
-            "host_cache_hits_total": self.scheduler.counters.host_cache_hits_tokens,
-            "host_kv_blocks_used": len(host),
-            "host_kv_blocks_total": host.num_slots,
-            "kv_offload_bytes_total": host.counters.blocks_saved * per_block,
-            "kv_onload_bytes_total": host.counters.blocks_loaded * per_block,
-        }
+        return HostTierMetrics(
+            host_cache_hits_total=self.scheduler.counters.host_cache_hits_tokens,
+            host_kv_blocks_used=len(host),
+            host_kv_blocks_total=host.num_slots,
+            kv_offload_bytes_total=host.counters.blocks_saved * per_block,
+            kv_onload_bytes_total=host.counters.blocks_loaded * per_block,
+        )
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,

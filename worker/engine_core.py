@@ -53,6 +53,7 @@ class StepResult:
     """Adds the engine refused (request id, ``ValueError`` or ``EngineOverloadedError``)."""
     stats: ReplicaStats
     metrics: dict[str, float]
+    """``EngineMetricsSnapshot.as_dict()``: what ``/metrics`` exports, by series name."""
     kv_batches: list[KVEventBatch]
     adds_handled: int
     """Adds the engine has taken off its command queue so far (accepted or refused)."""
@@ -125,8 +126,8 @@ class EngineLoop:
         kv_batches = self.engine.drain_kv_events()
         if not (outputs or self._rejected or kv_batches):
             return None
-        result = StepResult(outputs, self._rejected, self.engine.stats(), self.engine.metrics_snapshot(),
-                            kv_batches, self.adds_handled)
+        result = StepResult(outputs, self._rejected, self.engine.stats(),
+                            self.engine.metrics_snapshot().as_dict(), kv_batches, self.adds_handled)
         self._aborted, self._rejected = [], []
         return result
 

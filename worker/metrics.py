@@ -1,12 +1,14 @@
-"""``EngineMetrics``: token counters and the measured prefill/decode rates the router uses.
+"""``EngineMetrics``: token counters and the measured prefill/decode rates the router uses;
+``EngineMetricsSnapshot``: the engine's counters and gauges after a step, as exported.
 
 Rates are exponential moving averages over steps, so they follow load changes within a few
-steps; a step's time is split between its prefill and decode tokens by token count.
+steps; a step's time is split between its prefill and decode tokens by token count. Nothing
+here exports: ``EngineMetricsSnapshot.as_dict()`` is what travels to ``cluster/metrics.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 RATE_SMOOTHING = 0.2
 """Weight of the newest step in the moving averages (about the last 5 steps dominate)."""
@@ -35,3 +37,43 @@ class EngineMetrics:
     @staticmethod
     def _ema(old: float, new: float) -> float:
         return new if old == 0.0 else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
+
+
+@dataclass(frozen=True)
+class HostTierMetrics:
+    """The host-RAM KV tier's counters (``worker/host_cache.py``), present only with one."""
+
+    host_cache_hits_total: int
+    """Prompt tokens whose KV came back from host RAM."""
+    host_kv_blocks_used: int
+    host_kv_blocks_total: int
+    kv_offload_bytes_total: int
+    kv_onload_bytes_total: int
+
+
+@dataclass(frozen=True)
+class EngineMetricsSnapshot:
+    """The engine's counters (``*_total``, since start) and gauges after one step; each field
+    is named as the series ``cluster/metrics.py`` exports it."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float
+    """Fraction (0..1) of the KV blocks in use, despite the name (vLLM's)."""
+    prefix_cache_queries_total: int
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits_total: int
+    """Prompt tokens found there."""
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_free_blocks: int
+    num_total_blocks: int
+    host: HostTierMetrics | None = None
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat ``{series name: value}``; the host tier's names only when there is one."""
+        flat = {name: value for name, value in asdict(self).items() if name != "host"}
+        if self.host is not None:
+            flat.update(asdict(self.host))
+        return flat

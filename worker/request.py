@@ -34,6 +34,7 @@ class Status(enum.Enum):
 class Request:
     def __init__(
         self,
+        *,
         request_id: str,
         index: int,
         prompt_token_ids: list[int],

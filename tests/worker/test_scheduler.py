@@ -39,8 +39,9 @@ def make_scheduler(*, num_blocks: int = 64, budget: int = 64, max_num_seqs: int 
 
 def make_request(name: str, prompt: list[int], max_tokens: int = 4, index: int = 0) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(name, index, list(prompt), params, seed=0, block_size=BS, model_id="test-model",
-                   cache_salt=None, detokenizer=None, max_total_tokens=10_000)
+    return Request(request_id=name, index=index, prompt_token_ids=list(prompt), params=params,
+                   seed=0, block_size=BS, model_id="test-model", cache_salt=None,
+                   detokenizer=None, max_total_tokens=10_000)
 
 
 def step(sched: Scheduler) -> ScheduledBatch:
