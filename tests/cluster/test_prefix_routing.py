@@ -7,7 +7,10 @@ prompts x 3 questions, sent one at a time, round by round) goes through the Open
 the test sums ``usage.prompt_tokens_details.cached_tokens``. A third application routes
 through a real ``redis-server`` index, which is stopped and started again under it. With 5 prompts alternating
 over 2 replicas, round robin sends every second request of a prompt to the replica that
-has not seen it; prefix routing sends them all to the one that has.
+has not seen it; prefix routing sends them all to the one that has. Every application runs 2
+ingress replicas (the default with 2 engine replicas), each with its own router: a prefix
+first routed by one must reach the same engine replica through the other, since both read
+the one index. The ingress also serves CORS and a root_path there.
 
 The first two tests need no Ray: the replica's KV stream re-announces what it holds to an
 index that lost it, and the router metrics of a process render as Prometheus series.
@@ -21,6 +24,7 @@ import time
 import httpx
 import pytest
 
+from cluster.ingress import INGRESS_HEADER, REPLICA_HEADER
 from cluster.kv_publisher import ReplicaKVPublisher
 from router.embedded_index import EmbeddedIndex
 from router.index import IndexUnavailableError
@@ -40,6 +44,12 @@ QUESTION_TOKENS = 24
 THINK_TIME_S = 0.1
 # Token ids of ordinary words in the SmolLM2 vocabulary (clear of the special tokens).
 TOKEN_RANGE = (1000, 40000)
+# Two ingress replicas: rounds of the workload until this many system prompts were routed
+# by both (the proxy picks an ingress at random), at most MAX_INGRESS_ROUNDS rounds.
+NUM_CROSSED_PROMPTS = 4
+MAX_INGRESS_ROUNDS = 8
+CORS_ORIGIN = "http://app.example"
+ROOT_PATH = "/llm"
 
 
 # ------------------------------------------------------------------------ no Ray needed
@@ -147,7 +157,13 @@ def _start_app(model: str, port: int, policy: str, redis_url: str | None = None)
         "num_threads": 1,
         "block_size": BLOCK_SIZE,
     }
-    cluster = {"num_replicas": 2, "port": port, "app_name": name}
+    cluster = {
+        "num_replicas": 2,  # and so 2 ingress replicas
+        "port": port,
+        "app_name": name,
+        "allowed_origins": [CORS_ORIGIN],
+        "root_path": ROOT_PATH,
+    }
     app = build_app({"engine": engine, "cluster": cluster, "router": router})
     for other in serve.status().applications:  # one application on "/" at a time
         serve.delete(other)
@@ -215,6 +231,57 @@ def test_prefix_routing_caches_clearly_more_than_round_robin(cached_by_policy):
     ideal = NUM_SYSTEM_PROMPTS * (NUM_QUESTIONS - 1) * SYSTEM_TOKENS
     assert cached_by_policy["prefix"] >= 0.8 * ideal, cached_by_policy
     assert cached_by_policy["prefix"] >= 1.5 * cached_by_policy["round_robin"], cached_by_policy
+
+
+@pytest.mark.slow
+def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(ray_cluster, cached_by_policy):
+    """Each ingress replica routes with its own router (own in-flight counts and load
+    window); a prefix first routed through one reaches the same engine replica through the
+    other, because both look it up in the one IndexActor of the application."""
+    url = f"http://127.0.0.1:{ray_cluster[1]}"
+    rng = random.Random(7)
+    systems = [system[:SYSTEM_TOKENS] for system in _workload(seed=5)[:NUM_SYSTEM_PROMPTS]]
+    first: dict[int, tuple[str, str]] = {}  # system -> (ingress, engine) of its first request
+    crossed: list[tuple[int, str, str]] = []  # (system, first engine, engine via the other)
+    ingresses = set()
+    for _ in range(MAX_INGRESS_ROUNDS):
+        for index, system in enumerate(systems):
+            question = [rng.randrange(*TOKEN_RANGE) for _ in range(QUESTION_TOKENS)]
+            reply = _complete(url, system + question)
+            ingress, engine = reply.headers[INGRESS_HEADER], reply.headers[REPLICA_HEADER]
+            ingresses.add(ingress)
+            if index not in first:
+                first[index] = (ingress, engine)
+            elif ingress != first[index][0]:
+                crossed.append((index, first[index][1], engine))
+            time.sleep(THINK_TIME_S)
+        if len({index for index, _, _ in crossed}) >= NUM_CROSSED_PROMPTS:
+            break
+    assert len(ingresses) == 2, ingresses
+    assert len({index for index, _, _ in crossed}) >= NUM_CROSSED_PROMPTS, (first, crossed)
+    # Two views of the prefixes would agree by chance about half the time.
+    assert all(first_engine == engine for _, first_engine, engine in crossed), (first, crossed)
+
+
+@pytest.mark.slow
+def test_ingress_answers_cors_and_serves_under_its_root_path(ray_cluster, cached_by_policy):
+    url = f"http://127.0.0.1:{ray_cluster[1]}"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    allowed = httpx.options(f"{url}/v1/completions", headers={"Origin": CORS_ORIGIN, **preflight})
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.headers["access-control-allow-origin"] == CORS_ORIGIN
+    other = httpx.options(f"{url}/v1/completions", headers={"Origin": "http://other.example", **preflight})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    # Behind a proxy that keeps the prefix, and one that strips it.
+    for path in (f"{ROOT_PATH}/v1/models", "/v1/models"):
+        models = httpx.get(f"{url}{path}", headers={"Origin": CORS_ORIGIN}, timeout=10)
+        assert models.status_code == 200, (path, models.text)
+        assert models.headers["access-control-allow-origin"] == CORS_ORIGIN
+    reply = httpx.post(f"{url}{ROOT_PATH}/v1/completions", headers={"Origin": CORS_ORIGIN},
+                       json={"prompt": "Hello", "max_tokens": 1}, timeout=60)  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    exposed = reply.headers["access-control-expose-headers"].lower()
+    assert REPLICA_HEADER in exposed and INGRESS_HEADER in exposed  # browsers may read them
 
 
 @pytest.mark.slow
