@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from cluster.errors import bad_request
 from cluster.tool_parsers import TOOL_CALL_STREAMS, ToolCallStream
 from worker.sampling_params import SamplingParams
-from worker.structured_output import StructuredOutputSpec
+from worker.structured_output import StructuredOutputSpec, check_spec
 
 TOOL_CALL_PARSERS = tuple(TOOL_CALL_STREAMS)
 DEFAULT_TOOL_FORMAT = "hermes"
@@ -187,6 +187,7 @@ def plan_tool_calls(
         grammar = fmt.grammar(functions_for_grammar, many=max_calls is None)
         try:
             spec = StructuredOutputSpec(grammar=grammar, field_name="tools")
+            check_spec(spec)  # a schema the grammar library rejects: 400 here, not in the engine
         except ValueError as exc:
             raise bad_request(str(exc), "tools") from None
     return ToolPlan(fmt, functions, mode, max_calls, spec)

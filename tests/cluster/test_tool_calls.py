@@ -13,7 +13,6 @@ import pytest
 from cluster.errors import APIError
 from cluster.responses import ResponseBuilder
 from cluster.tool_calls import (
-    TOOL_FORMATS,
     plan_tool_calls,
     template_inputs,
     template_renders_tools,
@@ -73,7 +72,7 @@ def replay(stream, text: str, rng: random.Random):
     the way OpenAI's clients accumulate them."""
     content, calls = [], {}
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 40))))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     outputs = [stream.feed(piece) for piece in pieces] + [stream.finish()]
     for new_content, deltas in outputs:
         content.append(new_content)
@@ -184,6 +183,9 @@ def test_plan_follows_tool_choice_rules():
         ((None, "required"), "tool_choice"),
         (([{"type": "function", "function": {"name": "bad name"}}], "required"), "tools"),
         (([WEATHER, WEATHER], "required"), "tools"),
+        # a schema the grammar library cannot compile is refused here, not in the engine
+        (([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+          "required"), "tools"),
     ]:
         with pytest.raises(APIError) as err:
             plan(*bad)
@@ -316,7 +318,7 @@ def test_response_builder_streams_calls_and_reports_tool_calls(test_seed):
         )
 
     cuts = sorted(rng.sample(range(1, len(text)), 15))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     streaming, events = builder(), []
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
