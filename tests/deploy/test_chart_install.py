@@ -256,3 +256,24 @@ def test_pod_disruption_budget_covers_workers_not_the_head() -> None:
     pods = _pod_specs(docs)
     assert _selects(budget["selector"], pods["ray-worker-gpu"]["metadata"]["labels"])
     assert not _selects(budget["selector"], pods["ray-head"]["metadata"]["labels"])
+
+
+def test_cluster_options_of_the_ingress_reach_the_application() -> None:
+    from cluster.config import TOOL_CALL_PARSERS, configs_from_args
+
+    docs = chart.render([CI / "tp2-autoscaling-values.yaml"])
+    _, cluster, _ = configs_from_args(_args(docs))
+    assert (cluster.num_ingress_replicas, cluster.max_ingress_replicas) == (2, 4)
+    assert cluster.allowed_origins == ("https://chat.example.com",)
+    assert cluster.log_level == "warning"
+    assert cluster.tool_call_parser == "hermes" and cluster.enable_auto_tool_choice
+    schema = yaml.safe_load((chart.CHART_DIR / "values.schema.json").read_text())
+    parsers = schema["properties"]["cluster"]["properties"]["toolCallParser"]["enum"]
+    assert set(parsers) - {None} == set(TOOL_CALL_PARSERS)
+
+
+def test_keda_query_follows_the_metrics_prefix() -> None:
+    for prefix, series in (("prefixserve:", "prefixserve:"), ("vllm", "vllm:")):
+        docs = chart.render([CI / "keda-values.yaml"], values={"cluster": {"metricsPrefix": prefix}})
+        (trigger,) = chart.only(docs, "ScaledObject")["spec"]["triggers"]
+        assert trigger["metadata"]["query"].startswith(f"sum({series}num_requests_waiting{{")
