@@ -4,7 +4,8 @@ Both take a ragged batch (prefill chunks and decodes mixed), so the engine has o
 every kind of step. The CPU path keeps its cache *head-major*, ``[num_kv_heads, num_blocks,
 block_size, head_dim]`` (``kernels/reference.py`` and Triton use block-major): gathering a
 sequence's blocks then yields each head's keys as one contiguous ``[keys, head_dim]`` matrix,
-with no transposing copy (measured: those copies were 30% of a decode step).
+with no transposing copy per step (one VM's measurements of these choices:
+``bench/results/cpu_kernel_measurements.md``).
 
 Batch-invariant path (``deterministic=True``)
     torch's CPU GEMMs pick kernels by shape, so a dot product's rounding can change with the
@@ -27,8 +28,8 @@ Batch-invariant path (``deterministic=True``)
 
 Fast path (``deterministic=False``)
     One ``scaled_dot_product_attention`` call per prefill sequence (its rounding depends on the
-    sequence's length); decodes take the tiled path, which reads shared prefix chunks once and
-    beat one padded SDPA call over every decode's gathered cache (measured 2x per step).
+    sequence's length); decodes take the tiled path, which reads shared prefix chunks once,
+    where one padded SDPA call would read every decode's gathered cache in full.
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | No
     """Head-major cache, [..., nblocks] block ids -> [Hkv, ..., nblocks * block_size, D].
 
     One dim-0 ``index_select`` per KV head: on a contiguous 2-D source torch copies whole
-    rows (blocks) with memcpy, measured 4x faster than indexing dim 1 of the 3-D cache, and
-    advanced indexing is slower still. ``out`` ([Hkv, blocks.numel(), block_size * D]) is a
-    step's reusable buffer: a fresh multi-MB tensor per layer costs its page faults again.
+    rows (blocks) with memcpy, which beat indexing dim 1 of the 3-D cache and advanced
+    indexing (``bench/results/cpu_kernel_measurements.md``). ``out`` ([Hkv, blocks.numel(),
+    block_size * D]) is a step's reusable buffer: a fresh multi-MB tensor per layer costs its
+    page faults again.
     """
     num_kv_heads, num_blocks, block_size, head_dim = cache.shape
     ids = blocks.reshape(-1)

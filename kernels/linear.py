@@ -58,7 +58,8 @@ TILE_LADDER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 (one call streams the weight once for many rows)."""
 TILE_MIN_COST_ROWS = 16
 """``tile_plan``'s cost model: a call on fewer rows costs about as much as one on this many,
-its time being spent streaming the weight. Measured with SmolLM2's shapes on a 2-core CPU."""
+its time being spent streaming the weight (the value came from SmolLM2's shapes on a 2-core
+CPU: ``bench/results/cpu_kernel_measurements.md``)."""
 TILE_CALL_OVERHEAD_ROWS = 2
 """``tile_plan``'s cost model: the cost of one more call, in rows; breaks ties toward fewer
 calls."""
@@ -245,8 +246,8 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 FAST_PLAIN_MIN_ROWS = 256
 """``fast_linear`` on an MKL-packed weight multiplies at least this many rows in one plain GEMM,
-fewer in packed tiles (measured with SmolLM2's shapes: packed tiles 139 vs plain 194 ms at 64
-rows, 803 vs 734 ms at 512 rows)."""
+fewer in packed tiles: packed tiles win while the weight's streaming dominates, one plain GEMM
+once the rows amortise it (the crossover measured: ``bench/results/cpu_kernel_measurements.md``)."""
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

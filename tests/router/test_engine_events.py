@@ -3,8 +3,9 @@
 Drives ``worker.block_pool.BlockPool`` (the engine's cache, eviction and event source) with
 random requests over a few shared prefixes, applies its per-step event batches to each
 index backend, and checks after every step that ``match`` reports exactly the leading
-blocks the pool can serve; then a lost batch, a re-announce from ``cached_hashes``, and a
-restarted pool (seq back to 0).
+blocks the pool can serve; then a lost batch, a re-announce (built here from the pool's
+``cached_hashes``; a replica re-announces ``cluster/kv_publisher.py``'s mirror of the events it
+forwarded, never the engine's cache), and a restarted pool (seq back to 0).
 """
 
 from __future__ import annotations
