@@ -162,7 +162,6 @@ class LLMEngine:
                 params=params, seed=seed, block_size=self.block_size, model_id=self.model_id,
                 cache_salt=cache_salt, detokenizer=detok, max_total_tokens=self.max_model_len,
             )
-            req.wait_for = group[0] if group else None
             if constraint is not None:
                 req.grammar = grammar if i == 0 else self.grammars.matcher(constraint)
             group.append(req)

@@ -3,8 +3,8 @@
 A request only knows how many of its tokens have KV computed (``num_computed_tokens``), in
 the style of vLLM v1: a prefill chunk, a decode and a recompute after preemption are all
 "compute the next k tokens". A user request with ``n > 1`` becomes ``n`` sequences that share
-the prompt's blocks through the prefix cache; siblings after the first wait until the first
-has computed the prompt, so the shared blocks are computed once.
+the prompt's blocks through the prefix cache; the scheduler's in-flight dedup holds siblings
+after the first back until it has computed the prompt, so the shared blocks are computed once.
 """
 
 from __future__ import annotations
@@ -69,8 +69,6 @@ class Request:
         output 0 of a group collects them, the prompt being the same for all."""
         self.finish_reason = None
         self.stop_reason: str | int | None = None
-        self.wait_for: Request | None = None
-        """A sibling that must compute the shared prompt before this one is admitted."""
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_preemptions = 0
@@ -92,16 +90,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
-
-    def must_wait_for_sibling(self) -> bool:
-        """Whether admission must wait for ``wait_for``, the sibling computing the shared prompt.
-
-        True while that sibling is unfinished and has not yet computed this request's prompt:
-        admitted now, this request would compute the prompt's blocks a second time instead of
-        finding them in the prefix cache. False for a request with no sibling to wait for.
-        """
-        first = self.wait_for
-        return first is not None and not first.is_finished and first.num_computed_tokens < len(self.prompt_token_ids)
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

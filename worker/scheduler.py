@@ -11,15 +11,21 @@ first-come first-served while the budget, ``max_num_seqs`` and free blocks allow
   so the recompute is mostly a cache hit) and it goes back to the head of the queue.
 - No starvation: admission stops at the first waiting request that does not fit, so later
   requests (even ones whose prefix is already cached) never overtake it.
+- In-flight prefix dedup: a waiting request whose next prompt block another running request
+  is computing right now waits for it (and then finds it in the prefix cache) instead of
+  computing it a second time; requests behind it are admitted meanwhile, as SGLang does. The
+  siblings of an ``n > 1`` request share their prompt this way.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from worker.block_pool import BlockPool, NoFreeBlocksError
 from worker.config import EngineConfig
+from router.protocol import BlockHash
 from worker.request import Request, Status, cdiv
 
 
@@ -44,6 +50,8 @@ class SchedulerCounters:
     host_cache_hits_tokens: int = 0
     """The part of the hits brought back from the host tier."""
     num_preemptions: int = 0
+    num_dedup_deferrals: int = 0
+    """Admissions passed over because the request's next prompt block was being computed."""
 
 
 class Scheduler:
@@ -116,9 +124,17 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.must_wait_for_sibling():
+        """Admit waiting requests in arrival order while budget, seats and blocks last.
+
+        A request whose next uncached prompt block is being computed right now by a running
+        request (in-flight prefix dedup) is passed over, not admitted: it waits in place for
+        those blocks to land in the prefix cache, while the requests behind it go ahead. It
+        is admitted as soon as its next block is no longer in flight, so it waits at most as
+        long as that prefill takes. Any other request that does not fit stops admission.
+        """
+        in_flight = self._blocks_in_flight()
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             # Never a full hit: the last token is recomputed so the step yields its logits.
             max_hit_blocks = (req.num_tokens - 1) // self.pool.block_size
@@ -126,6 +142,9 @@ class Scheduler:
                 max_hit_blocks = 0  # prompt logprobs need every prompt position's logits
             hashes = req.block_hashes[:max_hit_blocks]
             hits = self.pool.find_cached_prefix(hashes, req.all_token_ids)
+            if len(hits) < len(hashes) and hashes[len(hits)] in in_flight:
+                self.counters.num_dedup_deferrals += 1
+                continue
             self.pool.touch(hits)
             host_hits = self.pool.load_host_prefix(hashes, req.all_token_ids, start=len(hits))
             hits += host_hits
@@ -137,19 +156,31 @@ class Scheduler:
             except NoFreeBlocksError:
                 self.pool.free(hits)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.blocks = hits + fresh
             req.num_computed_tokens = num_hit_tokens
             req.status = Status.RUNNING
             if req.num_cached_tokens is None:
+                req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = min(num_hit_tokens, len(req.prompt_token_ids))
                 self.counters.prefix_cache_queries_tokens += len(req.prompt_token_ids)
                 self.counters.prefix_cache_hits_tokens += req.num_cached_tokens
                 self.counters.host_cache_hits_tokens += len(host_hits) * self.pool.block_size
             self.running.append(req)
+            if self.pool.enable_prefix_caching:
+                in_flight.update(self._uncomputed_hashes(req))
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _blocks_in_flight(self) -> set[BlockHash]:
+        """Hashes of the prompt blocks running requests hold but have not computed yet."""
+        if not self.pool.enable_prefix_caching:
+            return set()
+        return {h for req in self.running for h in self._uncomputed_hashes(req)}
+
+    def _uncomputed_hashes(self, req: Request) -> list[BlockHash]:
+        return req.block_hashes[req.num_computed_tokens // self.pool.block_size :]
 
     # -- after the step ----------------------------------------------------------------------
     def commit_computed(self, batch: ScheduledBatch) -> None:

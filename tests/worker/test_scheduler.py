@@ -3,8 +3,8 @@ driven by hand the way ``LLMEngine.step`` drives them (schedule -> commit_comput
 finish), with made-up tokens standing in for the model's.
 
 Covers first-come first-served admission without starvation, which request preemption picks
-and how it comes back, the per-step token budget and ``max_num_seqs``, siblings of an
-``n > 1`` request waiting for the shared prompt, never a full prefix-cache hit, and
+and how it comes back, the per-step token budget and ``max_num_seqs``, in-flight prefix dedup (siblings of an
+``n > 1`` request included), never a full prefix-cache hit, and
 ``queued_prefill_tokens``.
 """
 
@@ -159,20 +159,20 @@ def test_out_of_blocks_in_decode_preempts_the_newest_running_request():
 
 def test_no_admission_in_a_step_that_preempted():
     sched = make_scheduler(num_blocks=6)
-    shared = tokens(2 * BS)
-    # Admitted together, both compute the shared prompt: a's copy is cached, b's stays private.
-    a = make_request("a", shared + tokens(7), max_tokens=10)
-    b = make_request("b", shared + tokens(7), max_tokens=10)
+    a = make_request("a", tokens(23), max_tokens=10)
+    b = make_request("b", tokens(23), max_tokens=10)
     sched.add(a)
     sched.add(b)
     step(sched)
     step(sched)
     assert sched.pool.num_free_blocks == 0 and a.num_tokens == b.num_tokens == 25
-    # a needs a fourth block: b is preempted and a takes one of its three. The two left are
-    # enough to readmit b (its first two blocks are a's cached ones), but not in this step.
+    sched.add(make_request("c", tokens(3)))
+    # a needs a fourth block: b is preempted and a takes one of its three. c would fit in the
+    # two left, but a step that preempted admits nobody.
     assert plan(step(sched)) == [("a", 1)]
-    assert sched.pool.num_free_blocks == 2 and ids(sched.waiting) == ["b"]
-    assert plan(step(sched)) == [("a", 1), ("b", 25 - 2 * BS)]
+    assert sched.pool.num_free_blocks == 2 and ids(sched.waiting) == ["b", "c"]
+    # Next step b (4 blocks now) still does not fit, and c never overtakes it.
+    assert plan(step(sched)) == [("a", 1)]
 
 
 def test_a_request_alone_without_a_block_preempts_itself():
@@ -237,34 +237,29 @@ def test_random_load_respects_budget_and_max_num_seqs(test_seed):
     assert sched.pool.num_free_blocks == sched.pool.num_blocks
 
 
-# -- (4) siblings of an n > 1 request -----------------------------------------------------------
+# -- (4) in-flight prefix dedup (and siblings of an n > 1 request) -------------------------------
 def make_group(name: str, prompt: list[int], n: int) -> list[Request]:
-    """``n`` sequences of one request, linked as ``LLMEngine.add_request`` links them."""
-    group = []
-    for i in range(n):
-        req = make_request(name, prompt, index=i)
-        req.wait_for = group[0] if group else None
-        group.append(req)
-    return group
+    """``n`` sequences of one request, as ``LLMEngine.add_request`` makes them."""
+    return [make_request(name, prompt, index=i) for i in range(n)]
 
 
-def test_siblings_wait_until_the_first_has_computed_the_prompt():
+def test_siblings_wait_for_the_prompt_in_flight_and_others_go_ahead():
     sched = make_scheduler(budget=16)
     first, s1, s2 = make_group("g", tokens(40), 3)
     other = make_request("other", tokens(2))
     for r in (first, s1, s2, other):
         sched.add(r)
-    for chunk in (16, 16, 8):
-        # The last chunk leaves 8 tokens of budget, yet nothing is admitted: the prompt is not
-        # computed until that step ends, and nobody overtakes the waiting siblings.
-        assert s1.must_wait_for_sibling() and s2.must_wait_for_sibling()
-        batch = step(sched)
-        assert batch.requests == [first] and batch.num_new_tokens == [chunk]
-    assert ids(sched.waiting) == ["g", "g", "other"]
-    assert not s1.must_wait_for_sibling()
+    # The first sibling computes the prompt in chunks of the budget; the others wait for its
+    # blocks instead of computing them again, and "other" takes the budget left over.
+    assert plan(step(sched)) == [("g", 16)]
+    assert plan(step(sched)) == [("g", 16)]
+    # The prompt's first four blocks are cached now: s1 hits them and computes its last block
+    # (the prompt's last token is always computed), which takes the rest of the budget.
+    assert plan(step(sched)) == [("g", 8), ("g", 8)]
+    assert ids(sched.waiting) == ["g", "other"]
     batch = step(sched)
-    assert batch.requests == [first, s1, s2]
-    assert batch.num_new_tokens == [1, 8, 7]
+    assert batch.requests == [first, s1, s2, other]
+    assert batch.num_new_tokens == [1, 1, 8, 2]
     assert s1.num_cached_tokens == s2.num_cached_tokens == 32
     shared_ids = [blk.block_id for blk in first.blocks[:4]]
     assert [blk.block_id for blk in s1.blocks[:4]] == [blk.block_id for blk in s2.blocks[:4]] == shared_ids, (
@@ -276,11 +271,51 @@ def test_sibling_of_a_finished_first_does_not_wait():
     first, second = make_group("g", tokens(20), 2)
     sched.add(first)
     sched.add(second)
-    assert second.must_wait_for_sibling()
     sched.finish(first)  # aborted before it ran
-    assert not second.must_wait_for_sibling()
     batch = step(sched)
     assert batch.requests == [second] and batch.num_new_tokens == [20]
+
+
+def test_requests_sharing_a_prefix_submitted_at_once_prefill_it_once():
+    """N requests with one long common prefix and their own tails, all arriving in one step:
+    the prefix is computed once, every later request hits it, nobody is blocked for good."""
+    sched = make_scheduler(num_blocks=128, budget=64, max_num_seqs=8)
+    prefix = tokens(6 * BS)
+    group = [make_request(f"r{i}", prefix + tokens(5), max_tokens=3) for i in range(6)]
+    for r in group:
+        sched.add(r)
+    batches = run_until_idle(sched)
+    assert all(r.num_cached_tokens == len(prefix) for r in group[1:])
+    assert sched.counters.num_dedup_deferrals >= len(group) - 1
+    computed = sum(b.total_tokens for b in batches)
+    decodes = sum(len(r.output_token_ids) - 1 for r in group)
+    assert computed - decodes == len(prefix) + 6 * 5, "the prefix is computed exactly once"
+    assert sched.pool.num_free_blocks == sched.pool.num_blocks
+
+
+def test_a_deferred_request_lets_an_unrelated_one_in_and_is_admitted_when_the_block_lands():
+    sched = make_scheduler(budget=48)
+    prefix = tokens(4 * BS)
+    a = make_request("a", prefix + tokens(3))
+    b = make_request("b", prefix + tokens(3))
+    c = make_request("c", tokens(4))
+    for r in (a, b, c):
+        sched.add(r)
+    # b's first block is being computed by a: b waits, c (behind it) takes the budget left.
+    assert plan(step(sched)) == [("a", 35), ("c", 4)]
+    assert sched.counters.num_dedup_deferrals == 1 and ids(sched.waiting) == ["b"]
+    # a's prefix landed in the cache: b hits all four blocks and computes its own tail.
+    assert plan(step(sched)) == [("a", 1), ("c", 1), ("b", 3)]
+    assert b.num_cached_tokens == 4 * BS
+
+
+def test_no_dedup_wait_without_prefix_caching():
+    sched = make_scheduler(budget=64, enable_prefix_caching=False)
+    prefix = tokens(4 * BS)
+    for name in ("a", "b"):
+        sched.add(make_request(name, prefix + tokens(3)))
+    assert plan(step(sched)) == [("a", 35), ("b", 29)]
+    assert sched.counters.num_dedup_deferrals == 0
 
 
 # -- (5) never a full prefix-cache hit ----------------------------------------------------------
