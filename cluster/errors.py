@@ -1,7 +1,8 @@
 """OpenAI-style errors: one exception type, the JSON body and the status code it maps to.
 
 Every failure the ingress reports to a client goes through ``APIError`` and leaves as
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for anything the client
+``{"error": {"message", "type", "param", "code"}}`` (``code`` a string or null, as OpenAI's
+clients expect; 5xx errors have type ``server_error``) with a 4xx status for anything the client
 can fix (400 bad input, 401 key, 404 model, 413 body size, 429 overload with Retry-After) and
 a 5xx only for faults of the server itself. Pydantic ``ValidationError``s and the
 ``ValueError``s raised by ``SamplingParams``/the engine (whose messages start with the field
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -20,6 +20,8 @@ from pydantic import ValidationError
 # Seconds a client should wait before retrying an overloaded server; one engine step on a
 # loaded replica is tens of milliseconds, so a second is enough for the queue to move.
 DEFAULT_RETRY_AFTER_S = 1
+# OpenAI's error type for faults of the server (5xx); clients retry on it.
+SERVER_ERROR = "server_error"
 
 # Request fields whose name may start a ValueError message from SamplingParams or the engine;
 # the first word of such a message names the offending field.
@@ -48,6 +50,11 @@ KNOWN_PARAMS = frozenset(
         "cache_salt",
         "tokens",
         "stream_options",
+        "logit_bias",
+        "prompt_logprobs",
+        "echo",
+        "chat_template_kwargs",
+        "add_special_tokens",
     }
 )
 
@@ -60,7 +67,7 @@ class APIError(Exception):
         status: int,
         message: str,
         *,
-        err_type: str = "invalid_request_error",
+        err_type: str | None = None,
         param: str | None = None,
         code: str | None = None,
         retry_after_s: int | None = None,
@@ -68,6 +75,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+        if err_type is None:
+            err_type = SERVER_ERROR if status >= 500 else "invalid_request_error"
         self.err_type = err_type
         self.param = param
         self.code = code
@@ -79,7 +88,7 @@ class APIError(Exception):
                 "message": self.message,
                 "type": self.err_type,
                 "param": self.param,
-                "code": self.code if self.code is not None else HTTPStatus(self.status).phrase,
+                "code": self.code,
             }
         }
 
@@ -130,11 +139,11 @@ def overloaded(reason: str, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> APIEr
 
 
 def unavailable(message: str) -> APIError:
-    return APIError(503, message, err_type="service_unavailable", code="service_unavailable")
+    return APIError(503, message, err_type=SERVER_ERROR, code="service_unavailable")
 
 
 def internal(message: str) -> APIError:
-    return APIError(500, message, err_type="internal_error", code="internal_error")
+    return APIError(500, message, err_type=SERVER_ERROR, code="internal_error")
 
 
 def param_of(message: str) -> str | None:
@@ -151,6 +160,8 @@ def from_value_error(exc: ValueError, rename: dict[str, str] | None = None) -> A
     message = str(exc) or "invalid request"
     param = param_of(message)
     if rename and param in rename:
+        # Blame the field the client sent (chat's top_logprobs is the engine's logprobs).
+        message = rename[param] + message[len(param) :]
         param = rename[param]
     return bad_request(message, param)
 

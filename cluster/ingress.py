@@ -21,6 +21,7 @@ import logging
 import os
 import uuid
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -202,18 +203,30 @@ class Ingress:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
-    async def _encode(self, text: str) -> list[int]:
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+    async def _encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     async def _apply_template(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[int]:
         try:
             return await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools=tools
+                self.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
         except ValueError as exc:
+            if str(exc).startswith("chat_template_kwargs"):
+                raise errors.bad_request(str(exc), "chat_template_kwargs") from None
             raise errors.bad_request(f"messages: {exc}", "messages") from None
+        except jinja2.TemplateError as exc:  # the template's own raise_exception, or a bad kwarg
+            raise errors.bad_request(f"messages: the chat template failed: {exc}", "messages") from None
 
     # ---- endpoints ----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -231,7 +244,9 @@ class Ingress:
         messages, tools = template_inputs(
             body.template_messages(), tool_plan, self.template_renders_tools
         )
-        prompt_ids = await self._apply_template(messages, body.add_generation_prompt, tools)
+        prompt_ids = await self._apply_template(
+            messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+        )
         tokens_param = (
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         )
@@ -260,6 +275,7 @@ class Ingress:
                 body.stream_options and body.stream_options.continuous_usage_stats
             ),
             tool_plan=tool_plan,
+            want_prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await self._respond(body, builder, opened)
 
@@ -268,13 +284,15 @@ class Ingress:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         body.sampling_params()
-        prompts = []
+        prompts, texts = [], []
         for prompt in body.prompts():
             if isinstance(prompt, str):
                 prompts.append(await self._encode(prompt))
+                texts.append(prompt)
             else:
                 self._check_token_ids(prompt, "prompt")
                 prompts.append(list(prompt))
+                texts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
         params = []
         for prompt_ids in prompts:
             max_tokens = resolve_max_tokens(
@@ -299,6 +317,9 @@ class Ingress:
             continuous_usage=bool(
                 body.stream_options and body.stream_options.continuous_usage_stats
             ),
+            echo_prompts=list(zip(texts, prompts, strict=True)) if body.echo else None,
+            num_top_logprobs=body.logprobs or 0,
+            want_prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await self._respond(body, builder, opened)
 
@@ -322,9 +343,11 @@ class Ingress:
         body.check()
         if body.messages is not None:
             messages = [message.as_template_dict() for message in body.messages]
-            token_ids = await self._apply_template(messages, body.add_generation_prompt)
+            token_ids = await self._apply_template(
+                messages, body.add_generation_prompt, None, body.chat_template_kwargs
+            )
         else:
-            token_ids = await self._encode(body.prompt)
+            token_ids = await self._encode(body.prompt, body.add_special_tokens)
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": self.max_model_len}
 
     @app.post("/detokenize")

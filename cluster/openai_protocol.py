@@ -2,18 +2,25 @@
 
 Bodies are parsed with ``model_validate_json`` in strict mode: malformed JSON, invalid UTF-8
 and wrong field types all become a pydantic ``ValidationError`` that ``cluster.errors`` turns
-into a 400 naming the field. Range checks live in one place, ``SamplingParams`` (its
-``ValueError``s name the field too); this module adds only what depends on the API shape
-(chat ``logprobs``/``top_logprobs``, unsupported OpenAI options, empty messages) and on the
-prompt length (``max_tokens`` against the context). Unknown fields are ignored, as vLLM does.
+into a 400 naming the field. Two leniencies, as OpenAI and vLLM allow: ``null`` in any field
+that has a default means the default, and an integer field takes an integral number written
+as a float (``"n": 2.0``); strings are never numbers. Range checks live in one place,
+``SamplingParams`` (its ``ValueError``s name the field too); this module adds only what
+depends on the API shape (chat ``logprobs``/``top_logprobs``, ``logit_bias`` keys, unsupported
+OpenAI options, empty messages) and on the prompt length (``max_tokens`` against the
+context). Unknown fields are ignored, as vLLM does: each name is logged once at WARNING and
+counted (``ignored_field_counts``, exported by ``cluster.metrics``).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Literal
+import logging
+import threading
+from collections import Counter
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.errors import APIError, bad_request, from_validation_error, from_value_error
 from worker.generation_defaults import apply_defaults
@@ -23,29 +30,86 @@ from worker.structured_output import SpecError, StructuredOutputSpec, spec_from_
 # A batched completions request fans out into one engine request per prompt; more than this
 # many belongs in the offline batch API, not in one HTTP request.
 MAX_PROMPTS_PER_REQUEST = 64
+# Distinct unknown field names counted one by one; past this, clients could grow the metric's
+# label set without bound, so further names share the label OTHER_FIELDS_LABEL.
+MAX_TRACKED_IGNORED_FIELDS = 64
+OTHER_FIELDS_LABEL = "_other"
+
+# Serve routes the "ray.serve" logger into each replica's log file.
+log = logging.getLogger("ray.serve")
+
+_ignored_lock = threading.Lock()
+_ignored_counts: Counter[str] = Counter()
+
+
+def ignored_field_counts() -> dict[str, int]:
+    """Requests that carried each unknown (ignored) field, by dotted field name."""
+    with _ignored_lock:
+        return dict(_ignored_counts)
+
+
+def _note_ignored_field(name: str) -> None:
+    with _ignored_lock:
+        if name not in _ignored_counts and len(_ignored_counts) >= MAX_TRACKED_IGNORED_FIELDS:
+            name = OTHER_FIELDS_LABEL
+        first = name not in _ignored_counts
+        _ignored_counts[name] += 1
+    if first:
+        log.warning("ignoring unknown request field %r (logged once per field name)", name)
+
+
+def _integral_float(value: Any) -> Any:
+    """2.0 -> 2 for integer fields (JSON writers that only have doubles); 2.5 stays invalid."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral_float)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    _FIELD_PATH: ClassVar[str] = ""
+    """How this model's fields are named in logs and metrics (``messages[].`` for a message)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_unknowns(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        kept = {}
+        for key, value in data.items():
+            field = fields.get(key)
+            if field is None:
+                _note_ignored_field(cls._FIELD_PATH + str(key))
+            elif value is not None or field.is_required():
+                kept[key] = value  # null in a field with a default: the default
+        return kept
 
 
 class StreamOptions(_Strict):
+    _FIELD_PATH = "stream_options."
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class TextPart(_Strict):
+    _FIELD_PATH = "messages[].content[]."
     type: Literal["text"]
     text: str
 
 
 class FunctionCall(_Strict):
+    _FIELD_PATH = "messages[].tool_calls[].function."
     name: str
     arguments: str | dict = "{}"
     """OpenAI sends a JSON string; some clients send the object itself."""
 
 
 class ToolCall(_Strict):
+    _FIELD_PATH = "messages[].tool_calls[]."
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -102,6 +166,8 @@ class ChatMessage(_Strict):
     template (a template that ignores them renders as before).
     """
 
+    _FIELD_PATH = "messages[]."
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -127,22 +193,22 @@ class _SamplingRequest(_Strict):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    n: int = 1
+    n: Int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Int] | None = None
+    seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
@@ -156,7 +222,10 @@ class _SamplingRequest(_Strict):
     guided_grammar: str | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    """OpenAI's shape: token id (a JSON object key, so a string) -> bias in [-100, 100]."""
+    best_of: Int | None = None
+    prompt_logprobs: Int | None = None
+    """vLLM's: the logprob of every prompt token after the first, plus this many top ones."""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -164,9 +233,21 @@ class _SamplingRequest(_Strict):
     def engine_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def engine_logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            token = key.strip()
+            if not token.isdigit():
+                raise bad_request(
+                    f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                    "logit_bias",
+                )
+            bias[int(token)] = value
+        return bias
+
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         if self.stream_options is not None and not self.stream:
@@ -203,6 +284,8 @@ class _SamplingRequest(_Strict):
                 stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos,
                 logprobs=self.engine_logprobs(),
+                prompt_logprobs=self.engine_prompt_logprobs(),
+                logit_bias=self.engine_logit_bias(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_output=self.engine_structured_output(),
@@ -210,6 +293,9 @@ class _SamplingRequest(_Strict):
             )
         except ValueError as exc:
             raise from_value_error(exc, self._param_renames()) from None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def engine_structured_output(self) -> StructuredOutputSpec | None:
         """The constraint ``response_format``/``structured_outputs``/``guided_*`` ask for (at most
@@ -233,10 +319,12 @@ class _SamplingRequest(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (Qwen3's ``enable_thinking``), as in vLLM."""
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """None: ``auto`` when tools are given, else ``none`` (see ``cluster/tool_calls.py``)."""
@@ -280,17 +368,22 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
+    """The prompt leads each choice's text (and, with ``logprobs``, its logprobs: the first
+    token's is null), as OpenAI's legacy completions do; what log-likelihood harnesses use."""
     suffix: str | None = None
 
     def engine_logprobs(self) -> int | None:
         return self.logprobs
 
+    def engine_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
 
@@ -322,6 +415,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    """Add the tokenizer's special tokens (BOS) to ``prompt``, as ``/v1/completions`` does not."""
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -332,7 +427,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[Int] = Field(default_factory=list)
 
 
 def parse_body(model_cls: type[BaseModel], raw: bytes):

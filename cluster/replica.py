@@ -84,7 +84,7 @@ def output_to_dict(out: RequestOutput, replica_id: str, reported: set[int]) -> d
                 "text": completion.text if finish is not None else None,
             }
         )
-    return {
+    item = {
         "replica_id": replica_id,
         "request_id": out.request_id,
         "num_prompt_tokens": len(out.prompt_token_ids),
@@ -93,6 +93,12 @@ def output_to_dict(out: RequestOutput, replica_id: str, reported: set[int]) -> d
         "error": out.error,
         "outputs": choices,
     }
+    if out.prompt_logprobs is not None and out.carries_first_tokens:  # once per request
+        item["prompt_logprobs"] = [
+            None if entry is None else [entry.token_id, entry.logprob, entry.rank, [list(t) for t in entry.top]]
+            for entry in out.prompt_logprobs
+        ]
+    return item
 
 
 def rejection(replica_id: str, kind: RejectKind, message: str) -> dict:

@@ -12,6 +12,14 @@ choice's text goes through its own tool-call parser (``cluster/tool_parsers.py``
 there are only calls), and a choice that ended by itself with calls has finish_reason
 ``tool_calls``. Nothing here raises on well-formed replica output; a choice that ends in an
 engine error is reported by the caller.
+
+Prompt logprobs come once per prompt, in the output that carries choice 0's first tokens, as
+``prompt_logprobs``: ``[None, [token_id, logprob, rank, [[id, lp], ...]], ...]``. With
+``echo`` (legacy completions) each choice's text, and its logprobs when asked for, start with
+the prompt's: the first prompt token's logprob and top_logprobs are null, each other prompt
+token's top_logprobs holds the token itself beside the top ``logprobs`` (OpenAI's shape, what
+lm-eval-harness reads). vLLM's ``prompt_logprobs`` field (per completions choice, top level for
+chat) maps token id -> ``{logprob, rank, decoded_token}``.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class ChoiceState:
     num_chars: int = 0
     tool_stream: ToolCallStream | None = None
     """Parses this choice's text into tool calls (requests with tools only)."""
+    echo_sent: bool = False
 
     @property
     def text(self) -> str:
@@ -76,8 +85,18 @@ class ResponseBuilder:
         include_usage: bool = False,
         continuous_usage: bool = False,
         tool_plan: ToolPlan | None = None,
+        echo_prompts: list[tuple[str, list[int]]] | None = None,
+        num_top_logprobs: int = 0,
+        want_prompt_logprobs: bool = False,
     ) -> None:
+        """``echo_prompts``: (text, token ids) per prompt, to lead each choice (completions'
+        ``echo``); ``num_top_logprobs``: the request's ``logprobs``, for the echoed prompt's
+        top_logprobs; ``want_prompt_logprobs``: add vLLM's ``prompt_logprobs`` field."""
         self.chat = chat
+        self.echo_prompts = echo_prompts
+        self.num_top_logprobs = num_top_logprobs
+        self.want_prompt_logprobs = want_prompt_logprobs
+        self.prompt_logprobs: list[list | None] = [None] * num_prompts
         self.tool_plan = tool_plan
         self.request_id = request_id
         self.model = model
@@ -99,6 +118,8 @@ class ResponseBuilder:
         """Records one replica output; returns (choice, new text, new logprobs) per change."""
         self.num_prompt_tokens[prompt_index] = out["num_prompt_tokens"]
         self.num_cached_tokens[prompt_index] = out["num_cached_tokens"]
+        if out.get("prompt_logprobs") is not None:
+            self.prompt_logprobs[prompt_index] = out["prompt_logprobs"]
         changes = []
         for completion in out["outputs"]:
             state = self.choices[prompt_index * self.n + completion["index"]]
@@ -158,6 +179,66 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
+    def _echo_logprobs(self, prompt_index: int) -> dict:
+        """The echoed prompt's part of a completion's logprobs (offsets from 0)."""
+        _, prompt_ids = self.echo_prompts[prompt_index]
+        entries = self.prompt_logprobs[prompt_index] or []
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for position, token_id in enumerate(prompt_ids):
+            token = self.token_to_str(token_id)
+            entry = entries[position] if position < len(entries) else None
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                _, logprob, _, top = entry
+                alternatives = {self.token_to_str(tid): lp for tid, lp in top[: self.num_top_logprobs]}
+                alternatives.setdefault(token, logprob)
+                token_logprobs.append(logprob)
+                top_logprobs.append(alternatives)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+    def _echoed(self, state: ChoiceState, text: str, entries: list, start_offset: int) -> tuple[str, dict | None]:
+        """A completion choice's text and logprobs, led by its prompt once when echoing."""
+        if self.echo_prompts is None or state.echo_sent:
+            return text, self.completion_logprobs(entries, start_offset)
+        state.echo_sent = True
+        prompt_index = state.index // self.n
+        prompt_text = self.echo_prompts[prompt_index][0]
+        logprobs = self.completion_logprobs(entries, start_offset + len(prompt_text))
+        if logprobs is not None:
+            lead = self._echo_logprobs(prompt_index)
+            logprobs = {key: lead[key] + logprobs[key] for key in lead}
+        return prompt_text + text, logprobs
+
+    def vllm_prompt_logprobs(self, prompt_index: int) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None or {id: {logprob, rank, decoded_token}}."""
+        entries = self.prompt_logprobs[prompt_index]
+        if entries is None:
+            return None
+        rendered = []
+        for entry in entries:
+            if entry is None:
+                rendered.append(None)
+                continue
+            token_id, logprob, rank, top = entry
+            ranked = {str(tid): {"logprob": lp, "rank": i + 1, "decoded_token": self.token_to_str(tid)}
+                      for i, (tid, lp) in enumerate(top)}
+            ranked[str(token_id)] = {
+                "logprob": logprob, "rank": rank, "decoded_token": self.token_to_str(token_id)
+            }
+            rendered.append(ranked)
+        return rendered
+
     # ---- streaming ----------------------------------------------------------------------
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {
@@ -194,12 +275,16 @@ class ResponseBuilder:
                     "finish_reason": self._chat_finish_reason(state, state.tool_stream),
                 }
             else:
+                first = not state.echo_sent
+                new_text, logprobs = self._echoed(state, new_text, new_logprobs, state.num_chars)
                 choice = {
                     "index": state.index,
                     "text": new_text,
-                    "logprobs": self.completion_logprobs(new_logprobs, state.num_chars),
+                    "logprobs": logprobs,
                     "finish_reason": state.finish_reason,
                 }
+                if self.want_prompt_logprobs and first:
+                    choice["prompt_logprobs"] = self.vllm_prompt_logprobs(state.index // self.n)
             if state.finish_reason is not None:
                 choice["stop_reason"] = state.stop_reason
             state.num_chars += len(new_text)
@@ -260,15 +345,19 @@ class ResponseBuilder:
                     "finish_reason": self._chat_finish_reason(state, stream),
                 }
             else:
+                state.echo_sent = False
+                text, logprobs = self._echoed(state, state.text, state.logprobs, 0)
                 choice = {
                     "index": state.index,
-                    "text": state.text,
-                    "logprobs": self.completion_logprobs(state.logprobs, 0),
+                    "text": text,
+                    "logprobs": logprobs,
                     "finish_reason": state.finish_reason,
                 }
+                if self.want_prompt_logprobs:
+                    choice["prompt_logprobs"] = self.vllm_prompt_logprobs(state.index // self.n)
             choice["stop_reason"] = state.stop_reason
             choices.append(choice)
-        return {
+        response = {
             "id": self.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -276,3 +365,6 @@ class ResponseBuilder:
             "choices": choices,
             "usage": self.usage(),
         }
+        if self.chat and self.want_prompt_logprobs:
+            response["prompt_logprobs"] = self.vllm_prompt_logprobs(0)
+        return response

@@ -71,6 +71,8 @@ class PackedOutput:
     error: str | None
     metrics: dict
     completions: list[PackedCompletion]
+    prompt_logprobs: list | None = None
+    """Sent once, with choice 0's first tokens (``RequestOutput.carries_first_tokens``)."""
 
 
 def pack_output(out: RequestOutput) -> PackedOutput:
@@ -80,7 +82,9 @@ def pack_output(out: RequestOutput) -> PackedOutput:
         new_logprobs = None if c.logprobs is None else (c.logprobs[-num_new:] if num_new else [])
         completions.append(PackedCompletion(c.index, c.new_text, list(c.new_token_ids), new_logprobs,
                                             c.finish_reason, c.stop_reason, c.text if c.finished else None))
-    return PackedOutput(out.request_id, out.num_cached_tokens, out.finished, out.error, out.metrics, completions)
+    prompt_logprobs = out.prompt_logprobs if out.carries_first_tokens else None
+    return PackedOutput(out.request_id, out.num_cached_tokens, out.finished, out.error, out.metrics, completions,
+                        prompt_logprobs)
 
 
 class OutputAssembler:
@@ -88,12 +92,14 @@ class OutputAssembler:
 
     def __init__(self) -> None:
         self._requests: dict[str, tuple[list[int], dict[int, CompletionOutput]]] = {}
+        self._prompt_logprobs: dict[str, list] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int]) -> None:
         self._requests[request_id] = (prompt_token_ids, {})
 
     def discard(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
 
     def assemble(self, packed: PackedOutput) -> RequestOutput | None:
         state = self._requests.get(packed.request_id)
@@ -114,10 +120,14 @@ class OutputAssembler:
             outputs.append(CompletionOutput(p.index, c.text, list(c.token_ids), p.new_text, p.new_token_ids,
                                             None if c.logprobs is None else list(c.logprobs),
                                             p.finish_reason, p.stop_reason))
+        if packed.prompt_logprobs is not None:
+            self._prompt_logprobs[packed.request_id] = packed.prompt_logprobs
+        prompt_logprobs = self._prompt_logprobs.get(packed.request_id)
         if packed.finished:
             del self._requests[packed.request_id]
+            self._prompt_logprobs.pop(packed.request_id, None)
         return RequestOutput(packed.request_id, prompt_ids, outputs, packed.num_cached_tokens, packed.finished,
-                             packed.error, packed.metrics)
+                             packed.error, packed.metrics, prompt_logprobs=prompt_logprobs)
 
 
 class ProcessCore(EngineCore):

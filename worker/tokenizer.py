@@ -23,6 +23,10 @@ from transformers import AutoTokenizer
 _REPLACEMENT_CHAR = "\ufffd"
 _PREFIX_WINDOW_TOKENS = 6
 """Tokens of left context decoded with the new ones, so merges at the boundary are right."""
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "add_generation_prompt", "tools", "tokenize",
+                                     "chat_template", "return_dict", "return_tensors", "documents",
+                                     "continue_final_message", "tokenizer_kwargs"})
+"""Arguments of transformers' ``apply_chat_template`` that ``chat_template_kwargs`` must not override."""
 
 
 def read_chat_template(value: str) -> str:
@@ -63,8 +67,9 @@ class Tokenizer:
         self.eos_token_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -73,9 +78,15 @@ class Tokenizer:
         return self._tok.decode([token_id])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the rendered conversation; ``tools`` (OpenAI tool definitions) go to
-        the template as transformers passes them (a template may ignore them)."""
+        the template as transformers passes them (a template may ignore them), and so do
+        ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``), except the names the
+        call itself sets (a ``ValueError``)."""
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_ARGS & extra.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, m in enumerate(messages):
@@ -86,7 +97,7 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             tokenize=False)
+                                             tokenize=False, **extra)
         return self.encode(text)
 
 

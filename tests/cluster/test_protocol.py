@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -12,6 +13,7 @@ from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
+    ignored_field_counts,
     parse_body,
     resolve_max_tokens,
 )
@@ -106,8 +108,12 @@ BAD_CHAT_BODIES = [
     (chat(stop=[f"s{i}" for i in range(17)]), "stop", "at most 16"),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs", "[0, 20]"),
     (chat(top_logprobs=2), "top_logprobs", "requires logprobs"),
-    (chat(tools=[{"type": "function"}]), "tools", "not supported"),
-    (chat(logit_bias={"1": 5.0}), "logit_bias", "not supported"),
+    (chat(tools="all of them"), "tools", "valid"),
+    (chat(logit_bias={"one": 5.0}), "logit_bias", "token ids"),
+    (chat(logit_bias={"1": 101}), "logit_bias", "[-100, 100]"),
+    (chat(n=1.5), "n", "integer"),
+    (chat(prompt_logprobs=21), "prompt_logprobs", "[0, 20]"),
+    (chat(messages=[{"role": None, "content": "x"}]), "messages", "role"),
     (chat(stream_options={"include_usage": True}), "stream_options", "stream"),
     (chat(cache_salt=""), "cache_salt", "non-empty"),
 ]
@@ -182,3 +188,70 @@ def test_unknown_routes_and_methods_get_openai_errors():
     wrong_method = client.get("/v1/chat/completions")
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["message"]
+
+
+def test_null_means_the_default_and_integral_floats_are_integers():
+    nulls = dict.fromkeys(
+        ["n", "stream", "logprobs", "top_logprobs", "temperature", "stop", "max_tokens", "seed",
+         "stream_options", "ignore_eos", "min_tokens", "logit_bias", "chat_template_kwargs"]
+    )
+    request = parse_body(ChatCompletionRequest, chat(**nulls))
+    assert (request.n, request.stream, request.logprobs, request.min_tokens) == (1, False, False, 0)
+    params = request.sampling_params()
+    assert (params.n, params.logprobs, params.temperature, params.logit_bias) == (1, None, 1.0, None)
+    completion = parse_body(
+        CompletionRequest, json.dumps({"prompt": "x", "echo": None, "logprobs": None, "n": None}).encode()
+    )
+    assert (completion.echo, completion.logprobs, completion.n) == (False, None, 1)
+    params = params_of(chat(n=2.0, max_tokens=5.0, seed=3.0))
+    assert (params.n, params.max_tokens, params.seed) == (2, 5, 3)
+    assert isinstance(params.n, int)
+
+
+def test_unknown_fields_are_ignored_logged_once_and_counted():
+    before = ignored_field_counts()
+    name = "x_unknown_field_for_test"
+    message = {"role": "user", "content": "hi", "x_message_extra": 1}
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("ray.serve")  # Ray's logger does not propagate to caplog's
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            params_of(chat(messages=[message], **{name: {"any": "thing"}}))
+    finally:
+        logger.removeHandler(handler)
+    after = ignored_field_counts()
+    assert after[name] - before.get(name, 0) == 3
+    assert after["messages[].x_message_extra"] - before.get("messages[].x_message_extra", 0) == 3
+    warnings = [r.getMessage() for r in records if name in r.getMessage()]
+    assert len(warnings) == (0 if name in before else 1)
+
+
+def test_logit_bias_prompt_logprobs_and_echo_reach_sampling_params():
+    params = params_of(chat(logit_bias={"5": -100, " 7": 2.5}, prompt_logprobs=3))
+    assert params.logit_bias == {5: -100.0, 7: 2.5}
+    assert params.prompt_logprobs == 3
+
+    def completion(**fields):
+        return params_of(json.dumps({"prompt": "x", **fields}).encode(), CompletionRequest)
+
+    # echo with logprobs scores the prompt too (what lm-eval's loglikelihood asks for).
+    assert completion(echo=True, logprobs=1).prompt_logprobs == 1
+    assert completion(echo=True).prompt_logprobs is None
+    assert completion(logprobs=1).prompt_logprobs is None
+
+
+def test_errors_use_string_or_null_codes_and_name_the_field_sent():
+    body = errors.bad_request("nothing to blame").body()["error"]
+    assert body["code"] is None
+    assert errors.internal("boom").body()["error"]["type"] == "server_error"
+    assert errors.unavailable("down").body()["error"]["type"] == "server_error"
+    assert APIError(502, "bad gateway").body()["error"]["type"] == "server_error"
+    with pytest.raises(APIError) as info:
+        params_of(chat(logprobs=True, top_logprobs=21))
+    assert info.value.message.startswith("top_logprobs ")
+    with pytest.raises(APIError) as info:
+        params_of(chat(max_completion_tokens=0))
+    assert info.value.message.startswith("max_completion_tokens ")
