@@ -180,11 +180,16 @@ def test_hub_model_reaches_every_pod() -> None:
     assert args["engine"]["revision"] == "main"
     download_dir = args["engine"]["download_dir"]
     assert download_dir.startswith("/models/")
-    claim = chart.only(docs, "PersistentVolumeClaim")["metadata"]["name"]
+    claim = chart.only(docs, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     for component, template in _pod_specs(docs).items():
         spec = template["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
-        assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == claim
+        if component == "ray-head":
+            # A ReadWriteOnce claim attaches on one node: the workers', never the head's.
+            assert "emptyDir" in volumes["model-cache"]
+        else:
+            assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
         (init,) = spec["initContainers"]
         for container in [init, *spec["containers"]]:
             env = _env(container)

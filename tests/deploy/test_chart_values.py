@@ -134,7 +134,7 @@ def test_no_api_key_env_unless_enabled() -> None:
 
 
 def test_model_cache_claim_is_mounted_everywhere() -> None:
-    docs = chart.render(values={"modelCache": {"enabled": True}})
+    docs = chart.render(values={"modelCache": {"enabled": True, "accessModes": ["ReadWriteMany"]}})
     claim = chart.only(docs, "PersistentVolumeClaim")["metadata"]["name"]
     cluster = chart.only(docs, "RayService")["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:

@@ -310,11 +310,18 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
 {{- end }}
 {{- end }}
 
-{{/* Volumes of a Ray pod; the argument is (dict "root" $ "shmSize" "2Gi"). */}}
+{{/*
+Volumes of a Ray pod; the argument is (dict "root" $ "shmSize" "2Gi" "head" true|false).
+The head (ingress: tokenizer and configs only) mounts a claim the chart created only when that
+claim can attach on several nodes: a ReadWriteOnce claim goes to the workers alone, so a head
+on a CPU node never holds the volume a GPU node's pod needs. An existingClaim is mounted
+everywhere (it may hold the model folder the ingress reads its tokenizer from).
+*/}}
 {{- define "prefixserve.volumes" -}}
 {{- $v := .root.Values -}}
+{{- $singleNode := and (not $v.modelCache.existingClaim) (not (has "ReadWriteMany" $v.modelCache.accessModes)) (not (has "ReadOnlyMany" $v.modelCache.accessModes)) -}}
 - name: model-cache
-{{- if $v.modelCache.enabled }}
+{{- if and $v.modelCache.enabled (not (and .head $singleNode)) }}
   persistentVolumeClaim:
     claimName: {{ default (printf "%s-model-cache" (include "prefixserve.fullname" .root)) $v.modelCache.existingClaim }}
 {{- else if $v.modelCache.emptyDirSizeLimit }}

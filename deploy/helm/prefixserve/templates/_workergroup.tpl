@@ -72,5 +72,5 @@ schedules), and the nvidia.com/gpu request and limit (what Kubernetes allocates)
           volumeMounts:
             {{- include "prefixserve.volumeMounts" $root | nindent 12 }}
       volumes:
-        {{- include "prefixserve.volumes" (dict "root" $root "shmSize" $w.shmSize) | nindent 8 }}
+        {{- include "prefixserve.volumes" (dict "root" $root "shmSize" $w.shmSize "head" false) | nindent 8 }}
 {{- end }}
