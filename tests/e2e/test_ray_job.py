@@ -1,13 +1,22 @@
 """Deploy and batch as Ray jobs, the way users run prefixserve on an existing Ray cluster.
 
 Starts ``ray start --head --block`` on loopback (every port free and derived, its own temp
-dir, so it never meets another Ray on the machine), submits
-``ray job submit --working-dir <repo> -- prefixserve serve --address auto ...``, asks a chat
-completion over HTTP, submits ``prefixserve batch`` as a second job, then ``serve deploy``s
-the Helm chart's rendered serveConfigV2 (deployment options, placement-group bundles, args)
-onto the same cluster and chats again. Finally it stops the deploy job and SIGTERMs the head
-it started (which takes down every process of that node). Never ``ray stop``: that would
-kill other Ray instances on a shared machine. The chart step is skipped only without helm.
+dir, so it never meets another Ray on the machine) and on that one cluster:
+
+1. the detached form, ``ray job submit --working-dir <repo> -- prefixserve serve --address
+   auto --detach --host 0.0.0.0 ...``: the job deploys, waits until a completion goes
+   through, prints the URL and succeeds; the app answers right away, on loopback and on the
+   machine's own address (``--host 0.0.0.0``), after the job has ended;
+2. ``prefixserve batch`` as a second job against it;
+3. the blocking form (no ``--detach``, no ``--host``: it warns that loopback is unreachable
+   from other machines) replaces the app and serves until ``ray job stop``, which drains and
+   deletes it (the head runs with ``RAY_JOB_STOP_WAIT_TIME_S`` above Ray's 3 s);
+4. the Helm chart's rendered serveConfigV2 (deployment options, placement-group bundles,
+   args) through ``serve deploy``, and a chat again.
+
+Finally it SIGTERMs the head it started (which takes down every process of that node). Never
+``ray stop``: that would kill other Ray instances on a shared machine. The chart step is
+skipped only without helm.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ SHUTDOWN_TIMEOUT_S = 60.0
 # Never upload these with the working dir: helm binaries, caches, results.
 UPLOAD_EXCLUDES = [".tools", ".git", "bench/results", "**/__pycache__", "*.egg-info"]
 NUM_BATCH_REQUESTS = 5
+# `ray job stop` SIGTERMs the driver and SIGKILLs it after this long (Ray's default is 3 s):
+# room for the blocking form to drain and delete its app.
+JOB_STOP_WAIT_S = 60
 # The dashboard answers before its job agent is ready; a first submit can fail on a busy box.
 SUBMIT_ATTEMPTS = 3
 SUBMIT_RETRY_S = 5.0
@@ -64,15 +76,21 @@ def ray_cli() -> list[str]:
     return [script] if script is not None else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def wait_healthy(url: str, head: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        assert head.poll() is None, f"ray head died:\n{log.read_text()[-3000:]}"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        assert time.monotonic() < deadline, "the deployed app did not become healthy in time"
-        time.sleep(1.0)
+def own_address() -> str | None:
+    """This machine's address on its network (not loopback); None without a route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent for a UDP connect
+        except OSError:
+            return None
+        address = sock.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def job_status(address: str, job_id: str) -> str:
+    from ray.job_submission import JobSubmissionClient
+
+    return str(JobSubmissionClient(address).get_job_status(job_id).value)
 
 
 def chat(url: str) -> dict:
@@ -139,7 +157,8 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFIXSERVE_API_KEY")}
     # Loopback-only test cluster: no token auth (Ray >= 2.5x enables it by default), no
     # telemetry; the repo on PYTHONPATH so `serve deploy` finds cluster.app uninstalled too.
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+               RAY_JOB_STOP_WAIT_TIME_S=str(JOB_STOP_WAIT_S))  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     temp_dir = tempfile.mkdtemp(prefix="/tmp/rj")  # short: Ray's socket paths have a length cap
     head_log = tmp_path / "head.log"
@@ -170,30 +189,71 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
             assert time.monotonic() < deadline, "ray head did not come up"
             time.sleep(1.0)
 
-        # 1. Deploy as a Ray job; 2. a chat completion over HTTP; 3. a batch as a Ray job.
+        serve_args = ["--port", str(http), "--model", model, "--num-replicas", "1",
+                      "--num-kv-blocks", "256", "--max-model-len", "512"]  # fmt: skip
+
+        # 1. The detached form: the job deploys, proves the app routes, prints the URL, ends.
+        for attempt in range(SUBMIT_ATTEMPTS):
+            deploy_job = f"deploy-{uuid.uuid4().hex[:8]}"
+            detached = subprocess.run(
+                [*submit, "--submission-id", deploy_job, "--",
+                 *prefixserve_command().split(), "serve", "--address", "auto", "--detach",
+                 "--host", "0.0.0.0", *serve_args],
+                env=job_env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S,
+            )  # fmt: skip
+            if detached.returncode == 0 or "submitted successfully" in detached.stdout or (
+                attempt == SUBMIT_ATTEMPTS - 1
+            ):
+                break
+            time.sleep(SUBMIT_RETRY_S)
+        assert detached.returncode == 0, detached.stdout[-3000:] + detached.stderr[-3000:]
+        assert job_status(address, deploy_job) == "SUCCEEDED"
+        assert "(detached:" in detached.stdout and f":{http}/v1" in detached.stdout, detached.stdout
+        chat(url)  # no wait: the job ended only once a completion went through
+        public = own_address()
+        if public is not None:  # --host 0.0.0.0: reachable on the machine's own address too
+            assert httpx.get(f"http://{public}:{http}/v1/models", timeout=30).status_code == 200
+
+        # 2. A batch as a Ray job against the detached app.
+        run_batch_job(submit, job_env, url, tmp_path)
+
+        # 3. The blocking form replaces the app, serves until stopped, then deletes it.
         for attempt in range(SUBMIT_ATTEMPTS):
             serve_job = f"serve-{uuid.uuid4().hex[:8]}"
             submitted = subprocess.run(
                 [*submit, "--submission-id", serve_job, "--no-wait", "--",
-                 *prefixserve_command().split(), "serve", "--address", "auto", "--host", "127.0.0.1",
-                 "--port", str(http), "--model", model, "--num-replicas", "1",
-                 "--num-kv-blocks", "256", "--max-model-len", "512"],
+                 *prefixserve_command().split(), "serve", "--address", "auto",
+                 "--served-model-name", "blocking", *serve_args],
                 env=job_env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
             )  # fmt: skip
             if submitted.returncode == 0 or attempt == SUBMIT_ATTEMPTS - 1:
                 break
             time.sleep(SUBMIT_RETRY_S)
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-        wait_healthy(url, head, head_log)
-        chat(url)
-        run_batch_job(submit, job_env, url, tmp_path)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:  # the detached app keeps answering until the blocking one replaces it
+            with contextlib.suppress(httpx.HTTPError, KeyError, IndexError, ValueError):
+                models = httpx.get(f"{url}/v1/models", timeout=5).json()
+                if models["data"][0]["id"] == "blocking":
+                    break
+            assert head.poll() is None, f"ray head died:\n{head_log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the blocking job's app never served: {job_status(address, serve_job)}"
+            time.sleep(1.0)
+        assert chat(url)["model"] == "blocking"
+        assert job_status(address, serve_job) == "RUNNING"
+        logs = subprocess.run([*ray_cli(), "job", "logs", serve_job], env=job_env,
+                              capture_output=True, text=True, timeout=SHUTDOWN_TIMEOUT_S).stdout  # fmt: skip
+        assert "pass --host 0.0.0.0" in logs, logs[-3000:]  # joined a cluster on loopback only
+        subprocess.run([*ray_cli(), "job", "stop", serve_job], env=job_env,
+                       capture_output=True, timeout=JOB_STOP_WAIT_S + SHUTDOWN_TIMEOUT_S, check=True)  # fmt: skip
+        assert job_status(address, serve_job) == "STOPPED"
+        applications = httpx.get(f"{address}/api/serve/applications/", timeout=10).json()
+        assert applications["applications"] == {}, applications  # drained and deleted
 
         # 4. The Helm chart's serveConfigV2 (deployment options, bundles, args) through
-        #    `serve deploy`, replacing the job's app on the same Serve instance.
+        #    `serve deploy`, on the same Serve instance.
         config = chart_serve_config(model, tmp_path / "cache", http)
         if config is not None:
-            subprocess.run([*ray_cli(), "job", "stop", serve_job], env=job_env,
-                           capture_output=True, timeout=SHUTDOWN_TIMEOUT_S, check=True)  # fmt: skip
             config_path = tmp_path / "chart-serve-config.yaml"
             config_path.write_text(json.dumps(config))
             serve = shutil.which("serve") or "serve"
@@ -203,7 +263,7 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
             )  # fmt: skip
             assert deployed.returncode == 0, deployed.stderr[-3000:]
             deadline, status = time.monotonic() + STARTUP_TIMEOUT_S, {}
-            while True:  # the job's app goes away, the chart's comes up
+            while True:  # the chart's app comes up
                 with contextlib.suppress(httpx.HTTPError, KeyError, IndexError):
                     status = httpx.get(f"{address}/api/serve/applications/", timeout=10).json()
                     if list(status["applications"]) == ["chart"] and (
