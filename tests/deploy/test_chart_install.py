@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -282,3 +283,53 @@ def test_keda_query_follows_the_metrics_prefix() -> None:
         docs = chart.render([CI / "keda-values.yaml"], values={"cluster": {"metricsPrefix": prefix}})
         (trigger,) = chart.only(docs, "ScaledObject")["spec"]["triggers"]
         assert trigger["metadata"]["query"].startswith(f"sum({series}num_requests_waiting{{")
+
+
+def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offline(tmp_path, monkeypatch) -> None:
+    """The chart's model path end to end, minus Kubernetes: the rendered initContainer program
+    runs with the env the pod gets (HF_TOKEN as the Secret would give it) against a loopback
+    hub that requires the token; the engine's own resolver then finds the model in the
+    rendered download_dir with the hub unreachable (HF_HUB_OFFLINE=1)."""
+    from tests.worker.fake_hub import FakeHub, FakeRepo, folder_files
+    from worker.loader import resolve_model
+    from worker.testing import make_tiny_model
+
+    repo_id, token = "acme/tiny-llama", "hf_secret_for_tests"
+    hub = FakeHub(token=token)
+    try:
+        hub.repos[repo_id] = repo = FakeRepo()
+        repo.add_revision("v1", folder_files(make_tiny_model(tmp_path / "tiny", "llama", num_layers=1)))
+        mount = tmp_path / "models"
+        docs = chart.render(values={
+            "engine": {"model": repo_id, "revision": "v1"},
+            "hfToken": {"existingSecret": "hf-token"},
+            "modelDownload": {"enabled": True},
+            "modelCache": {"mountPath": str(mount)},
+        })
+        pods = _pod_specs(docs)
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+        for component in ("ray-head", "ray-worker-gpu"):
+            (init,) = pods[component]["spec"]["initContainers"]
+            env = {**base_env, "HF_ENDPOINT": hub.url, "HF_TOKEN": token}  # HF_TOKEN: from the Secret
+            env.update({k: v["value"] for k, v in _env(init).items() if "value" in v})
+            assert _env(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+            proc = subprocess.run(
+                [sys.executable, *init["command"][1:], *init["args"]], env=env, cwd=chart.REPO_ROOT,
+                capture_output=True, text=True, timeout=300, check=False,
+            )
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            weights = [p for p in hub.downloaded() if p.endswith(".safetensors")]
+            assert bool(weights) == (component != "ray-head"), (component, hub.downloaded())
+            hub.requests.clear()
+        assert all(auth == f"Bearer {token}" for _, _, auth in hub.requests)
+    finally:
+        hub.close()
+    engine_args = _args(docs)["engine"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: offline for real
+    resolved = resolve_model(
+        engine_args["model"], engine_args["cache_dir"],
+        revision=engine_args["revision"], download_dir=engine_args["download_dir"],
+    )
+    assert resolved.path.startswith(str(mount))
+    assert any(p.suffix == ".safetensors" for p in Path(resolved.path).iterdir())
