@@ -149,8 +149,10 @@ class EngineReplica:
         params: SamplingParams,
         cache_salt: str | None = None,
         block_hashes: list[bytes] | None = None,
+        resume_token_ids: list[int] | None = None,
     ):
-        """Streams the request's outputs as dicts. ``block_hashes`` are for the router."""
+        """Streams the request's outputs as dicts. ``block_hashes`` are for the router;
+        ``resume_token_ids`` continue a stream a dead replica began (the ingress's failover)."""
         del block_hashes  # read by the request router from the call's arguments, not here
         reported: set[int] = set()
         last_step_s: float | None = None
@@ -158,7 +160,8 @@ class EngineReplica:
         self._in_flight.add(request_id)
         try:
             stream = self.engine.generate(
-                request_id, prompt_token_ids, params, cache_salt=cache_salt
+                request_id, prompt_token_ids, params, cache_salt=cache_salt,
+                resume_token_ids=resume_token_ids or (),
             )
             async with contextlib.aclosing(stream):
                 async for out in stream:

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
@@ -77,8 +77,11 @@ class AsyncEngine:
 
     # -- caller side -------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
+        """Streams ``RequestOutput``s; ``resume_token_ids`` continue a stream another replica
+        began (``LLMEngine.add_request``)."""
         if not self.is_alive():
             raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
         info = self._core.info
@@ -93,7 +96,7 @@ class AsyncEngine:
         out_q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, out_q)
         self._adds_sent += 1
-        self._core.submit(("add", request_id, list(prompt_token_ids), params, cache_salt))
+        self._core.submit(("add", request_id, list(prompt_token_ids), params, cache_salt, list(resume_token_ids)))
         finished = False
         try:
             while True:

@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,20 @@ class StepDelta:
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+
+
+def check_resume(prompt_token_ids: Sequence[int], params: SamplingParams, resume_token_ids: Sequence[int], *,
+                 vocab_size: int, max_model_len: int) -> None:
+    """Raises ``ValueError`` unless ``resume_token_ids`` can continue this request."""
+    if params.n != 1:
+        raise ValueError(f"resume_token_ids: only a request with n == 1 can be resumed, got n={params.n}")
+    if params.max_tokens is not None and len(resume_token_ids) >= params.max_tokens:
+        raise ValueError(f"resume_token_ids: {len(resume_token_ids)} tokens already reach max_tokens={params.max_tokens}")
+    if len(prompt_token_ids) + len(resume_token_ids) >= max_model_len:
+        raise ValueError(f"resume_token_ids: prompt and resumed tokens fill the context ({max_model_len})")
+    bad = [t for t in resume_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"resume_token_ids: token id {bad[0]} is out of range [0, {vocab_size})")
 
 
 class LLMEngine:
@@ -144,8 +159,14 @@ class LLMEngine:
         if self.tp is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported with tensor parallelism (tensor_parallel_size > 1)")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None, resume_token_ids: Sequence[int] = ()) -> None:
+        """Queues a request. ``resume_token_ids``: outputs another replica already streamed
+        before it died (stream failover, ``n == 1``): the request goes on after them."""
         self.validate(prompt_token_ids, params)
+        if resume_token_ids:
+            check_resume(prompt_token_ids, params, resume_token_ids, vocab_size=self.spec.vocab_size,
+                         max_model_len=self.max_model_len)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) + params.n > self.config.max_waiting_requests:
@@ -164,6 +185,8 @@ class LLMEngine:
             )
             if constraint is not None:
                 req.grammar = grammar if i == 0 else self.grammars.matcher(constraint)
+            if resume_token_ids:
+                req.resume(resume_token_ids)
             group.append(req)
             self.scheduler.add(req)
         self._groups[request_id] = group

@@ -70,7 +70,7 @@ class EngineCore:
         raise NotImplementedError
 
     def submit(self, command: tuple) -> None:
-        """``("add", id, prompt ids, params, salt)``, ``("abort", id)`` or ``("stop",)``."""
+        """``("add", id, prompt ids, params, salt, resume token ids)``, ``("abort", id)`` or ``("stop",)``."""
         raise NotImplementedError
 
     def is_alive(self) -> bool:
@@ -107,10 +107,10 @@ class EngineLoop:
         if kind == "stop":
             return False
         if kind == "add":
-            _, request_id, prompt_ids, params, salt = command
+            _, request_id, prompt_ids, params, salt, resume_ids = command
             self.adds_handled += 1
             try:
-                self.engine.add_request(request_id, prompt_ids, params, salt)
+                self.engine.add_request(request_id, prompt_ids, params, salt, resume_ids)
             except (ValueError, EngineOverloadedError) as exc:
                 self._rejected.append((request_id, exc))
         elif kind == "abort":

@@ -94,8 +94,10 @@ class OutputAssembler:
         self._requests: dict[str, tuple[list[int], dict[int, CompletionOutput]]] = {}
         self._prompt_logprobs: dict[str, list] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        self._requests[request_id] = (prompt_token_ids, {})
+    def add(self, request_id: str, prompt_token_ids: list[int], resume_token_ids: list[int]) -> None:
+        """Expects ``request_id``'s outputs; ``resume_token_ids`` come before its first ones."""
+        resumed = {0: CompletionOutput(0, "", list(resume_token_ids))} if resume_token_ids else {}
+        self._requests[request_id] = (prompt_token_ids, resumed)
 
     def discard(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -174,7 +176,7 @@ class ProcessCore(EngineCore):
 
     def submit(self, command: tuple) -> None:
         if command[0] == "add":
-            self._assembler.add(command[1], command[2])
+            self._assembler.add(command[1], command[2], command[5])
         try:
             self._send(command)
         except OSError:  # the process is gone; the reader thread reports it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from router.protocol import BlockHash, hash_blocks
 from worker.block_pool import Block
@@ -90,6 +91,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def resume(self, token_ids: Sequence[int]) -> None:
+        """Takes ``token_ids`` as outputs already sampled and streamed elsewhere (by a replica
+        that died mid-stream): appended as this request's own, so penalties, stop checks,
+        ``max_tokens``, the grammar and the position-keyed sampler go on as if it had sampled
+        them. Their text is taken out of the detokenizer: the client has it already."""
+        for token_id in token_ids:
+            self.append_token(token_id)
+            if self.detokenizer is not None:
+                self.detokenizer.add_token(token_id)
+            if self.grammar is not None:
+                self.grammar.advance(token_id)
+        if self.detokenizer is not None:
+            self.detokenizer.take_delta(False)
+        self.prompt_logprobs = None  # sent with the first stream's first output
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
