@@ -28,8 +28,8 @@ import time
 from collections.abc import Sequence
 
 import ray
-from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
+from cluster.serve_compat import check_serve_internals, register_shutdown_cleanup, serve_namespace
 from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
 from router.index import IndexUnavailableError, Match, ReplicaId
@@ -37,6 +37,9 @@ from router.liveness import ApplyOutcome
 from router.protocol import BlockHash, KVEventBatch
 
 log = logging.getLogger("ray.serve")
+check_serve_internals()  # a Ray without what serve_compat needs fails here, saying which
+SERVE_NAMESPACE = serve_namespace()
+"""Serve's Ray namespace: the index actor lives beside Serve's own actors."""
 
 INDEX_ACTOR_PREFIX = "prefixserve-index:"
 # Calls are microseconds of dict work; a few threads keep one large re-announce from
@@ -114,11 +117,7 @@ def get_or_create_index_actor(app_name: str, config: RouterConfig):
         lifetime="detached",
         get_if_exists=True,
     ).remote(config.heartbeat_timeout_s)
-    try:  # private Serve API (the one Ray's own prefix router uses): best effort
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        controller._register_shutdown_cleanup_actor.remote(actor)
-    except Exception as exc:  # noqa: BLE001 - cleanup registration never blocks serving
-        log.debug("could not register the index actor for cleanup: %r", exc)
+    register_shutdown_cleanup(actor)  # a private Serve API, through serve_compat
     return actor
 
 

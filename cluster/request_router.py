@@ -28,11 +28,13 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.index_actor import make_cluster_index
+from cluster.metrics import register_request_router, request_routers
+from cluster.serve_compat import ask_to_back_off, check_serve_internals, request_key
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policies import make_policy
@@ -41,10 +43,9 @@ from router.protocol import ReplicaStats
 from router.routing import Router
 
 log = logging.getLogger("ray.serve")
+check_serve_internals()  # a Ray without what serve_compat needs fails here, saying which
 
 ROUTER_CLASS_PATH = "cluster.request_router:PrefixAwareRequestRouter"
-# Routers alive in this process, for router_metrics_snapshot (one per handle's deployment).
-_ROUTERS: weakref.WeakSet = weakref.WeakSet()
 # A one-line summary of the router metrics in the replica log this often, for clusters that
 # scrape no /metrics; rare enough to be noise-free.
 METRICS_LOG_PERIOD_S = 60.0
@@ -86,7 +87,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._unconfirmed: dict[str, tuple[str, float]] = {}
         """Internal request id -> (replica decided on, monotonic expiry) until Serve sends it."""
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
-        _ROUTERS.add(self)
+        self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
+        """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
+        register_request_router(self)  # for router_metrics_snapshot
 
     # ---------------------------------------------------------------------- the decision
     def _get_router(self, replicas: list[RunningReplica]) -> Router | None:
@@ -129,8 +132,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:
-            # Without this Serve retries a full set of replicas in a tight loop.
-            pending_request.routing_context.should_backoff = True
+            ask_to_back_off(pending_request)  # else Serve retries a full set in a tight loop
         if not candidate_replicas:
             return []
         hashes, num_prompt_tokens = request_blocks(pending_request)
@@ -146,8 +148,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None:
             expiry_s = time.monotonic() + UNCONFIRMED_DECISION_TTL_S
             with self._inflight_lock:
-                key = pending_request.metadata.internal_request_id
-                self._unconfirmed[key] = (decision.replica_id, expiry_s)
+                self._unconfirmed[request_key(pending_request)] = (decision.replica_id, expiry_s)
         self._maybe_log_metrics()
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]
@@ -170,7 +171,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------ in-flight bookkeeping
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
-        key = pending_request.metadata.internal_request_id
+        key = request_key(pending_request)
         unique_id = replica_id.unique_id
         with self._inflight_lock:
             self._unconfirmed.pop(key, None)
@@ -192,15 +193,16 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._inflight_by_replica.pop(unique_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = {rid.unique_id for rid in self._replica_id_set}
+        before = {rid.unique_id for rid in self.curr_replicas}
         super().update_replicas(replicas)
-        gone = before - {rid.unique_id for rid in self._replica_id_set}
+        gone = before - {rid.unique_id for rid in self.curr_replicas}
         router = self._router
         if gone and router is not None:  # their entries stop counting now, not at timeout
             for unique_id in gone:
-                self._event_loop.run_in_executor(None, router.index.remove_replica, unique_id)
+                self._removals.submit(router.index.remove_replica, unique_id)
 
     def close(self) -> None:
+        self._removals.shutdown(wait=False)
         if self._router is not None:
             self._router.close()
 
@@ -237,7 +239,7 @@ def _merge(total: dict, snapshot: dict) -> dict:
 def router_metrics_snapshot() -> dict | None:
     """``RouterMetrics.snapshot()`` summed over this process's routers; None without one."""
     total: dict = {}
-    for request_router in list(_ROUTERS):
+    for request_router in request_routers():
         total = _merge(total, request_router.metrics.snapshot())
     return total or None
 

@@ -8,7 +8,8 @@ in_features]``. A row's result is then a function of that row alone, whatever sh
 batch (the property ``tests/kernels/test_cpu_kernels.py`` checks).
 
 Packing. ``pack_weight`` packs each float32 weight once, at load, into a GEMM library's own
-layout, so that no call re-packs it: oneDNN's blocked layout
+layout, so that no call re-packs it (through torch's private ops, which only
+``kernels/torch_compat.py`` names): oneDNN's blocked layout
 (``mkldnn::_reorder_linear_weight``, multiplied by ``mkldnn::_linear_pointwise``: the same size
 as the weight) or MKL's (``cblas_sgemm_pack`` through ``mkl::_mkl_reorder_linear_weight``,
 multiplied by ``cblas_sgemm_compute``: several times the weight's size). One packed copy per
@@ -41,12 +42,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kernels.torch_compat import MKL, ONEDNN, available_packings, packing_ops
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,6 @@ TILE_CALL_OVERHEAD_ROWS = 2
 calls."""
 
 _PROBE_SEED = 20261122
-ONEDNN, MKL = "oneDNN", "MKL"
 
 
 @dataclass(frozen=True)
@@ -89,33 +90,15 @@ class PackedWeight:
         return self.weight.shape
 
 
-def _onednn_tile(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-def _mkl_tile(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
-
-
-_PACKINGS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor]]] = {
-    ONEDNN: (lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_tile),
-    MKL: (lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, LINEAR_TILE_ROWS), _mkl_tile),
-}
-
-
 def _available_packings() -> list[str]:
-    found = []
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        found.append(ONEDNN)
-    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
-        found.append(MKL)
-    return found
+    """The packings this torch can run (``kernels/torch_compat.py``), oneDNN first."""
+    return list(available_packings())
 
 
 def probe_tile_rows(packing: str, packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
     """The sizes of ``TILE_LADDER_ROWS`` whose tiles give random rows their reference bits
     under ``packing``; each size is compared on at least one whole reference tile."""
-    tile = _PACKINGS[packing][1]
+    tile = packing_ops(packing).multiply
     probe_rows = {rows: rows * -(-LINEAR_TILE_ROWS // rows) for rows in TILE_LADDER_ROWS}
     total = -(-max(probe_rows.values()) // LINEAR_TILE_ROWS) * LINEAR_TILE_ROWS
     probe = torch.randn(total, weight.shape[1], generator=torch.Generator().manual_seed(_PROBE_SEED))
@@ -140,7 +123,7 @@ _logged: set[str] = set()
 
 def _pack(packing: str, weight: torch.Tensor) -> torch.Tensor | None:
     try:
-        return _PACKINGS[packing][0](weight)
+        return packing_ops(packing).pack(weight, LINEAR_TILE_ROWS)
     except RuntimeError as exc:  # a build whose op exists but cannot run here
         log.debug("%s packing failed for a %s weight: %s", packing, tuple(weight.shape), exc)
         return None
@@ -259,7 +242,7 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torc
     if weight.packing == ONEDNN:
         if x.shape[0] == 0:
             return x.new_empty(0, weight.shape[0])
-        out = _onednn_tile(x.contiguous(), weight.packed, weight.weight, x.shape[0])
+        out = packing_ops(ONEDNN).multiply(x.contiguous(), weight.packed, weight.weight, x.shape[0])
         return out if bias is None else out.add_(bias)
     if weight.packing == MKL and x.shape[0] < FAST_PLAIN_MIN_ROWS:
         return batch_invariant_linear(x, weight, bias)
@@ -282,7 +265,7 @@ def batch_invariant_linear(
     x = x.contiguous()
     if packed:
         # Bias is added after the product, as in the unpacked path.
-        tile = _PACKINGS[weight.packing][1]
+        tile = packing_ops(weight.packing).multiply
         outs, r0 = [], 0
         for rows in tiles:
             outs.append(tile(x[r0 : r0 + rows], weight.packed, weight.weight, rows))

@@ -275,12 +275,14 @@ def test_every_probed_linear_tile_size_gives_the_reference_bits():
     other rows: every admitted tile size, of every packing this torch has, rounds each row as
     the reference tile does."""
     from kernels import linear
+    from kernels.torch_compat import packing_ops
 
     w = torch.randn(960, 576) * 0.05
     x = torch.randn(1024, 576)
     for packing in linear._available_packings():
-        pack, tile = linear._PACKINGS[packing]
-        packed = pack(w)
+        ops = packing_ops(packing)
+        tile = ops.multiply
+        packed = ops.pack(w, linear.LINEAR_TILE_ROWS)
         sizes = linear.probe_tile_rows(packing, packed, w)
         assert linear.LINEAR_TILE_ROWS in sizes and set(sizes) <= set(linear.TILE_LADDER_ROWS)
         ref = torch.cat([tile(x[r : r + 32], packed, w, 32) for r in range(0, 1024, 32)])

@@ -1,0 +1,132 @@
+"""The one place that touches Ray Serve internals: names Serve does not promise to keep.
+
+What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
+
+- ``PendingRequest.metadata.internal_request_id`` (``RequestMetadata`` is private): the key
+  that ties a routing decision to ``on_request_routed``/``on_request_completed``.
+- ``PendingRequest.routing_context.should_backoff``: without it Serve retries a full set of
+  replicas in a tight loop.
+- ``ray.serve._private.constants`` ``SERVE_CONTROLLER_NAME``/``SERVE_NAMESPACE`` and the
+  controller's ``_register_shutdown_cleanup_actor`` (what Ray's own prefix router uses), so
+  ``serve.shutdown()`` kills the index actor.
+
+Everything else (``RequestRouter.curr_replicas``, ``RunningReplica.replica_id``/
+``routing_stats``) is public. ``TESTED_RAY`` is the range these were checked against; it
+matches the bound in ``pyproject.toml`` (``tests/test_private_apis.py`` keeps them equal).
+
+How it fails: ``check_serve_internals()`` runs once, when ``cluster/request_router.py`` or
+``cluster/index_actor.py`` is imported, and raises ``RuntimeError`` naming the missing
+attribute, the installed Ray and ``TESTED_RAY``, rather than letting a request fail later
+with an ``AttributeError``. The cleanup hook is best effort: missing, it is a warning; a call
+that fails is logged at debug level, and serving never waits on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import ray
+from ray.serve.request_router import PendingRequest, RequestRouter
+
+log = logging.getLogger("ray.serve")
+
+TESTED_RAY = ">=2.50,<2.61"
+"""Ray versions whose Serve internals this module was checked against (``pyproject.toml``)."""
+
+
+def missing_serve_internals() -> list[str]:
+    """What this module needs and the installed Ray lacks; empty when all is there."""
+    missing = []
+    try:
+        from ray.serve._private import constants
+    except ImportError:
+        return ["ray.serve._private.constants"]
+    for name in ("SERVE_CONTROLLER_NAME", "SERVE_NAMESPACE"):
+        if not hasattr(constants, name):
+            missing.append(f"ray.serve._private.constants.{name}")
+    try:
+        from ray.serve._private.controller import ServeController
+    except ImportError:
+        missing.append("ray.serve._private.controller.ServeController")
+    else:
+        if not hasattr(ServeController, "_register_shutdown_cleanup_actor"):
+            missing.append("ServeController._register_shutdown_cleanup_actor")
+    pending_fields = {f.name: f for f in dataclasses.fields(PendingRequest)}
+    for name, inner in (("metadata", "internal_request_id"), ("routing_context", "should_backoff")):
+        field = pending_fields.get(name)
+        if field is None:
+            missing.append(f"PendingRequest.{name}")
+            continue
+        inner_type = _field_type(field)
+        if inner_type is None or inner not in {f.name for f in dataclasses.fields(inner_type)}:
+            missing.append(f"PendingRequest.{name}.{inner}")
+    for name in ("curr_replicas", "update_replicas", "on_request_routed", "on_request_completed"):
+        if not hasattr(RequestRouter, name):
+            missing.append(f"RequestRouter.{name}")
+    return missing
+
+
+def _field_type(field: dataclasses.Field) -> type | None:
+    """The dataclass a ``PendingRequest`` field holds; None if that cannot be told (a string
+    annotation with no dataclass default), which counts as missing."""
+    if dataclasses.is_dataclass(field.type):
+        return field.type
+    factory = field.default_factory
+    return factory if dataclasses.is_dataclass(factory) else None
+
+
+def missing_message(missing: list[str]) -> str:
+    """The error for ``missing``: what, the installed Ray, the tested range."""
+    return (
+        f"prefixserve needs Ray Serve internals that ray {ray.__version__} lacks: "
+        f"{', '.join(missing)}; it is tested with ray{TESTED_RAY} "
+        f"(pip install 'ray[serve]{TESTED_RAY}')"
+    )
+
+
+_BEST_EFFORT = "ServeController._register_shutdown_cleanup_actor"
+"""Missing, only ``serve.shutdown()`` leaves the index actor behind (it ends itself when idle):
+a warning, not an error."""
+
+
+@functools.cache
+def check_serve_internals() -> None:
+    """Raises ``RuntimeError`` if the installed Ray lacks what routing needs (a warning if it
+    lacks only the cleanup hook); runs once per process."""
+    missing = missing_serve_internals()
+    if _BEST_EFFORT in missing:
+        missing.remove(_BEST_EFFORT)
+        log.warning("%s; the index actor outlives serve.shutdown()",
+                    missing_message([_BEST_EFFORT]))
+    if missing:
+        raise RuntimeError(missing_message(missing))
+
+
+def request_key(pending_request: PendingRequest) -> str:
+    """Serve's id of one request, the same in ``choose_replicas`` and the routed/completed
+    callbacks."""
+    return pending_request.metadata.internal_request_id
+
+
+def ask_to_back_off(pending_request: PendingRequest) -> None:
+    """Makes Serve back off before routing ``pending_request`` again after a full set."""
+    pending_request.routing_context.should_backoff = True
+
+
+def serve_namespace() -> str:
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    return SERVE_NAMESPACE
+
+
+def register_shutdown_cleanup(actor) -> None:
+    """Asks the Serve controller to kill ``actor`` on ``serve.shutdown()``; best effort."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller._register_shutdown_cleanup_actor.remote(actor)
+    except Exception as exc:  # noqa: BLE001 - cleanup registration never blocks serving
+        log.debug("could not register %r for cleanup at serve.shutdown(): %r", actor, exc)
