@@ -131,10 +131,11 @@ class ModelRunner:
             return
         # The copy is asynchronous (pinned host memory): the wall clock would time the enqueue
         # only. Events on the copy's stream time the transfer itself, read when asked for.
+        stream = torch.cuda.current_stream(self.device)  # the stream the copy is queued on
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         self.kv[self._block(block_id)].copy_(self.host_kv[slot], non_blocking=True)
-        end.record()
+        end.record(stream)
         self._pending_load_events.append((start, end))
 
     @property
