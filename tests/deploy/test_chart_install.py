@@ -333,3 +333,10 @@ def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offlin
     )
     assert resolved.path.startswith(str(mount))
     assert any(p.suffix == ".safetensors" for p in Path(resolved.path).iterdir())
+
+
+def test_resource_names_fit_kuberays_limits() -> None:
+    """KubeRay rejects a RayService name over 47 characters (DNS-1035, its RayCluster gets 6 more)."""
+    docs = chart.render(values={"fullnameOverride": "a-very-long-release-name-for-a-production-llm-service"})
+    name = chart.only(docs, "RayService")["metadata"]["name"]
+    assert len(name) <= 47 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name)

@@ -91,6 +91,19 @@ def test_values_schema_rejects_typos_and_bad_values(values, message) -> None:
             {"serve": {"upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade"}}},
             "clusterUpgradeOptions",
         ),
+        (
+            {
+                "serve": {
+                    "upgradeStrategy": {
+                        "type": "NewClusterWithIncrementalUpgrade",
+                        "clusterUpgradeOptions": {
+                            "gatewayClassName": "istio", "stepSizePercent": 25, "intervalSeconds": 60,
+                        },
+                    }
+                }
+            },
+            "autoscaling.enabled",
+        ),
         ({"httpRoute": {"enabled": True}}, "parentRefs"),
         ({"ingress": {"enabled": True}, "httpRoute": {"enabled": True, "parentRefs": [{"name": "g"}]}}, "only one"),
         ({"extraArgs": {"engine": {"maxModelLen": 4096}}}, "max_model_len"),

@@ -9,15 +9,17 @@ deploy but never schedule or serve.
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* At most 47 characters: KubeRay rejects longer RayService names (it appends 6 to name the
+RayCluster, whose limit is 53). */}}
 {{- define "prefixserve.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 47 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- .Release.Name | trunc 47 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 47 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -171,8 +173,14 @@ another one.
 {{- if and .Values.gcsFaultTolerance.enabled .Values.redis.external.url (hasPrefix "unix" .Values.redis.external.url) (not .Values.gcsFaultTolerance.redisAddress) }}
 {{- fail "gcsFaultTolerance needs a TCP Redis: redis.external.url is a unix socket, set gcsFaultTolerance.redisAddress" }}
 {{- end }}
-{{- if and (eq .Values.serve.upgradeStrategy.type "NewClusterWithIncrementalUpgrade") (not .Values.serve.upgradeStrategy.clusterUpgradeOptions.gatewayClassName) }}
+{{- if eq .Values.serve.upgradeStrategy.type "NewClusterWithIncrementalUpgrade" }}
+{{- $o := .Values.serve.upgradeStrategy.clusterUpgradeOptions }}
+{{- if not (and $o.gatewayClassName $o.stepSizePercent $o.intervalSeconds) }}
 {{- fail "serve.upgradeStrategy.type NewClusterWithIncrementalUpgrade needs serve.upgradeStrategy.clusterUpgradeOptions with gatewayClassName, stepSizePercent and intervalSeconds" }}
+{{- end }}
+{{- if not .Values.autoscaling.enabled }}
+{{- fail "serve.upgradeStrategy.type NewClusterWithIncrementalUpgrade needs autoscaling.enabled=true (KubeRay requires the Ray autoscaler for it)" }}
+{{- end }}
 {{- end }}
 {{- if and .Values.ingress.enabled .Values.httpRoute.enabled }}
 {{- fail "set only one of ingress.enabled and httpRoute.enabled" }}
