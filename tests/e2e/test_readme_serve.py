@@ -100,6 +100,42 @@ def test_prefixserve_serve_answers_and_stops_on_ctrl_c(tmp_path):
         assert "Paris" in answer, answer  # the real bundled model, greedy
         assert response.usage.prompt_tokens_details.cached_tokens is not None
 
+        # Tool calling with no flags: `required` and a named function are forced by the
+        # grammar; the template ignores tools, so they go into the system message.
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+        ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+        forced = client.chat.completions.create(
+            model=model, messages=ask, tools=[weather], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=48, temperature=0,
+        )
+        assert forced.choices[0].finish_reason == "tool_calls", forced
+        (call,) = forced.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert "Paris" in json.loads(call.function.arguments)["city"], call
+        arguments, names = "", []
+        for chunk in client.chat.completions.create(
+            model=model, messages=ask, tools=[weather], max_tokens=48, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
+        ):
+            for choice in chunk.choices:
+                for delta_call in choice.delta.tool_calls or []:
+                    names += [delta_call.function.name] if delta_call.id else []
+                    arguments += delta_call.function.arguments or ""
+        assert names == ["get_weather"] and json.loads(arguments) == json.loads(
+            call.function.arguments
+        )
+
         # Prefix cache on the real model: three identical long prompts over two replicas, so
         # one replica sees the prompt twice and serves its leading blocks from cache.
         system = "You are a terse assistant who answers in one short sentence. " * 6
