@@ -343,7 +343,8 @@ def wait_until_routable(url: str, api_key: str | None, timeout_s: float) -> None
 def run_serve(ns: argparse.Namespace) -> int:
     try:
         engine, cluster, router = configs_from_args(args_from_namespace(ns))
-        if ns.detach and cluster.ray_address is None:
+        detach = bool(getattr(ns, "detach", False))
+        if detach and cluster.ray_address is None:
             raise ValueError(
                 "--detach needs --address (a running Ray cluster to leave the app on); "
                 "without it prefixserve starts its own Ray, which ends with the command"
@@ -397,7 +398,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             route_prefix="/",
             blocking=False,
         )
-        if ns.detach:
+        if detach:
             api_key = cluster.api_key or os.environ.get(API_KEY_ENV) or None
             try:
                 wait_until_routable(url, api_key, DETACH_READY_TIMEOUT_S)
