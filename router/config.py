@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "pow2")
 INDEX_BACKENDS = ("embedded", "redis")
@@ -88,7 +89,7 @@ class RouterConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"
+                f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(self.redis_url)!r}"
             )
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool):
             raise ValueError(f"block_size must be an integer, got {self.block_size!r}")
@@ -115,3 +116,12 @@ class RouterConfig:
             raise ValueError(f"miss_cost_factor must be in [1, 10], got {self.miss_cost_factor!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``, fit for logs and errors."""
+    parts = urlparse(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()

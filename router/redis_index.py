@@ -38,6 +38,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from router.config import redacted_url
 from router.index_types import Clock, IndexUnavailableError, Match, ReplicaId
 from router.liveness import ApplyOutcome
 from router.protocol import HASH_NUM_BYTES, HASH_VERSION, BlockHash, EventKind, KVEventBatch, Tier
@@ -100,6 +101,8 @@ class RedisIndex:
         if write_timeout_s <= 0:
             raise ValueError(f"write_timeout_s must be positive, got {write_timeout_s}")
         self.redis_url = redis_url
+        self.display_url = redacted_url(redis_url)
+        """The URL for messages and logs: any password replaced by ``***``."""
         self.model_id = model_id
         self.prefix = namespace(model_id)
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -163,7 +166,7 @@ class RedisIndex:
         try:
             return script(keys=[self._replicas_key], args=[*self._context(now), *args])
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.redis_url}: {exc}") from exc
+            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
 
     # ----------------------------------------------------------------------------- events
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
@@ -186,7 +189,7 @@ class RedisIndex:
                 self._apply(keys=[self._replicas_key], args=args, client=pipe)
             replies = pipe.execute()
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.redis_url}: {exc}") from exc
+            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
         return [_OUTCOMES.get(reply, ApplyOutcome.STALE) for reply in replies]
 
     # --------------------------------------------------------------------------- lookups
@@ -223,7 +226,7 @@ class RedisIndex:
         try:
             deadlines = self._writer.hgetall(self._replicas_key)
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.redis_url}: {exc}") from exc
+            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
         return sorted(r.decode() for r, deadline in deadlines.items() if float(deadline) > now)
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
