@@ -21,7 +21,7 @@ NUM_TOKENS = 10
 class StepEngine:
     """Yields one token per step for NUM_TOKENS steps, cumulative like the real engine."""
 
-    async def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
+    async def generate(self, request_id, prompt_token_ids, params, cache_salt=None, resume_token_ids=()):
         tokens: list[int] = []
         for step in range(NUM_TOKENS):
             tokens.append(100 + step)
