@@ -118,7 +118,7 @@ def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
     from worker.model_runner import ModelRunner
     from worker.parallel.sharding import load_shard
 
-    config = spec.config
+    config = spec.config.resolved()  # a no-op when rank 0 resolved it; "auto" otherwise, decided here
     device = device_of_rank(config, rank, local)
     if device == "cpu":
         configure_cpu_allocator()
