@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -94,7 +95,7 @@ class OutputAssembler:
         self._requests: dict[str, tuple[list[int], dict[int, CompletionOutput]]] = {}
         self._prompt_logprobs: dict[str, list] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], resume_token_ids: list[int]) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int], resume_token_ids: Sequence[int] = ()) -> None:
         """Expects ``request_id``'s outputs; ``resume_token_ids`` come before its first ones."""
         resumed = {0: CompletionOutput(0, "", list(resume_token_ids))} if resume_token_ids else {}
         self._requests[request_id] = (prompt_token_ids, resumed)
