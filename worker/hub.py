@@ -194,7 +194,8 @@ def _hub_error(exc: Exception, what: str, repo_id: str, url: str, cache: str) ->
         return ValueError(f"{what}: {url} refused access ({status}); the repo is private, gated or missing: "
                           "set HF_TOKEN to a token that can read it" + (" (the one set was refused)" if _token() else ""))
     if isinstance(exc, RepositoryNotFoundError) or status == 404:
-        return ValueError(f"{what}: repository not found on {url} (check the id; a private repo needs HF_TOKEN)")
+        return ValueError(f"{what}: repository not found on {url}, and no local folder {repo_id!r} exists "
+                          "(check the id or the path; a private repo needs HF_TOKEN)")
     if isinstance(exc, LocalEntryNotFoundError):
         return ValueError(f"{what}: cannot reach {url} and {repo_id} is not in {cache} "
                           f"({type(exc.__cause__ or exc).__name__}); check the network or HF_ENDPOINT")

@@ -157,7 +157,7 @@ def test_hf_token_is_sent_and_401_names_hf_token(fake_hub, tmp_path, hub_env):
 
 
 def test_missing_and_gated_repos_are_clear_errors(fake_hub, tmp_path):
-    with pytest.raises(ValueError, match=r"model 'org/nothing': repository not found on http://127\.0\.0\.1"):
+    with pytest.raises(ValueError, match=r"model .org/nothing.: repository not found on http://127\.0\.0\.1:\d+, and no local folder"):
         resolve_model("org/nothing", download_dir=str(tmp_path))
     fake_hub.repos["org/gated"] = FakeRepo(revisions=dict(fake_hub.repos[REPO].revisions), gated=True)
     with pytest.raises(ValueError, match=r"model 'org/gated' is gated.*set HF_TOKEN"):
