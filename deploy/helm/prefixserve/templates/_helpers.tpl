@@ -396,7 +396,7 @@ path or alias the engine resolves itself), with the same function and cache layo
 uses, so the engine finds it cached.
 */}}
 {{- define "prefixserve.downloadScript" -}}
-import os; from worker.hub import download_repo, looks_like_repo_id; m = os.environ['PREFIXSERVE_MODEL']; hub = looks_like_repo_id(m); print(('downloading ' + m) if hub else (m + ' is not a hub id: nothing to download'), flush=True); hub and download_repo(m, revision=os.environ['PREFIXSERVE_REVISION'] or None, download_dir=os.environ['PREFIXSERVE_DOWNLOAD_DIR'], weights={{ if .weights }}True{{ else }}False{{ end }})
+import os; from worker.hub import download_repo, looks_like_repo_id; m = os.environ['PREFIXSERVE_MODEL']; hub = looks_like_repo_id(m); print(('downloading ' + m) if hub else (m + ' is not a hub id: nothing to download'), flush=True); download_repo(m, revision=os.environ['PREFIXSERVE_REVISION'] or None, download_dir=os.environ['PREFIXSERVE_DOWNLOAD_DIR'], weights={{ if .weights }}True{{ else }}False{{ end }}) if hub else None
 {{- end }}
 
 {{- define "prefixserve.containerPorts" -}}
