@@ -297,6 +297,8 @@ class LLMEngine:
         first_token_time = min((r.first_token_time for r in group if r.first_token_time),
                                default=None)
         metrics = {"arrival_time": first.arrival_time, "first_token_time": first_token_time}
+        metrics["first_scheduled_time"] = min(
+            (r.first_scheduled_time for r in group if r.first_scheduled_time), default=None)
         if finished:
             metrics["finished_time"] = time.monotonic()
         return RequestOutput(

@@ -66,7 +66,8 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     metrics: dict = field(default_factory=dict)
-    """Timing: arrival_time, first_token_time, finished_time (time.monotonic seconds)."""
+    """Timing: arrival_time, first_scheduled_time, first_token_time, finished_time
+    (time.monotonic seconds; None while not yet reached)."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """Asked for with ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for
     the first, which nothing predicts). Complete from the output with the first new tokens on;

@@ -72,6 +72,8 @@ class Request:
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None
+        """When the scheduler first admitted it (``time.monotonic()``); kept across preemption."""
         self.num_preemptions = 0
         self.grammar: GrammarMatcher | None = None
         """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
