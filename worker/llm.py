@@ -7,6 +7,8 @@
 
 Prompts may be strings (tokenised without special tokens) or lists of token ids. Outputs come
 back in the order of the prompts. A progress bar shows while more than one request runs.
+Without ``params``, ``generate`` and ``chat`` use ``get_default_sampling_params()``: the model's
+generation_config.json defaults (``generation_config``), as vLLM's ``LLM`` does.
 
 ``LLM(..., tensor_parallel_size=N)`` starts N-1 local worker processes (fresh interpreters,
 so a plain script needs no ``if __name__ == "__main__":`` guard). ``shutdown()`` (or leaving a
@@ -24,6 +26,8 @@ from tqdm import tqdm
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.generation_defaults import load_generation_defaults
+from worker.loader import load_tokenizer
 from worker.outputs import RequestOutput
 from worker.parallel.workers import WorkerLauncher
 from worker.sampling_params import SamplingParams
@@ -32,8 +36,17 @@ from worker.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str = "smollm2", *, launcher: WorkerLauncher | None = None, **engine_options):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), launcher=launcher)
+        config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        if config.chat_template is not None:  # the engine's own tokenizer never renders templates
+            self.tokenizer = load_tokenizer(config, model_path=self.engine.model_path)
+        self._default_params = load_generation_defaults(config, self.engine.model_path)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses when given no params: the model's generation_config.json
+        defaults (``generation_config``, as in vLLM) over SamplingParams' own."""
+        return SamplingParams(**self._default_params)
 
     def generate(
         self,
@@ -44,7 +57,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, (list, tuple)) else [params or self.get_default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         order = []

@@ -16,6 +16,7 @@ from worker.generation_defaults import (
     load_generation_defaults,
     read_generation_defaults,
 )
+from worker.llm import LLM
 from worker.loader import load_tokenizer
 from worker.model_runner import kv_bytes_for_utilization
 from worker.sampling_params import SamplingParams
@@ -181,3 +182,18 @@ def test_defaults_fill_only_fields_the_request_left_unset():
     params = SamplingParams(**merged)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.0, 0.9, 0, 0.1)
     assert apply_defaults({"temperature": None}, {}) == {}
+
+
+def test_offline_llm_uses_the_models_defaults_and_chat_template(tmp_path):
+    folder = make_tiny_model(tmp_path / "tiny", "llama", seed=9)
+    write_generation_config(Path(folder), {"temperature": 0.0, "max_new_tokens": 3})
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[bot]"
+    llm = LLM(model=folder, chat_template=template, num_kv_blocks=16, max_num_batched_tokens=64)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 3)
+    out = llm.chat(MESSAGES)
+    assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == "[user] hi there\n[bot]"
+    greedy = llm.generate([out.prompt_token_ids], SamplingParams(temperature=0.0, max_tokens=3))[0]
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids and len(greedy.outputs[0].token_ids) <= 3
+    unset = LLM(model=folder, generation_config="vllm", num_kv_blocks=16, max_num_batched_tokens=64)
+    assert unset.get_default_sampling_params() == SamplingParams()
