@@ -8,6 +8,15 @@ starts: Serve's full queue (``BackPressureError``) -> 429, the replica's own ref
 yields ``(prompt index, output dict)`` as outputs arrive and, when the caller stops early
 (client gone, a sibling failed), cancels every stream not yet ended, which aborts the engine
 requests and frees their blocks.
+
+Stream failover: when the replica serving a stream dies mid-stream (its actor is gone, or its
+engine died and it says so), ``merge`` re-submits the request to a live replica with the
+tokens already streamed (``resume_token_ids``) and goes on from there. Outputs are
+deterministic (greedy and seeded sampling are keyed by position, penalties and stop strings
+see the same history), so the client's one stream holds the tokens a fault-free run gives;
+its usage keeps the first replica's ``cached_tokens``. Up to ``MAX_FAILOVERS`` re-submissions
+per stream, ``FAILOVER_BACKOFF_S`` apart (doubling); after that, or for ``n > 1`` requests,
+the error reaches the client as before.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import asyncio
 import enum
 import logging
 
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from cluster import errors
@@ -25,6 +35,12 @@ from worker.sampling_params import SamplingParams
 
 # Serve routes the "ray.serve" logger into each replica's log file.
 log = logging.getLogger("ray.serve")
+
+MAX_FAILOVERS = 3
+"""Re-submissions of one stream whose replica died; one more failure reaches the client."""
+FAILOVER_BACKOFF_S = 0.5
+"""Wait before the first re-submission (doubling after): Serve needs a moment to stop routing
+to a dead replica."""
 
 
 class _Event(enum.Enum):
@@ -64,6 +80,45 @@ def check_item(item: dict) -> None:
         raise errors.internal(f"the engine failed this request: {item['error']}")
 
 
+class ReplicaDiedError(Exception):
+    """The replica serving a stream is gone (or its engine is): the stream may fail over."""
+
+
+class _Stream:
+    """One engine request's stream and what the client has had of it so far."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt,
+                 first: dict, response) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.salt = salt
+        self.first = first
+        self.response = response
+        self.num_cached_tokens = first.get("num_cached_tokens", 0)
+        self.token_ids: list[int] = []
+        """Output tokens streamed so far (choice 0; failover is for ``n == 1``)."""
+        self.finished = False
+        self.num_failovers = 0
+
+    def record(self, item: dict) -> dict:
+        """Notes what ``item`` streams; after a failover, shows the first replica's cache hit."""
+        for choice in item.get("outputs", ()):
+            if choice.get("index", 0) == 0:
+                self.token_ids += choice.get("new_token_ids") or ()
+        self.finished = self.finished or bool(item.get("finished"))
+        if self.num_failovers:
+            item["num_cached_tokens"] = self.num_cached_tokens
+        return item
+
+    def can_fail_over(self) -> bool:
+        return not self.finished and self.params.n == 1 and self.num_failovers < MAX_FAILOVERS
+
+
+def _died(exc: BaseException) -> bool:
+    return isinstance(exc, (RayActorError, ActorUnavailableError, ReplicaDiedError))
+
+
 class EngineClient:
     """Streaming calls to ``EngineReplica.generate`` for one model."""
 
@@ -72,14 +127,16 @@ class EngineClient:
         self.block_size = block_size
         self.model_id = model_id
 
-    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt):
+    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt,
+                    resume_token_ids: list[int] | None = None):
         """Starts one engine request; returns (first output, response) or raises APIError."""
         hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
         response = None
         try:
             # Serve may refuse in remote() itself (its queue is full) or on the first item.
             response = self._stream_handle.generate.remote(
-                request_id, prompt_ids, params, cache_salt=salt, block_hashes=hashes
+                request_id, prompt_ids, params, cache_salt=salt, block_hashes=hashes,
+                resume_token_ids=resume_token_ids,
             )
             first = await response.__anext__()
         except BaseException as exc:
@@ -115,25 +172,57 @@ class EngineClient:
                 if not isinstance(result, BaseException):
                     _cancel_quietly(result[1])
             raise failures[0]
-        return results
+        return [
+            _Stream(sub_id, prompt, p, salt, first, response)
+            for sub_id, prompt, p, (first, response) in zip(sub_ids, prompts, params, results, strict=True)
+        ]
 
-    @staticmethod
-    async def merge(opened: list):
-        """(prompt index, output dict) from every stream as they arrive; raises on failure."""
+    async def _fail_over(self, stream: _Stream, cause: BaseException) -> dict:
+        """Re-submits ``stream`` with the tokens streamed so far; returns the new first output."""
+        while True:
+            stream.num_failovers += 1
+            await asyncio.sleep(FAILOVER_BACKOFF_S * 2 ** (stream.num_failovers - 1))
+            log.warning("request %s: replica lost after %d tokens (%r); resuming on another (try %d)",
+                        stream.request_id, len(stream.token_ids), cause, stream.num_failovers)
+            try:
+                first, stream.response = await self._open(
+                    f"{stream.request_id}@{stream.num_failovers}", stream.prompt_ids, stream.params,
+                    stream.salt, resume_token_ids=list(stream.token_ids))
+                if first.get("rejected", {}).get("kind") == "dead":
+                    raise ReplicaDiedError(first["rejected"]["message"])
+                return first
+            except APIError as exc:
+                if exc.status_code != 503 or not stream.can_fail_over():
+                    raise
+                cause = exc
+
+    async def merge(self, opened: list[_Stream]):
+        """(prompt index, output dict) from every stream as they arrive; raises on failure.
+
+        A stream whose replica dies fails over (``_fail_over``) while it may."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, first: dict, response) -> None:
+        async def pump(index: int, stream: _Stream) -> None:
             try:
-                await queue.put((_Event.ITEM, index, first))
-                async for item in response:
-                    await queue.put((_Event.ITEM, index, item))
+                await queue.put((_Event.ITEM, index, stream.record(stream.first)))
+                while not stream.finished:
+                    try:
+                        async for item in stream.response:
+                            if item.get("rejected", {}).get("kind") == "dead":
+                                raise ReplicaDiedError(item["rejected"]["message"])
+                            await queue.put((_Event.ITEM, index, stream.record(item)))
+                        break
+                    except Exception as exc:
+                        if not (_died(exc) and stream.can_fail_over()):
+                            raise
+                        _cancel_quietly(stream.response)
+                        first = await self._fail_over(stream, exc)
+                        await queue.put((_Event.ITEM, index, stream.record(first)))
                 await queue.put((_Event.END, index, None))
             except Exception as exc:
                 await queue.put((_Event.FAILED, index, exc))
 
-        tasks = [
-            asyncio.create_task(pump(i, first, resp)) for i, (first, resp) in enumerate(opened)
-        ]
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(opened)]
         ended: set[int] = set()
         try:
             while len(ended) < len(tasks):
@@ -147,6 +236,6 @@ class EngineClient:
         finally:
             for task in tasks:
                 task.cancel()
-            for index, (_, response) in enumerate(opened):
+            for index, stream in enumerate(opened):
                 if index not in ended:  # client gone or a sibling failed: abort the engine request
-                    _cancel_quietly(response)
+                    _cancel_quietly(stream.response)

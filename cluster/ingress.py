@@ -170,7 +170,7 @@ class Ingress:
                 )
 
     async def _respond(self, body, builder: ResponseBuilder, opened: list) -> Response:
-        replicas = ",".join(dict.fromkeys(first["replica_id"] for first, _ in opened))
+        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
         headers = {REPLICA_HEADER: replicas, INGRESS_HEADER: self._ingress_id}
         items = self.engines.merge(opened)
         if not body.stream:
