@@ -119,6 +119,7 @@ _FLAGS = [
     # logging & metrics
     ("--log-level", "cluster", "log_level", str, "Log level of the driver, the deployments and the engine processes: debug, info, warning, error or critical.", "logging"),
     ("--enable-log-requests", "cluster", "enable_log_requests", None, "Log one line per request (Serve's access log).", "logging"),
+    ("--metrics-prefix", "cluster", "metrics_prefix", str, "Prefix of the series names at /metrics; 'vllm' gives vLLM's names for its dashboards and autoscaling rules.", "logging"),
 ]  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 from cluster.tool_parsers import TOOL_CALL_STREAMS
@@ -95,6 +96,9 @@ class ClusterConfig:
     enable_log_requests: bool = False
     """Log one line per HTTP request (Serve's access log) in the proxy, ingress and replicas.
     Off by default, as in vLLM: on a small machine the log lines cost serving throughput."""
+    metrics_prefix: str = "prefixserve:"
+    """Prefix of every series name at ``/metrics`` (a trailing ``:`` is added when missing):
+    ``vllm`` gives vLLM's names, so its dashboards and autoscaling rules read ours unchanged."""
     enable_auto_tool_choice: bool = False
     """Allow ``tool_choice: "auto"`` (the default when a request has tools), as vLLM's flag;
     needs ``tool_call_parser``. ``required`` and a named function work without it."""
@@ -206,6 +210,13 @@ class ClusterConfig:
             "needs tool_call_parser (--tool-call-parser) to say how calls are written",
         )
         need(
+            isinstance(self.metrics_prefix, str)
+            and re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*:?", self.metrics_prefix) is not None,
+            "metrics_prefix",
+            f"must be a Prometheus name prefix like 'vllm' or 'prefixserve:', "
+            f"got {self.metrics_prefix!r}",
+        )
+        need(
             self.ray_address is None
             or (isinstance(self.ray_address, str) and bool(self.ray_address)),
             "ray_address",
@@ -276,6 +287,11 @@ class ClusterConfig:
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def prometheus_prefix(self) -> str:
+        """``metrics_prefix`` ending in ``:`` (``vllm`` -> ``vllm:``)."""
+        return self.metrics_prefix.rstrip(":") + ":"
 
     def replace(self, **changes) -> ClusterConfig:
         return dataclasses.replace(self, **changes)

@@ -9,6 +9,9 @@ refusal (bad input 400, full queue 429 with Retry-After, dead engine 503) is a p
 status; the serving replica goes out in the ``x-prefixserve-replica`` header. Failures
 after the stream started end it with an ``error`` event and ``[DONE]``. A client that goes
 away cancels the handle calls, which aborts the engine requests and frees their blocks.
+Each replica times its requests (``cluster.metrics.IngressMetrics``: TTFT, queue time, e2e,
+finish reasons) and pushes the counts to the metrics hub; ``/metrics`` on any replica
+shows their sum.
 Several ingress replicas may run; ``x-prefixserve-ingress`` names the one that answered. Each
 replica's app gets ``ClusterConfig.root_path`` and, with ``allowed_origins``, CORS.
 """
@@ -19,6 +22,7 @@ import asyncio
 import hmac
 import logging
 import os
+import time
 import uuid
 
 import jinja2
@@ -33,7 +37,13 @@ from cluster import errors
 from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.engine_client import EngineClient, check_item
 from cluster.errors import APIError
-from cluster.metrics import any_replica_serving, render_prometheus
+from cluster.metrics import (
+    METRICS_PUSH_PERIOD_S,
+    IngressMetrics,
+    any_replica_serving,
+    render_prometheus,
+    sum_ingress_snapshots,
+)
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -114,6 +124,9 @@ class Ingress:
             lambda messages, tools: self.tokenizer.apply_chat_template(messages, True, tools=tools),
         )
         self._ingress_id = serve.get_replica_context().replica_id.unique_id
+        # What clients see here, summed over ingress replicas through the hub at /metrics.
+        self.request_metrics = IngressMetrics(self.max_model_len)
+        self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this after ``__init__``, before the first request: this replica's copy
@@ -169,34 +182,57 @@ class Ingress:
                     f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param
                 )
 
-    async def _respond(self, body, builder: ResponseBuilder, opened: list) -> Response:
+    def _count_finished(self, arrival_s: float, builder: ResponseBuilder, failed: bool) -> None:
+        """Request-level metrics of a response that ended; unfinished choices count as
+        ``error`` when it failed, else ``abort`` (the client left)."""
+        self.request_metrics.finished(
+            arrival_s,
+            time.monotonic(),
+            list(builder.num_prompt_tokens),
+            [(choice.finish_reason, choice.num_tokens) for choice in builder.choices],
+            "error" if failed else "abort",
+        )
+
+    async def _respond(
+        self, body, builder: ResponseBuilder, opened: list, arrival_s: float
+    ) -> Response:
+        """``arrival_s``: ``time.monotonic()`` when the handler started (TTFT, queue, e2e)."""
+        self.request_metrics.started(arrival_s, [first for first, _ in opened], time.monotonic())
         replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
         headers = {REPLICA_HEADER: replicas, INGRESS_HEADER: self._ingress_id}
         items = self.engines.merge(opened)
         if not body.stream:
+            failed = False
             try:
                 async for index, item in items:
                     check_item(item)
                     builder.add(index, item)
             except APIError:
+                failed = True
                 raise
             except Exception as exc:
+                failed = True
                 raise errors.unavailable(f"the replica failed mid-request: {exc!r}") from None
             finally:
+                self._count_finished(arrival_s, builder, failed)
                 await items.aclose()
             return JSONResponse(builder.full_response(), headers=headers)
 
         async def events():
+            failed = False
             try:
                 async for index, item in items:
                     check_item(item)
                     for event in builder.stream_events(index, item):
                         yield event
             except APIError as exc:
+                failed = True
                 yield exc.sse_payload()
             except Exception as exc:
+                failed = True
                 yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
             finally:
+                self._count_finished(arrival_s, builder, failed)
                 await items.aclose()
             for event in builder.closing_events():
                 yield event
@@ -231,6 +267,7 @@ class Ingress:
     # ---- endpoints ----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        arrival_s = time.monotonic()
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         body.sampling_params()  # range checks before any tokenizing
@@ -277,10 +314,11 @@ class Ingress:
             tool_plan=tool_plan,
             want_prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await self._respond(body, builder, opened)
+        return await self._respond(body, builder, opened, arrival_s)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        arrival_s = time.monotonic()
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         body.sampling_params()
@@ -321,7 +359,7 @@ class Ingress:
             num_top_logprobs=body.logprobs or 0,
             want_prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await self._respond(body, builder, opened)
+        return await self._respond(body, builder, opened, arrival_s)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -373,6 +411,40 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        snapshots = await self._snapshots()
-        body = render_prometheus(snapshots or {}, router_metrics_snapshot())
+        """Engine replicas' series and the sum over every ingress replica (this one fresh)."""
+        try:
+            export = await asyncio.wait_for(self._hub.export.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("metrics hub unreachable: %r", exc)
+            export = {"replicas": {}, "ingresses": {}}
+        ingresses = {**export["ingresses"], self._ingress_id: self._metrics_snapshot()}
+        ingress = sum_ingress_snapshots(ingresses.values())
+        body = render_prometheus(
+            export["replicas"],
+            ingress["router"],
+            ingress_snapshot=ingress,
+            prefix=self.cluster.prometheus_prefix,
+        )
         return Response(body, media_type="text/plain; version=0.0.4")
+
+    def _metrics_snapshot(self) -> dict:
+        return self.request_metrics.snapshot(self.served_name, router_metrics_snapshot())
+
+    async def _push_metrics_forever(self) -> None:
+        while True:
+            try:
+                await self._hub.report_ingress.remote(self._ingress_id, self._metrics_snapshot())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the hub restarting costs metrics, never serving
+                log.debug("metrics push failed: %s", exc)
+            await asyncio.sleep(METRICS_PUSH_PERIOD_S)
+
+    async def __del__(self) -> None:
+        """Serve's shutdown: the last counts go to the hub, which keeps them."""
+        self._push_task.cancel()
+        try:
+            snapshot = self._metrics_snapshot()
+            await asyncio.wait_for(self._hub.report_ingress.remote(self._ingress_id, snapshot), 1.0)
+        except Exception as exc:
+            log.debug("last metrics push failed: %s", exc)

@@ -3,9 +3,12 @@
 ``EngineReplica.generate`` is an async generator called through a streaming
 ``DeploymentHandle``; it yields plain dicts (``output_to_dict``), one per engine step that
 advanced the request, carrying only what is new (``new_text``, ``new_token_ids``, new logprobs)
-plus, once per choice, its ``finish_reason`` and full ``text``. A request the engine refuses
-(bad input, full queue, dead engine) yields one ``{"rejected": {"kind", "message"}}`` dict
-instead of raising, so the ingress maps it to 400/429/503 without unpickling engine errors.
+plus, once per choice, its ``finish_reason`` and full ``text``; the first dict also carries
+``prefill_time_s`` (the engine's first scheduling to first token) for the ingress's queue time,
+and the replica times the engine-side phases (``cluster.metrics.ReplicaMetrics``). A request
+the engine refuses (bad input, full queue, dead engine) yields one
+``{"rejected": {"kind", "message"}}`` dict instead of raising, so the ingress maps it to
+400/429/503 without unpickling engine errors.
 
 When the caller goes away (client disconnect -> Serve cancels the child request) the
 generator is cancelled or closed inside ``engine.generate``, which aborts the request and
@@ -101,6 +104,16 @@ def output_to_dict(out: RequestOutput, replica_id: str, reported: set[int]) -> d
     return item
 
 
+def prefill_time_s(times: dict) -> float | None:
+    """Seconds from the request's first scheduling to its first token (engine timestamps in
+    ``RequestOutput.metrics``); None while either is unknown."""
+    scheduled_s = times.get("first_scheduled_time")
+    first_token_s = times.get("first_token_time")
+    if scheduled_s is None or first_token_s is None:
+        return None
+    return max(0.0, first_token_s - scheduled_s)
+
+
 def rejection(replica_id: str, kind: RejectKind, message: str) -> dict:
     return {"replica_id": replica_id, "rejected": {"kind": kind.value, "message": message}}
 
@@ -168,11 +181,17 @@ class EngineReplica:
                     now_s = time.monotonic()
                     self._observe(out, now_s, last_step_s)
                     pending = out if pending is None else coalesce(pending, out)
-                    if last_step_s is not None and not self._due(pending):
+                    is_first = last_step_s is None
+                    if not is_first and not self._due(pending):
                         last_step_s = now_s
                         continue
                     last_step_s = now_s
-                    yield output_to_dict(pending, self.replica_id, reported)
+                    item = output_to_dict(pending, self.replica_id, reported)
+                    if is_first:  # for the ingress's queue time: its TTFT less this
+                        prefill_s = prefill_time_s(out.metrics)
+                        if prefill_s is not None:
+                            item["prefill_time_s"] = prefill_s
+                    yield item
                     pending = None
         except ValueError as exc:
             yield rejection(self.replica_id, RejectKind.INVALID, str(exc))
@@ -194,17 +213,31 @@ class EngineReplica:
         return any(len(c.new_token_ids) >= self.stream_interval for c in pending.outputs)
 
     def _observe(self, out: RequestOutput, now_s: float, last_step_s: float | None) -> None:
-        """Latency histograms from the engine's timestamps (missing ones read as now)."""
-        times = {key: value for key, value in out.metrics.items() if value is not None}
-        arrival_s = times.get("arrival_time", now_s)
+        """Engine-side histograms from the engine's timestamps (a missing arrival, first token
+        or finish reads as now; without a first scheduling the phases it starts are skipped).
+        Between the first output and the last: one clock difference per output."""
+        observe = self.metrics.observe
+        if last_step_s is not None:
+            observe("inter_token_latency_seconds", now_s - last_step_s)
+            if not out.finished:
+                return
+        times = out.metrics
+        arrival_s = times.get("arrival_time") or now_s
+        scheduled_s = times.get("first_scheduled_time")
+        first_token_s = times.get("first_token_time")
         if last_step_s is None:
-            ttft_s = times.get("first_token_time", now_s) - arrival_s
-            self.metrics.observe("time_to_first_token_seconds", ttft_s)
-        else:
-            self.metrics.observe("inter_token_latency_seconds", now_s - last_step_s)
-        if out.finished:
-            e2e_s = times.get("finished_time", now_s) - arrival_s
-            self.metrics.observe("e2e_request_latency_seconds", e2e_s)
+            observe("engine_time_to_first_token_seconds", (first_token_s or now_s) - arrival_s)
+            if scheduled_s is not None:
+                observe("engine_queue_time_seconds", scheduled_s - arrival_s)
+        if out.finished:  # the phases count once, at the finish, as in vLLM
+            finished_s = times.get("finished_time") or now_s
+            observe("engine_e2e_request_latency_seconds", finished_s - arrival_s)
+            if first_token_s is not None:
+                observe("request_decode_time_seconds", finished_s - first_token_s)
+            if scheduled_s is not None:
+                observe("request_inference_time_seconds", finished_s - scheduled_s)
+                if first_token_s is not None:
+                    observe("request_prefill_time_seconds", first_token_s - scheduled_s)
 
     def check_health(self) -> None:
         """Serve's health probe: raising marks this replica unhealthy and replaces it."""

@@ -28,12 +28,12 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.index_actor import make_cluster_index
+from cluster.metrics import register_request_router, request_routers
 from cluster.serve_compat import ask_to_back_off, check_serve_internals, request_key
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -46,8 +46,6 @@ log = logging.getLogger("ray.serve")
 check_serve_internals()  # a Ray without what serve_compat needs fails here, saying which
 
 ROUTER_CLASS_PATH = "cluster.request_router:PrefixAwareRequestRouter"
-# Routers alive in this process, for router_metrics_snapshot (one per handle's deployment).
-_ROUTERS: weakref.WeakSet = weakref.WeakSet()
 # A one-line summary of the router metrics in the replica log this often, for clusters that
 # scrape no /metrics; rare enough to be noise-free.
 METRICS_LOG_PERIOD_S = 60.0
@@ -91,7 +89,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
         """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
-        _ROUTERS.add(self)
+        register_request_router(self)  # for router_metrics_snapshot
 
     # ---------------------------------------------------------------------- the decision
     def _get_router(self, replicas: list[RunningReplica]) -> Router | None:
@@ -241,7 +239,7 @@ def _merge(total: dict, snapshot: dict) -> dict:
 def router_metrics_snapshot() -> dict | None:
     """``RouterMetrics.snapshot()`` summed over this process's routers; None without one."""
     total: dict = {}
-    for request_router in list(_ROUTERS):
+    for request_router in request_routers():
         total = _merge(total, request_router.metrics.snapshot())
     return total or None
 

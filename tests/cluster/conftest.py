@@ -33,18 +33,22 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def metrics(self) -> dict[str, dict[str, float]]:
-        """{metric name: {replica: value}} for the plain series of /metrics."""
+        """{series name: {key: value}} for the samples of /metrics other than buckets; the key
+        is the ``replica`` label for an engine replica's series, else the labels other than
+        ``model_name`` as ``k=v,...`` (``""`` for an ingress or router series without any)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         values: dict[str, dict[str, float]] = {}
-        for line in text.splitlines():
-            if line.startswith("#") or "{" not in line:
-                continue
-            name, rest = line.split("{", 1)
-            labels, value = rest.rsplit("} ", 1)
-            if "le=" in labels:
-                continue
-            replica = labels.split('replica="', 1)[1].split('"', 1)[0]
-            values.setdefault(name, {})[replica] = float(value)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith(("_bucket", "_created")):
+                    continue
+                labels = sample.labels
+                key = labels.get("replica") or ",".join(
+                    f"{k}={v}" for k, v in sorted(labels.items()) if k != "model_name"
+                )
+                values.setdefault(sample.name, {})[key] = float(sample.value)
         return values
 
 

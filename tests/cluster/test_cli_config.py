@@ -340,8 +340,8 @@ def test_builder_args_reject_unknown_sections_fields_and_block_size_mismatch():
 
 def test_prometheus_text_has_vllm_names_labels_and_histograms():
     metrics = ReplicaMetrics()
-    metrics.observe("time_to_first_token_seconds", 0.03)
-    metrics.observe("time_to_first_token_seconds", 0.5)
+    metrics.observe("engine_time_to_first_token_seconds", 0.03)
+    metrics.observe("engine_time_to_first_token_seconds", 0.5)
     engine = {
         "num_requests_running": 2,
         "num_requests_waiting": 1,
@@ -360,11 +360,11 @@ def test_prometheus_text_has_vllm_names_labels_and_histograms():
     assert f"prefixserve:prefix_cache_hits_total{labels} 16.0" in text
     assert f"prefixserve:generation_tokens_total{labels} 9.0" in text
     assert (
-        'prefixserve:time_to_first_token_seconds_bucket{le="0.04",model_name="tiny",replica="r1"} 1.0'
+        'prefixserve:engine_time_to_first_token_seconds_bucket{le="0.04",model_name="tiny",replica="r1"} 1.0'
         in text
     )
-    assert f"prefixserve:time_to_first_token_seconds_count{labels} 2.0" in text
-    assert "# TYPE prefixserve:e2e_request_latency_seconds histogram" in text
+    assert f"prefixserve:engine_time_to_first_token_seconds_count{labels} 2.0" in text
+    assert "# TYPE prefixserve:engine_e2e_request_latency_seconds histogram" in text
     assert any_replica_serving(snapshots)
     assert not any_replica_serving({"r1": {**snapshots["r1"], "alive": False}})
 

@@ -233,6 +233,30 @@ def test_prefix_routing_caches_clearly_more_than_round_robin(cached_by_policy):
     assert cached_by_policy["prefix"] >= 1.5 * cached_by_policy["round_robin"], cached_by_policy
 
 
+def _settled_counts(url: str, timeout_s: float = 15.0) -> tuple[float, float]:
+    """(finished requests, routing decisions) at /metrics, once two reads a push period apart
+    agree (the ingress that does not answer reports through the metrics hub each second)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        totals = {"prefixserve:request_success_total": 0.0, "prefixserve:router_decisions_total": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+        return tuple(totals.values())
+
+    deadline = time.monotonic() + timeout_s
+    previous = counts()
+    while True:
+        time.sleep(1.3)
+        current = counts()
+        if current == previous or time.monotonic() > deadline:
+            return current
+        previous = current
+
+
 @pytest.mark.slow
 def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(ray_cluster, cached_by_policy):
     """Each ingress replica routes with its own router (own in-flight counts and load
@@ -244,10 +268,13 @@ def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(ray_clust
     first: dict[int, tuple[str, str]] = {}  # system -> (ingress, engine) of its first request
     crossed: list[tuple[int, str, str]] = []  # (system, first engine, engine via the other)
     ingresses = set()
+    served_before, decided_before = _settled_counts(url)
+    num_requests = 0
     for _ in range(MAX_INGRESS_ROUNDS):
         for index, system in enumerate(systems):
             question = [rng.randrange(*TOKEN_RANGE) for _ in range(QUESTION_TOKENS)]
             reply = _complete(url, system + question)
+            num_requests += 1
             ingress, engine = reply.headers[INGRESS_HEADER], reply.headers[REPLICA_HEADER]
             ingresses.add(ingress)
             if index not in first:
@@ -257,6 +284,9 @@ def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(ray_clust
             time.sleep(THINK_TIME_S)
         if len({index for index, _, _ in crossed}) >= NUM_CROSSED_PROMPTS:
             break
+    # /metrics, whichever ingress answers, counts the requests and decisions of both.
+    served, decided = _settled_counts(url)
+    assert (served - served_before, decided - decided_before) == (num_requests, num_requests)
     assert len(ingresses) == 2, ingresses
     assert len({index for index, _, _ in crossed}) >= NUM_CROSSED_PROMPTS, (first, crossed)
     # Two views of the prefixes would agree by chance about half the time.

@@ -201,10 +201,14 @@ def test_models_tokenize_detokenize_health_metrics(tiny_server, model):
         "prompt_tokens_total",
         "generation_tokens_total",
         "num_preemptions_total",
-        "time_to_first_token_seconds_count",
-        "e2e_request_latency_seconds_count",
+        "engine_time_to_first_token_seconds_count",
+        "engine_e2e_request_latency_seconds_count",
+        "request_prefill_time_seconds_count",
+        "request_decode_time_seconds_count",
     ):
         assert len(metrics[f"prefixserve:{name}"]) == 2, name  # one series per replica
+    for name in ("time_to_first_token_seconds_count", "request_queue_time_seconds_count"):
+        assert list(metrics[f"prefixserve:{name}"]) == [""], name  # the ingresses' sum
     assert sum(metrics["prefixserve:generation_tokens_total"].values()) > 0
 
 
@@ -307,6 +311,95 @@ def test_api_key_is_required_except_for_health(tiny_server):
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
 
 
+def poll_metrics(server, ready, timeout_s: float = 15.0) -> dict:
+    """/metrics once ``ready(metrics)`` holds (pushes land once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = server.metrics()
+        if ready(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.3)
+
+
+def settled_metrics(server, timeout_s: float = 20.0) -> dict:
+    """/metrics once the replicas are idle and two reads a push period apart agree on the
+    request counts (another ingress replica's and the engines' counts lag by a push)."""
+    names = (
+        "prefixserve:request_success_total",
+        "prefixserve:time_to_first_token_seconds_count",
+        "prefixserve:request_prefill_time_seconds_count",
+    )
+    deadline = time.monotonic() + timeout_s
+    previous = wait_idle(server)
+    while True:
+        time.sleep(1.3)
+        current = wait_idle(server)
+        if all(current.get(name) == previous.get(name) for name in names):
+            return current
+        if time.monotonic() > deadline:
+            raise AssertionError(f"request counts still moving: {current}")
+        previous = current
+
+
+def test_ingress_counts_every_request_once_as_a_client_sees_it(tiny_server, model, client):
+    """TTFT, queue time, e2e and the request-level series come from the ingress, summed over
+    its replicas; the prefill and decode phases from the engines; ``length`` counted 3 times."""
+    length = "finished_reason=length"
+
+    def get(metrics: dict, name: str, key: str = "") -> float:
+        return metrics.get(f"prefixserve:{name}", {}).get(key, 0.0)
+
+    def engines(metrics: dict, name: str) -> float:
+        return sum(metrics.get(f"prefixserve:{name}", {}).values())
+
+    before = settled_metrics(tiny_server)
+    max_tokens = 5
+    for stream in (False, False, True):
+        response = chat(
+            client, model, max_tokens=max_tokens, stream=stream, extra_body={"ignore_eos": True}
+        )
+        if stream:
+            assert sum(1 for _ in response) > 0
+
+    def grew(metrics: dict, name: str, key: str = "") -> float:
+        return get(metrics, name, key) - get(before, name, key)
+
+    def engines_grew(metrics: dict, name: str) -> float:
+        return engines(metrics, name) - engines(before, name)
+
+    after = poll_metrics(
+        tiny_server,
+        lambda m: (
+            grew(m, "request_success_total", length) >= 3
+            and engines_grew(m, "request_prefill_time_seconds_count") >= 3
+        ),
+    )
+    assert {
+        "length": grew(after, "request_success_total", length),
+        "ttft": grew(after, "time_to_first_token_seconds_count"),
+        "queue": grew(after, "request_queue_time_seconds_count"),
+        "prompts": grew(after, "request_prompt_tokens_count"),
+        "choices": grew(after, "request_generation_tokens_count"),
+        "generated": grew(after, "request_generation_tokens_sum"),
+        "prefills": engines_grew(after, "request_prefill_time_seconds_count"),
+        "decodes": engines_grew(after, "request_decode_time_seconds_count"),
+    } == {
+        "length": 3,
+        "ttft": 3,
+        "queue": 3,
+        "prompts": 3,
+        "choices": 3,
+        "generated": 3 * max_tokens,
+        "prefills": 3,
+        "decodes": 3,
+    }
+    assert grew(after, "e2e_request_latency_seconds_count") >= 3
+    # The queue ends where the prefill starts, before the first token.
+    queue_s = grew(after, "request_queue_time_seconds_sum")
+    assert 0.0 <= queue_s < grew(after, "time_to_first_token_seconds_sum")
+    assert "prefixserve:router_dropped_speculations_total" in after
+
+
 def total(metrics: dict, name: str) -> float:
     return sum(metrics[f"prefixserve:{name}"].values())
 
@@ -359,6 +452,9 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_server, model):
     after = wait_idle(tiny_server)
     generated = total(after, "generation_tokens_total") - generated_before
     assert 0 < generated < max_tokens
+    abort = "finished_reason=abort"  # counted once, by the ingress that saw the client leave
+    aborted = after["prefixserve:request_success_total"][abort]
+    assert aborted == before["prefixserve:request_success_total"][abort] + 1
 
 
 async def one_stream(client: openai.AsyncOpenAI, model: str, index: int) -> int:
