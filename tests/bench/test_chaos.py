@@ -1,0 +1,55 @@
+"""The chaos benchmark's own parts: outcome classification and the slow-Redis proxy."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from bench.chaos import Outcome, SlowProxy, markdown, summarize
+
+
+def test_outcomes_are_lost_errored_or_mismatched_against_the_fault_free_run():
+    t0 = 100.0
+    outs = [
+        Outcome(0, t0 + 1, ttft_s=0.1, text="same", done=True),
+        Outcome(1, t0 + 11, ttft_s=2.0, text="other", done=True),  # started during the fault
+        Outcome(0, t0 + 12, ttft_s=3.0, text="sa", done=False),  # cut without a word: lost
+        Outcome(1, t0 + 13, error="HTTP 503"),
+        Outcome(0, t0 + 40, ttft_s=0.2, text="same", done=True),  # after recovery
+    ]
+    res = summarize("replica_kill", outs, {0: "same", 1: "expected"}, fault_at_s=10.0,
+                    recovered_at_s=35.0, t0=t0)
+    assert (res.requests, res.lost, res.errored, res.mismatched) == (5, 1, 1, 1)
+    assert res.ttft_p99_during_s == 3.0 and res.ttft_p99_after_s == 0.2
+    assert res.errors == ["HTTP 503"]
+    table = markdown({"date": "d", "cpu": "c", "cpus": 2, "load": "l", "command": "x"}, [res.__dict__])
+    assert "| replica_kill | 5 | 1 | 1 | 1 |" in table
+
+
+def test_slow_proxy_forwards_and_adds_latency_only_when_slow():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def echo() -> None:
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                while data := conn.recv(1024):
+                    conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    proxy = SlowProxy(server.getsockname()[1], delay_s=0.2)
+
+    def round_trip_s() -> float:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c:
+            start = time.monotonic()
+            c.sendall(b"ping")
+            assert c.recv(16) == b"ping"
+            return time.monotonic() - start
+
+    fast = round_trip_s()
+    proxy.slow(True)
+    slow = round_trip_s()
+    assert slow >= 0.4 > fast or slow - fast >= 0.35, (fast, slow)
