@@ -172,7 +172,11 @@ class EngineConfig:
 
     def resolved(self) -> EngineConfig:
         """A copy with ``auto`` device and dtype made concrete for this process's hardware."""
-        device = resolve_device(self.device, torch.cuda.is_available())
+        cuda_available = torch.cuda.is_available()
+        device = resolve_device(self.device, cuda_available)
+        if device.startswith("cuda") and not cuda_available:
+            raise ValueError(f"EngineConfig.device: {device!r} but this process sees no CUDA device "
+                             f"(torch {torch.__version__}); use 'auto' or 'cpu', or a CUDA build of torch")
         capability = None
         if self.dtype == AUTO and device.startswith("cuda"):
             capability = torch.cuda.get_device_capability(torch.device(device))

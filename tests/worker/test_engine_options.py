@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.worker.test_hub import lay_out_cache
 from worker.config import EngineConfig, resolve_device, resolve_dtype
@@ -56,6 +57,9 @@ def test_cuda_rule_as_a_pure_function():
 
 
 def test_bad_device_and_dtype_name_the_field():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"EngineConfig.device: 'cuda:1' but this process sees no CUDA device"):
+            EngineConfig(device="cuda:1").resolved()
     with pytest.raises(ValueError, match=r"EngineConfig.device: must be 'auto', 'cpu' or 'cuda\[:N\]'"):
         EngineConfig(device="tpu")
     with pytest.raises(ValueError, match=r"EngineConfig.dtype: must be 'auto' or one of"):
