@@ -23,7 +23,8 @@ SIGKILLed; a client disconnect storm (streams dropped after their first token); 
 starts, and two more faults run: Redis killed then restarted, and Redis slowed by a TCP proxy
 adding latency. Writes ``bench/results/chaos_<date>.{json,md}``.
 
-Failure modes: the server not starting raises (its log is in the results folder); a fault
+Failure modes: the server not starting raises (its log is in the temporary folder printed
+at the start); a fault
 whose process cannot be found is reported as skipped, not as a pass.
 """
 
@@ -38,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -153,12 +155,24 @@ async def run_load(url: str, workload: list, concurrency: int, duration_s: float
 
 
 # -- faults -----------------------------------------------------------------------------------
+SERVER_PID: int | None = None
+"""The ``prefixserve serve`` process: faults only touch its descendants (its own Ray)."""
+
+
 def processes_titled(title: str) -> list:
+    """The Ray worker processes of our server whose title names ``title``."""
     import psutil
 
+    try:
+        tree = psutil.Process(SERVER_PID).children(recursive=True)
+    except (psutil.NoSuchProcess, ValueError, TypeError):
+        return []
     found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
+    for p in tree:
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
         if cmd.startswith("ray::") and title in cmd:
             found.append(p)
     return found
@@ -292,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = load_workload(16)
     date = datetime.date.today().isoformat()
     out_base = args.out or RESULTS / f"chaos_{date}"
-    workdir = RESULTS / ".chaos-work"
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="prefixserve-chaos-"))
+    print(f"server log and Redis files in {workdir}", file=sys.stderr, flush=True)
     faults = [f for f in args.faults.split(",") if f]
     known = {"replica_kill", "index_kill", "ingress_kill", "disconnect_storm", "slow_readers"}
     unknown = set(faults) - known - ({"redis_restart", "redis_slow"} if args.redis else set())
@@ -312,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     argv_serve = [sys.executable, "-m", "cluster.cli", "serve", "--num-replicas", "2", "--num-threads", "1",
                   "--num-kv-blocks", str(NUM_KV_BLOCKS), "--port", str(port), *serve_args]
     server = Server("prefixserve", argv_serve, workdir / "server.log", env=server_env(1))
+    global SERVER_PID
+    SERVER_PID = server.proc.pid
     results: list[FaultResult] = []
     probe = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 2}
     try:
