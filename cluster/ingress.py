@@ -197,7 +197,7 @@ class Ingress:
         self, body, builder: ResponseBuilder, opened: list, arrival_s: float
     ) -> Response:
         """``arrival_s``: ``time.monotonic()`` when the handler started (TTFT, queue, e2e)."""
-        self.request_metrics.started(arrival_s, [first for first, _ in opened], time.monotonic())
+        self.request_metrics.started(arrival_s, [stream.first for stream in opened], time.monotonic())
         replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
         headers = {REPLICA_HEADER: replicas, INGRESS_HEADER: self._ingress_id}
         items = self.engines.merge(opened)
