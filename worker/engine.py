@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from router.protocol import KVEventBatch, ReplicaStats
+from router.protocol import BlockHash, KVEventBatch, ReplicaStats
+from worker import kv_transfer
 from worker.block_pool import BlockPool
 from worker.config import EngineConfig
 from worker.cpu_runtime import configure_cpu_allocator
@@ -317,6 +318,19 @@ class LLMEngine:
     def drain_kv_events(self) -> list[KVEventBatch]:
         out, self._kv_batches = self._kv_batches, []
         return out
+
+    # -- KV pulled from a peer replica (worker/kv_transfer.py) -------------------------------
+    def export_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                      cache_salt: str | None = None) -> kv_transfer.KVPayload | None:
+        """The leading blocks of this prefix held here (either tier), as a picklable payload."""
+        return kv_transfer.export_prefix(self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt)
+
+    def import_prefix(self, payload: kv_transfer.KVPayload) -> int:
+        """Caches a peer's exported blocks as if computed here; returns how many were copied.
+        Their ``stored`` events go out with the next drain."""
+        imported = kv_transfer.import_prefix(self.pool, self.runner, self.model_id, payload)
+        self._collect_events()
+        return imported
 
     def host_to_device_tokens_per_s(self) -> float:
         host = self.pool.host

@@ -62,6 +62,10 @@ class HostKVCache:
     def matches(self, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         return self._tokens.get(block_hash) == tuple(token_ids)
 
+    def slot_of(self, block_hash: BlockHash) -> int | None:
+        """The host slot holding ``block_hash`` (read-only: no LRU change), or None."""
+        return self._lru.get(block_hash)
+
     def save(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """Take an evicted device block's KV; drops the oldest host block when full."""
         if block_hash in self._lru:

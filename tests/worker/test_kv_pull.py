@@ -1,0 +1,167 @@
+"""KV pulled from a peer (issue 19, engine side): a prefix exported by one engine and imported
+by another serves hits there, bitwise equal to a local hit and to a cold compute; payloads that
+do not fit are refused before anything changes; a full pool imports what fits, never corrupts.
+
+Tiny random-weight models, two or three engines in one process, no Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import random
+
+import pytest
+
+from router.protocol import EventKind, Tier, hash_blocks
+from tests.worker.helpers import run as run_to_end
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.kv_transfer import KV_LAYOUT, KVPayload, KVPayloadMismatchError
+from worker.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+
+def tiny(tiny_models, **kw) -> LLMEngine:
+    base = dict(model=tiny_models["llama"], max_num_batched_tokens=256, num_kv_blocks=64)
+    base.update(kw)
+    return LLMEngine(EngineConfig(**base))
+
+
+def run(engine: LLMEngine, prompts: dict) -> dict:
+    return run_to_end(engine, prompts, check_invariants=True)
+
+
+def export(engine: LLMEngine, prompt: list[int], cache_salt: str | None = None) -> KVPayload | None:
+    return engine.export_prefix(hash_blocks(prompt, engine.block_size, engine.model_id, cache_salt), prompt, cache_salt)
+
+
+def same_output(a, b) -> None:
+    assert a.token_ids == b.token_ids
+    assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
+def prompt_of(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, 40000) for _ in range(n)]
+
+
+def test_pulled_prefix_is_bitwise_equal_to_local_hit_and_cold(tiny_models, test_seed):
+    rng = random.Random(test_seed)
+    prompt = prompt_of(rng, 100)  # 6 full blocks before the last token
+    a, b = tiny(tiny_models), tiny(tiny_models)
+    first = run(a, {"a0": (prompt, PARAMS)})["a0"]
+    local_hit = run(a, {"a1": (prompt, PARAMS)})["a1"]
+    assert local_hit.num_cached_tokens == 96
+    a.drain_kv_events()
+    payload = export(a, prompt)
+    assert payload.num_blocks == 6 and payload.layout == KV_LAYOUT
+    assert payload.kv.device.type == "cpu" and payload.kv_bytes == payload.kv.numel() * 4
+    assert a.drain_kv_events() == [], "an export changes nothing in the exporter's cache"
+    payload = pickle.loads(pickle.dumps(payload))  # what Ray's object store or an actor reply does
+    assert b.import_prefix(payload) == 6
+    b.pool.check_invariants()
+    stored = [h for batch in b.drain_kv_events() for e in batch.events
+              if e.kind == EventKind.STORED and e.tier == Tier.DEVICE for h in e.hashes]
+    assert stored == list(payload.block_hashes), "imported blocks are announced like computed ones"
+    assert b.import_prefix(payload) == 0, "blocks held already are not copied again"
+    pulled = run(b, {"b0": (prompt, PARAMS)})["b0"]
+    assert pulled.num_cached_tokens == 96
+    assert b.scheduler.counters.prefix_cache_hits_tokens == 96
+    cold = run(tiny(tiny_models, enable_prefix_caching=False), {"c0": (prompt, PARAMS)})["c0"]
+    for other in (local_hit, pulled, cold):
+        same_output(other, first)
+    longer = prompt + prompt_of(rng, 40)  # shares the pulled blocks, then goes on
+    same_output(run(b, {"b1": (longer, PARAMS)})["b1"], run(a, {"a2": (longer, PARAMS)})["a2"])
+
+
+def test_export_reads_both_tiers_and_stops_at_the_first_miss(tiny_models, test_seed):
+    rng = random.Random(test_seed)
+    prompt = prompt_of(rng, 100)
+    per_block = 2 * 2 * 2 * 16 * 32 * 4  # K/V x layers x kv heads x block x head_dim x fp32 (tiny llama)
+    a = tiny(tiny_models, num_kv_blocks=12, host_kv_cache_bytes=64 * per_block)
+    first = run(a, {"a0": (prompt, PARAMS)})["a0"]
+    run(a, {f"f{i}": (prompt_of(rng, 120), SamplingParams(max_tokens=1)) for i in range(3)})
+    assert a.pool.host.counters.blocks_saved > 0, "the filler was meant to push the prompt to the host tier"
+    payload = export(a, prompt)
+    assert payload.num_blocks == 6
+    b = tiny(tiny_models)
+    assert b.import_prefix(payload) == 6
+    pulled = run(b, {"b0": (prompt, PARAMS)})["b0"]
+    assert pulled.num_cached_tokens == 96
+    same_output(pulled, first)
+    other = prompt[:40] + [t + 1 for t in prompt[40:]]  # agrees on blocks 0-1 only
+    assert export(a, other).num_blocks == 2
+    assert export(a, prompt_of(rng, 64)) is None
+    assert export(a, prompt, cache_salt="tenant-b") is None, "another salt is another chain"
+
+
+def test_salted_prefix_keeps_its_salt(tiny_models, test_seed):
+    prompt = prompt_of(random.Random(test_seed), 70)
+    a, b = tiny(tiny_models), tiny(tiny_models)
+    a.add_request("a0", prompt, PARAMS, cache_salt="tenant-a")
+    first = run(a, {})["a0"]
+    payload = export(a, prompt, cache_salt="tenant-a")
+    assert b.import_prefix(payload) == 4
+    b.add_request("unsalted", prompt, PARAMS)
+    assert run(b, {})["unsalted"].num_cached_tokens == 0, "a salted import serves only its own tenant"
+    b.add_request("salted", prompt, PARAMS, cache_salt="tenant-a")
+    pulled = run(b, {})["salted"]
+    assert pulled.num_cached_tokens == 64
+    same_output(pulled, first)
+
+
+def test_payload_that_does_not_fit_is_refused_before_any_change(tiny_models, test_seed):
+    prompt = prompt_of(random.Random(test_seed), 70)
+    a = tiny(tiny_models)
+    run(a, {"a0": (prompt, PARAMS)})
+    payload = export(a, prompt)
+    b = tiny(tiny_models)
+    flipped = list(payload.token_ids)
+    flipped[20] += 1
+    bad = {
+        "model_id": dataclasses.replace(payload, model_id="someone-else"),
+        "block_size": dataclasses.replace(payload, block_size=32),
+        "dtype": dataclasses.replace(payload, dtype="bfloat16"),
+        "layout": dataclasses.replace(payload, layout="blocks,layers,kv,kv_heads,block_size,head_dim"),
+        "kv": dataclasses.replace(payload, kv=payload.kv[:, :1]),
+        "token_ids": dataclasses.replace(payload, token_ids=tuple(flipped)),
+        "cache_salt": dataclasses.replace(payload, cache_salt="tenant-b"),
+    }
+    for field, payload_bad in bad.items():
+        want = "token_ids" if field == "cache_salt" else field  # a salt that is not the chain's: tokens do not hash
+        with pytest.raises(KVPayloadMismatchError, match=f"payload.{want}"):
+            b.import_prefix(payload_bad)
+    with pytest.raises(KVPayloadMismatchError, match="payload.dtype"):
+        tiny(tiny_models, dtype="bfloat16").import_prefix(payload)
+    with pytest.raises(KVPayloadMismatchError, match="payload.block_size"):
+        tiny(tiny_models, block_size=32).import_prefix(payload)
+    with pytest.raises(KVPayloadMismatchError, match="KVPayload"):
+        b.import_prefix({"kv": payload.kv})
+    assert b.pool.cached_hashes() == [] and b.drain_kv_events() == []
+    b.pool.check_invariants()
+    assert b.import_prefix(payload) == 4  # the good one still goes in
+
+
+@pytest.mark.parametrize("num_kv_blocks,expect_imported", [(6, 0), (8, 2)])
+def test_import_into_a_full_pool_takes_what_fits_and_corrupts_nothing(tiny_models, test_seed, num_kv_blocks,
+                                                                      expect_imported):
+    rng = random.Random(test_seed)
+    prompt, busy = prompt_of(rng, 100), prompt_of(rng, 95)
+    a = tiny(tiny_models)
+    first = run(a, {"a0": (prompt, PARAMS)})["a0"]
+    payload = export(a, prompt)
+    busy_params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
+    b = tiny(tiny_models, num_kv_blocks=num_kv_blocks)
+    b.add_request("busy", busy, busy_params)
+    b.step()  # the busy request's prefill holds 6 blocks now
+    assert b.pool.num_free_blocks == num_kv_blocks - 6
+    assert b.import_prefix(payload) == expect_imported
+    b.pool.check_invariants()
+    busy_out = run(b, {})["busy"]
+    same_output(busy_out, run(tiny(tiny_models), {"x": (busy, busy_params)})["x"])
+    if expect_imported:
+        pulled = run(b, {"b0": (prompt, PARAMS)})["b0"]
+        assert pulled.num_cached_tokens == expect_imported * b.block_size
+        same_output(pulled, first)
+

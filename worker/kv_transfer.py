@@ -1,0 +1,214 @@
+"""KV moved between replicas: ``KVPayload`` and the engine-side export and import (issue 19).
+
+A replica that lacks a prefix another replica holds can pull the blocks instead of
+recomputing them. ``export_prefix`` copies the longest run of leading blocks this engine holds
+(device pool or host tier) whose stored tokens match the asker's into a ``KVPayload``: the
+block hashes, their tokens and the K/V of every layer, as CPU tensors in one layout whatever
+the backend (``KV_LAYOUT``: ``[blocks, layers, K/V, block_size, kv_heads, head_dim]``), so a
+CPU replica (head-major cache) and a CUDA one (block-major) can trade blocks. The payload
+pickles (Ray's object store, an actor call's reply).
+
+``import_prefix`` checks the payload before it touches anything: model id, block size, dtype,
+layout and shape must equal this engine's, and the block hashes must be exactly the hash
+chain of the payload's tokens under this engine's model id and the payload's cache salt
+(``router/protocol.py``), else ``KVPayloadMismatchError`` (a ``ValueError``) naming the field.
+Then it copies the blocks this engine does not already hold into free blocks and registers
+them with ``BlockPool.cache_block``, exactly as computed blocks are: later hits compare the
+stored tokens as always, and the pool's ``stored`` events announce them to the router. With
+no free block left it imports the leading blocks that fit, or none; it never overwrites a
+referenced block. The imported blocks end unreferenced, cached, at the young end of the
+eviction queue (a chain's tail goes first, as after a request).
+
+Tensor parallelism (each rank holds a share of the heads) is refused with a ``ValueError`` in
+this first version. Both functions run on the engine's own thread, between steps: no step can
+write a block while it is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from router.protocol import BlockHash, hash_blocks
+from worker.block_pool import Block, BlockPool
+from worker.model_runner import ModelRunner
+
+KV_LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
+"""The payload's tensor layout, the same whatever the cache layout of either backend."""
+
+
+class KVPayloadMismatchError(ValueError):
+    """A payload this engine must not import (other model, block size, dtype, shape or tokens)."""
+
+
+@dataclass(frozen=True)
+class KVPayload:
+    model_id: str
+    block_size: int
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``."""
+    layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    cache_salt: str | None
+    block_hashes: tuple[BlockHash, ...]
+    token_ids: tuple[int, ...]
+    """``block_size`` tokens per block, the blocks' stored tokens in chain order."""
+    kv: torch.Tensor
+    """CPU tensor in ``KV_LAYOUT``."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _refuse_tensor_parallel(runner: ModelRunner) -> None:
+    if runner.comm.world_size > 1:
+        raise ValueError("KV transfer between replicas needs tensor_parallel_size == 1 "
+                         f"(this engine has {runner.comm.world_size} ranks, each holding a share of the heads)")
+
+
+# -- copies between the cache and the payload layout ---------------------------------------------
+def gather_device_blocks(runner: ModelRunner, block_ids: Sequence[int]) -> torch.Tensor:
+    """Device blocks ``block_ids`` as one CPU tensor in ``KV_LAYOUT``."""
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=runner.kv.device)
+    if runner.ops.head_major_cache:  # kv [L, 2, Hkv, blocks, bs, D]
+        out = runner.kv.index_select(3, ids).permute(3, 0, 1, 4, 2, 5)
+    else:  # kv [L, 2, blocks, bs, Hkv, D]
+        out = runner.kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
+    return out.to("cpu").contiguous()
+
+
+def host_slot_block(runner: ModelRunner, slot: int) -> torch.Tensor:
+    """Host-tier slot ``slot`` in one block's ``KV_LAYOUT`` (``[L, 2, bs, Hkv, D]``)."""
+    block = runner.host_kv[slot]
+    return block.transpose(2, 3) if runner.ops.head_major_cache else block  # head-major slots are [L, 2, Hkv, bs, D]
+
+
+def scatter_device_blocks(runner: ModelRunner, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+    """Writes ``kv`` (``KV_LAYOUT``, one row per id) into device blocks ``block_ids``."""
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=runner.kv.device)
+    src = kv.to(runner.kv.device)
+    if runner.ops.head_major_cache:
+        runner.kv.index_copy_(3, ids, src.permute(1, 2, 4, 0, 3, 5))
+    else:
+        runner.kv.index_copy_(2, ids, src.permute(1, 2, 0, 3, 4, 5))
+
+
+# -- export ------------------------------------------------------------------------------------
+def export_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, block_hashes: Sequence[BlockHash],
+                  token_ids: Sequence[int], cache_salt: str | None = None) -> KVPayload | None:
+    """The longest run of leading blocks held here (either tier) whose stored tokens equal
+    ``token_ids``, as a payload; None when the first block is not held. Reads only: no
+    reference, eviction order or tier changes. ``cache_salt`` rides along so the importer can
+    check the hash chain (the exporter finds blocks by hash alone)."""
+    _refuse_tensor_parallel(runner)
+    bs = pool.block_size
+    sources: list[tuple[str, int]] = []  # ("device", block_id) or ("host", slot), chain order
+    for i, h in enumerate(block_hashes):
+        toks = token_ids[i * bs : (i + 1) * bs]
+        if len(toks) < bs:
+            break
+        hit = pool.find_cached_prefix([h], toks)
+        if hit:
+            sources.append(("device", hit[0].block_id))
+            continue
+        slot = pool.host.slot_of(h) if pool.host is not None and pool.enable_prefix_caching else None
+        if slot is None or not pool.host.matches(h, toks):
+            break
+        sources.append(("host", slot))
+    if not sources:
+        return None
+    device_ids = [idx for kind, idx in sources if kind == "device"]
+    device_kv = gather_device_blocks(runner, device_ids) if device_ids else None
+    rows, next_device = [], 0
+    for kind, idx in sources:
+        if kind == "device":
+            rows.append(device_kv[next_device])
+            next_device += 1
+        else:
+            rows.append(host_slot_block(runner, idx).to("cpu"))
+    n = len(sources)
+    spec = runner.spec
+    return KVPayload(
+        model_id=model_id, block_size=bs, dtype=dtype_name(runner.kv.dtype), layout=KV_LAYOUT,
+        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, cache_salt=cache_salt,
+        block_hashes=tuple(block_hashes[:n]), token_ids=tuple(int(t) for t in token_ids[: n * bs]),
+        kv=torch.stack(rows).contiguous(),
+    )
+
+
+# -- import ------------------------------------------------------------------------------------
+def check_payload(payload: object, pool: BlockPool, runner: ModelRunner, model_id: str) -> KVPayload:
+    """Raises ``KVPayloadMismatchError`` naming the first field that does not fit this engine."""
+    if not isinstance(payload, KVPayload):
+        raise KVPayloadMismatchError(f"payload: expected a KVPayload, got {type(payload).__name__}")
+    spec = runner.spec
+    expected = {
+        "model_id": model_id, "block_size": pool.block_size, "dtype": dtype_name(runner.kv.dtype),
+        "layout": KV_LAYOUT, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+    }
+    for name, want in expected.items():
+        got = getattr(payload, name)
+        if got != want:
+            raise KVPayloadMismatchError(f"payload.{name}: {got!r} does not match this engine's {want!r}")
+    n, bs = payload.num_blocks, payload.block_size
+    if len(payload.token_ids) != n * bs:
+        raise KVPayloadMismatchError(f"payload.token_ids: {len(payload.token_ids)} tokens for {n} blocks of {bs}")
+    shape = (n, spec.num_layers, 2, bs, spec.num_kv_heads, spec.head_dim)
+    if not isinstance(payload.kv, torch.Tensor) or tuple(payload.kv.shape) != shape or dtype_name(payload.kv.dtype) != expected["dtype"]:
+        got = (tuple(payload.kv.shape), payload.kv.dtype) if isinstance(payload.kv, torch.Tensor) else type(payload.kv).__name__
+        raise KVPayloadMismatchError(f"payload.kv: expected shape {shape} of {expected['dtype']}, got {got}")
+    chain = hash_blocks(list(payload.token_ids), bs, model_id, payload.cache_salt)
+    if tuple(chain) != tuple(payload.block_hashes):
+        bad = next(i for i, (a, b) in enumerate(zip(chain, payload.block_hashes, strict=True)) if a != b)
+        raise KVPayloadMismatchError(f"payload.token_ids: block {bad}'s tokens do not hash to payload.block_hashes[{bad}]")
+    return payload
+
+
+def import_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, payload: KVPayload) -> int:
+    """Copies the payload's blocks this engine lacks into free blocks and caches them; returns
+    how many were copied (0 when all are held already, or none is free). Stops at the first
+    block that does not fit, or whose hash this engine caches with other tokens."""
+    _refuse_tensor_parallel(runner)
+    payload = check_payload(payload, pool, runner, model_id)
+    if not pool.enable_prefix_caching or payload.num_blocks == 0:
+        return 0
+    bs = pool.block_size
+    held: list[Block] = []  # blocks we reference, chain order: nothing can evict them meanwhile
+    targets: list[tuple[Block, int]] = []  # (fresh block, payload row)
+    for i, h in enumerate(payload.block_hashes):
+        toks = payload.token_ids[i * bs : (i + 1) * bs]
+        collisions = pool.num_collisions
+        hit = pool.find_cached_prefix([h], toks)
+        if hit:
+            pool.touch(hit)
+            held += hit
+            continue
+        if pool.num_collisions != collisions or pool.num_free_blocks == 0:
+            break  # this hash is cached here with other tokens, or no room: keep what we have
+        [block] = pool.allocate(1)  # may evict (or move to the host tier) some unreferenced block
+        held.append(block)
+        targets.append((block, i))
+    if targets:
+        scatter_device_blocks(runner, [b.block_id for b, _ in targets], payload.kv[[i for _, i in targets]])
+        for block, i in targets:
+            pool.cache_block(block, payload.block_hashes[i], payload.token_ids[i * bs : (i + 1) * bs])
+    pool.free(held)
+    return len(targets)
