@@ -49,6 +49,7 @@ from cluster.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    ignored_field_counts,
     parse_body,
     resolve_max_tokens,
 )
@@ -428,7 +429,9 @@ class Ingress:
         return Response(body, media_type="text/plain; version=0.0.4")
 
     def _metrics_snapshot(self) -> dict:
-        return self.request_metrics.snapshot(self.served_name, router_metrics_snapshot())
+        snapshot = self.request_metrics.snapshot(self.served_name, router_metrics_snapshot())
+        snapshot["ignored_fields"] = ignored_field_counts()  # this process's parser's counts
+        return snapshot
 
     async def _push_metrics_forever(self) -> None:
         while True:

@@ -348,12 +348,15 @@ def sum_ingress_snapshots(snapshots) -> dict | None:
                 "model_name": snap["model_name"],
                 "histograms": {},
                 "finished_reasons": {},
+                "ignored_fields": {},
                 "router": None,
             }
         for name, hist in snap["histograms"].items():
             total["histograms"][name] = _add_histograms(total["histograms"].get(name), hist)
         for reason, count in snap["finished_reasons"].items():
             total["finished_reasons"][reason] = total["finished_reasons"].get(reason, 0) + count
+        for name, count in snap.get("ignored_fields", {}).items():
+            total["ignored_fields"][name] = total["ignored_fields"].get(name, 0) + count
         total["router"] = _add_router(total["router"], snap.get("router"))
     return total
 
@@ -479,6 +482,14 @@ class _IngressCollector:
         for reason, count in sorted(self.snapshot["finished_reasons"].items()):
             success.add_metric(values + [reason], float(count))
         yield success
+        ignored = CounterMetricFamily(
+            self.prefix + "request_ignored_fields",
+            "Requests that carried a field the API does not know (ignored), by field name.",
+            labels=["model_name", "field"],
+        )
+        for name, count in sorted(self.snapshot.get("ignored_fields", {}).items()):
+            ignored.add_metric(values + [name], float(count))
+        yield ignored
 
 
 def _router_families(snapshot: dict, prefix: str = PREFIX):

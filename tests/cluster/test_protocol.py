@@ -255,3 +255,25 @@ def test_errors_use_string_or_null_codes_and_name_the_field_sent():
     with pytest.raises(APIError) as info:
         params_of(chat(max_completion_tokens=0))
     assert info.value.message.startswith("max_completion_tokens ")
+
+
+def test_ignored_fields_are_exported_summed_over_ingress_replicas():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.metrics import render_prometheus, sum_ingress_snapshots
+
+    base = {"model_name": "m", "histograms": {}, "finished_reasons": {}, "router": None}
+    total = sum_ingress_snapshots([
+        {**base, "ignored_fields": {"foo": 2}},
+        {**base, "ignored_fields": {"foo": 1, "messages[].bar": 4}},
+        base,  # an ingress from before the field existed
+    ])
+    text = render_prometheus({}, None, ingress_snapshot=total).decode()
+    samples = {
+        sample.labels["field"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "prefixserve:request_ignored_fields"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert samples == {"foo": 3.0, "messages[].bar": 4.0}
