@@ -3,6 +3,7 @@
     python bench/run_sim.py                      # full run: 64/128/256 replicas, ~10 min on 2 cores
     python bench/run_sim.py --small              # a few seconds: 16 replicas, fewer requests
     python bench/run_sim.py --replicas 128 --workloads llmd_shared_prefix_73 --policies prefix random
+    python bench/run_sim.py --kv-pulls --tag 20261124_pulls   # replicas pull KV from peers
 
 Writes ``bench/results/sim_<date>.json`` (header: machine, date, command, rates) and
 ``sim_<date>_hit_rate.png`` / ``sim_<date>_ttft_p90.png``, prints a markdown table and the
@@ -25,17 +26,22 @@ if __package__ in (None, ""):
 from tqdm import tqdm
 
 from bench.sim import baselines, report
-from bench.sim.calibration import load_rates
+from bench.sim.calibration import load_pull_rates, load_rates
 from bench.sim.simulator import SimConfig, Simulator
 from bench.sim.workloads import WORKLOADS, WorkloadScale
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def _ours(speculative: bool):
+def _ours(args):
     from bench.sim.ours import OursPolicy  # imported late: a broken router fails only 'prefix'
 
-    return OursPolicy(speculative=speculative)
+    overrides = {}
+    if args.max_load_ratio is not None:
+        overrides["max_load_ratio"] = None if args.max_load_ratio <= 0 else args.max_load_ratio
+    if args.miss_cost_factor is not None:
+        overrides["miss_cost_factor"] = args.miss_cost_factor
+    return OursPolicy(speculative=not args.no_speculative, router_overrides=overrides)
 
 
 POLICIES = {
@@ -45,7 +51,7 @@ POLICIES = {
     "pow2": lambda a: baselines.PowerOfTwoPolicy(),
     "sglang_cache_aware": lambda a: baselines.SGLangCacheAwarePolicy(),
     "llmd_precise": lambda a: baselines.LlmdPrecisePolicy(),
-    "prefix": lambda a: _ours(not a.no_speculative),
+    "prefix": _ours,
 }
 
 
@@ -72,6 +78,19 @@ def parse_args(argv):
         action="store_true",
         help="ours without speculative index entries (KV events only)",
     )
+    p.add_argument(
+        "--kv-pulls",
+        action="store_true",
+        help="replicas pull missing prefixes from peers at calibration.json's kv_pull rate "
+        "(every policy; prefix prices the pulls)",
+    )
+    p.add_argument(
+        "--max-load-ratio",
+        type=float,
+        default=None,
+        help="prefix's RouterConfig.max_load_ratio (default: RouterConfig's; <= 0: no bound)",
+    )
+    p.add_argument("--miss-cost-factor", type=float, default=None, help="prefix's miss_cost_factor")
     p.add_argument("--small", action="store_true", help="16 replicas, 20 requests each")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default=None, help="file name suffix (default: the UTC date)")
@@ -84,6 +103,9 @@ def parse_args(argv):
 
 def run(args) -> tuple[list[dict], dict]:
     rates = load_rates()
+    pull = load_pull_rates() if args.kv_pulls else None
+    if args.kv_pulls and pull is None:
+        raise SystemExit("--kv-pulls: bench/results/calibration.json has no 'kv_pull' section")
     rows = []
     total = sum(n * args.requests_per_replica for n in args.replicas)
     total *= len(args.workloads) * len(args.policies)
@@ -109,6 +131,7 @@ def run(args) -> tuple[list[dict], dict]:
                         args.host_capacity_blocks,
                         rates,
                         args.seed,
+                        pull,
                     )
                     result = Simulator(config, POLICIES[policy_name](args)).run(
                         workload, bar.update
@@ -127,6 +150,11 @@ def run(args) -> tuple[list[dict], dict]:
             "offered_load": args.offered_load,
             "seed": args.seed,
             "speculative": not args.no_speculative,
+            "kv_pull": None if pull is None else dataclasses.asdict(pull),
+            "prefix_overrides": {
+                "max_load_ratio": args.max_load_ratio,
+                "miss_cost_factor": args.miss_cost_factor,
+            },
         },
     )
     return rows, header

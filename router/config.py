@@ -73,6 +73,10 @@ class RouterConfig:
     """How many recent decisions per replica the load bound counts (a decayed window)."""
     tie_tolerance_s: float = 0.005
     """Predicted TTFTs this close count as a tie, settled by rendezvous hashing."""
+    kv_pull_tokens_per_s: float | None = None
+    """Rate at which a replica pulls a prefix's KV from a peer that holds it; the ``prefix``
+    policy then prices a replica lacking a prefix a peer holds at the pull, not a prefill.
+    None (the default): replicas do not pull, every miss is priced as a prefill."""
     seed: int = 0
     """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
 
@@ -112,6 +116,8 @@ class RouterConfig:
             if self.max_load_ratio < 1.0:
                 raise ValueError(f"max_load_ratio must be >= 1 or None, got {self.max_load_ratio!r}")
         _check_positive("load_window_per_replica", self.load_window_per_replica)
+        if self.kv_pull_tokens_per_s is not None:
+            _check_positive("kv_pull_tokens_per_s", self.kv_pull_tokens_per_s)
         if not isinstance(self.miss_cost_factor, (int, float)) or not 1.0 <= self.miss_cost_factor <= 10.0:
             raise ValueError(f"miss_cost_factor must be in [1, 10], got {self.miss_cost_factor!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

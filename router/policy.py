@@ -8,7 +8,9 @@ share. The policies live in ``router.prefix_policy`` (``prefix``: load bound, th
 too). ``routing.Router`` combines a policy with an index; policies themselves do no I/O.
 
 The TTFT model: ``queue_s + miss_cost_factor * miss_tokens / prefill_rate + host_tokens /
-host_rate + (one decode step if the replica is busy)``, where ``queue_s =
+host_rate + remote_tokens / pull_rate + (one decode step if the replica is busy)``, where
+``remote_tokens`` are prompt tokens past the replica's own match that a peer holds and it
+would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses), and ``queue_s =
 queued_prefill_tokens / prefill_rate + (waiting + unreported in-flight) * step_s``: chunked
 prefill shares each step with the running decodes. Unmeasured rates fall back to the
 configured defaults. Every policy's ``choose`` raises ``ValueError`` on an empty candidate
@@ -103,6 +105,7 @@ class TTFTModel:
         self.default_prefill_tokens_per_s = config.default_prefill_tokens_per_s
         self.default_decode_step_s = config.default_decode_step_s
         self.default_host_to_device_tokens_per_s = config.default_host_to_device_tokens_per_s
+        self.kv_pull_tokens_per_s = config.kv_pull_tokens_per_s
 
     def prefill_tokens_per_s(self, stats: ReplicaStats) -> float:
         return stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s
@@ -124,11 +127,19 @@ class TTFTModel:
         )
 
     def predicted_ttft_s(
-        self, view: ReplicaView, match: Match | None, num_prompt_tokens: int, miss_cost_factor: float = 1.0
+        self,
+        view: ReplicaView,
+        match: Match | None,
+        num_prompt_tokens: int,
+        miss_cost_factor: float = 1.0,
+        peer_blocks: int = 0,
     ) -> float:
         """``miss_cost_factor`` > 1 also charges the prefill a miss adds to that replica's queue
         (the delay it imposes on the requests behind it); 1 is the request's own TTFT. The
-        request's own prefill shares a step with the running decodes when there are any."""
+        request's own prefill shares a step with the running decodes when there are any.
+        ``peer_blocks``: leading blocks another replica holds on its device; with pulls on, the
+        part of them past this replica's match is priced as a pull (no ``miss_cost_factor``: a
+        pull does not occupy the prefill queue), not as a prefill."""
         stats = view.stats
         num_device_tokens = num_host_tokens = 0
         if match is not None:
@@ -137,12 +148,21 @@ class TTFTModel:
                 match.host_blocks * self.block_size, num_prompt_tokens - num_device_tokens
             )
         num_miss_tokens = num_prompt_tokens - num_device_tokens - num_host_tokens
+        pull_s = 0.0
+        if self.kv_pull_tokens_per_s is not None and peer_blocks > 0:
+            num_local_tokens = num_device_tokens + num_host_tokens
+            num_remote_tokens = max(
+                0, min(peer_blocks * self.block_size, num_prompt_tokens) - num_local_tokens
+            )
+            num_miss_tokens -= num_remote_tokens
+            pull_s = num_remote_tokens / self.kv_pull_tokens_per_s
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
         busy = stats.num_running + stats.num_waiting + unreported(view) > 0
         return (
             self.queue_s(view)
             + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
             + num_host_tokens / host_rate
+            + pull_s
             + (self.decode_step_s(stats) if busy else 0.0)
         )
 
@@ -159,6 +179,23 @@ def num_matched(matches: Mapping[str, Match], replica_id: str) -> int:
     """Leading blocks ``replica_id`` holds (device + host), 0 when it holds none."""
     match = matches.get(replica_id)
     return 0 if match is None else match.num_blocks
+
+
+def peer_device_blocks(matches: Mapping[str, Match]) -> dict[str, int]:
+    """Replica id -> the most leading device blocks any *other* replica in ``matches`` holds
+    (what a pull could bring it); only replicas in ``matches`` and ``""`` (every other replica)
+    are keys."""
+    top_id, top, second = "", 0, 0
+    for replica_id, match in matches.items():
+        if match.device_blocks > top:
+            top_id, top, second = replica_id, match.device_blocks, top
+        elif match.device_blocks > second:
+            second = match.device_blocks
+    result = {replica_id: top for replica_id in matches}
+    result[""] = top
+    if top_id:
+        result[top_id] = second
+    return result
 
 
 def replica_load(view: ReplicaView) -> int:

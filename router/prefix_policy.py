@@ -9,7 +9,9 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
    replica under the bound (other routers' traffic). A hot prefix whose holder is at the bound
    goes to the cheapest other replica, which then holds a copy and shares it. None turns this
    off. When the bound excluded a cheaper replica the reason is ``LOAD_BOUND``.
-2. Price. Every candidate costs ``TTFTModel.predicted_ttft_s`` with ``miss_cost_factor``.
+2. Price. Every candidate costs ``TTFTModel.predicted_ttft_s`` with ``miss_cost_factor``;
+   with ``kv_pull_tokens_per_s`` set, the part of the prompt a peer holds on its device and
+   the candidate lacks is priced as a pull from that peer instead of a prefill.
    Candidates within ``tie_tolerance_s`` of the minimum tie; a unique winner is ``PREFIX``
    (it holds a prefix) or ``SHORTEST_QUEUE`` (it holds none). Ties prefer the longest match,
    then the fewest requests on the replica, then the fewest recently sent (spreads new
@@ -34,6 +36,7 @@ from router.policy import (
     TTFTModel,
     check_request,
     num_matched,
+    peer_device_blocks,
     rendezvous_pick,
     replica_load,
 )
@@ -85,6 +88,7 @@ class PrefixPolicy:
         self.tie_tolerance_s = config.tie_tolerance_s
         self.miss_cost_factor = config.miss_cost_factor
         self.max_load_ratio = config.max_load_ratio
+        self.pulls = config.kv_pull_tokens_per_s is not None
         self._recent = RecentCounts(config.load_window_per_replica)
         self._lock = threading.Lock()
 
@@ -114,21 +118,36 @@ class PrefixPolicy:
         matches: Mapping[str, Match],
     ) -> Decision:
         check_request(replicas, num_prompt_tokens)
+        peers = peer_device_blocks(matches) if self.pulls else None
         with self._lock:
             candidates = self._under_bound(replicas)
-            view, longest, reason = self._pick(block_hashes, num_prompt_tokens, candidates, matches)
+            view, longest, reason = self._pick(
+                block_hashes, num_prompt_tokens, candidates, matches, peers
+            )
             if len(candidates) < len(replicas):
-                best_all_s = min(self._cost(v, matches, num_prompt_tokens) for v in replicas)
-                chosen_s = self._cost(view, matches, num_prompt_tokens)
+                best_all_s = min(self._cost(v, matches, num_prompt_tokens, peers) for v in replicas)
+                chosen_s = self._cost(view, matches, num_prompt_tokens, peers)
                 if best_all_s + self.tie_tolerance_s < chosen_s:
                     reason = RoutingReason.LOAD_BOUND  # the bound, not the price, decided
             self._recent.add(view.replica_id, len(replicas))
-        ttft_s = self.model.predicted_ttft_s(view, matches.get(view.replica_id), num_prompt_tokens)
+        ttft_s = self.model.predicted_ttft_s(
+            view, matches.get(view.replica_id), num_prompt_tokens, 1.0, _peer(peers, view)
+        )
         return Decision(view.replica_id, ttft_s, longest, reason)
 
-    def _cost(self, view: ReplicaView, matches: Mapping[str, Match], num_prompt_tokens: int) -> float:
+    def _cost(
+        self,
+        view: ReplicaView,
+        matches: Mapping[str, Match],
+        num_prompt_tokens: int,
+        peers: Mapping[str, int] | None,
+    ) -> float:
         return self.model.predicted_ttft_s(
-            view, matches.get(view.replica_id), num_prompt_tokens, self.miss_cost_factor
+            view,
+            matches.get(view.replica_id),
+            num_prompt_tokens,
+            self.miss_cost_factor,
+            _peer(peers, view),
         )
 
     def _pick(
@@ -137,9 +156,10 @@ class PrefixPolicy:
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
         matches: Mapping[str, Match],
+        peers: Mapping[str, int] | None,
     ) -> tuple[ReplicaView, int, RoutingReason]:
         """The cheapest of ``replicas`` (after tie-breaks), its matched blocks and the reason."""
-        scored = [(self._cost(v, matches, num_prompt_tokens), v) for v in replicas]
+        scored = [(self._cost(v, matches, num_prompt_tokens, peers), v) for v in replicas]
         best_s = min(score for score, _ in scored)
         tied = [v for score, v in scored if score <= best_s + self.tie_tolerance_s]
         longest = max(num_matched(matches, v.replica_id) for v in tied)
@@ -159,3 +179,10 @@ class PrefixPolicy:
         view = next(v for v in tied if v.replica_id == chosen_id)
         any_match = any(num_matched(matches, v.replica_id) for v in replicas)
         return view, longest, (RoutingReason.TIE if any_match else RoutingReason.COLD)
+
+
+def _peer(peers: Mapping[str, int] | None, view: ReplicaView) -> int:
+    """Leading device blocks a peer of ``view`` holds (0 with pulls off)."""
+    if peers is None:
+        return 0
+    return peers.get(view.replica_id, peers[""])

@@ -10,6 +10,9 @@ per-step time that grows with the running batch. Those rates come from ``EngineR
   prefers that file when it exists. ``rates_from_samples`` fits the decode-step line from
   (batch size, step seconds) samples so a calibration run only has to time a few steps.
 
+``PullRates`` (``kv_pull`` in the same file) prices a KV pull from a peer replica; its source
+says whether it is measured or an estimate.
+
 Failure modes: a malformed calibration file raises ``ValueError`` naming the field, rather than
 silently falling back to the defaults (a benchmark that quietly changes its cost model is worse
 than one that stops).
@@ -116,9 +119,51 @@ def record_rates(rates: EngineRates, path: Path = CALIBRATION_PATH, *, note: str
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "note": note,
     }
+    if path.exists():  # keep the pull rate, which another benchmark measures
+        try:
+            kv_pull = json.loads(path.read_text()).get("kv_pull")
+        except (AttributeError, json.JSONDecodeError):
+            kv_pull = None
+        if kv_pull is not None:
+            payload["kv_pull"] = kv_pull
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+@dataclass(frozen=True)
+class PullRates:
+    """Cost of pulling KV blocks from a peer replica: ``tokens * kv_bytes_per_token /
+    pull_bytes_per_s`` seconds (``calibration.json``'s ``kv_pull`` section)."""
+
+    kv_bytes_per_token: float
+    pull_bytes_per_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("kv_bytes_per_token", "pull_bytes_per_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"PullRates.{name} must be positive, got {value!r}")
+
+    @property
+    def pull_tokens_per_s(self) -> float:
+        return self.pull_bytes_per_s / self.kv_bytes_per_token
+
+    def pull_s(self, num_tokens: int) -> float:
+        """Seconds to pull ``num_tokens`` tokens of KV from a peer."""
+        return num_tokens * self.kv_bytes_per_token / self.pull_bytes_per_s
+
+
+def load_pull_rates(path: Path = CALIBRATION_PATH) -> PullRates | None:
+    """The ``kv_pull`` section of ``path``; None when the file or the section is absent."""
+    if not path.exists():
+        return None
+    try:
+        section = json.loads(path.read_text()).get("kv_pull")
+        return None if section is None else PullRates(**section)
+    except (AttributeError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"calibration file {path}: malformed 'kv_pull' ({exc})") from None
 
 
 def load_rates(path: Path = CALIBRATION_PATH) -> EngineRates:

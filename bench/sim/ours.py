@@ -28,10 +28,16 @@ from router.policy import ReplicaView
 from router.protocol import HASH_NUM_BYTES, ReplicaStats
 
 
-def sim_router_config(sim, policy: str) -> RouterConfig:
+def sim_router_config(sim, policy: str, **overrides) -> RouterConfig:
     """The ``RouterConfig`` an operator would give ``policy`` on the simulated engine: its
-    calibrated rates as the defaults, the block size and seed of the run."""
+    calibrated rates as the defaults, the block size and seed of the run, the pull rate when
+    the simulated replicas pull KV from peers; ``overrides`` replace fields (tuning runs)."""
     rates = sim.rates
+    pull = sim.config.pull
+    fields = dict(
+        kv_pull_tokens_per_s=None if pull is None else pull.pull_tokens_per_s,
+    )
+    fields.update(overrides)
     return RouterConfig(
         policy=policy,
         block_size=sim.config.block_size,
@@ -43,6 +49,7 @@ def sim_router_config(sim, policy: str) -> RouterConfig:
             SPECULATIVE_TTL_QUEUE_TOKENS / rates.prefill_tokens_per_s,
         ),
         seed=sim.config.seed,
+        **fields,
     )
 
 
@@ -87,8 +94,14 @@ class SimViews:
 class OursPolicy:
     name = "prefix"
 
-    def __init__(self, speculative: bool = True, router_config: RouterConfig | None = None) -> None:
+    def __init__(
+        self,
+        speculative: bool = True,
+        router_config: RouterConfig | None = None,
+        router_overrides: dict | None = None,
+    ) -> None:
         self.router_config = router_config
+        self.router_overrides = router_overrides or {}
         self.speculative = speculative
         self._policy = None
         self._views: SimViews | None = None
@@ -97,7 +110,7 @@ class OursPolicy:
 
     def _setup(self, sim) -> None:
         if self.router_config is None:
-            self.router_config = sim_router_config(sim, "prefix")
+            self.router_config = sim_router_config(sim, "prefix", **self.router_overrides)
         self._policy = make_policy(self.router_config)
         self._views = SimViews(sim)
         self._index_of = {r.replica_id: r.index for r in sim.replicas}

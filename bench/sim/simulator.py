@@ -13,6 +13,22 @@ Model of one replica (documented simplifications, shared by every policy alike):
   its prefill minus its arrival.
 - Decode then takes ``(output_tokens - 1)`` steps priced at the running batch size at entry.
   The running batch is not capped (``max_num_seqs`` is not modelled, nor preemption).
+- In-flight prefix dedup (worker/scheduler.py ``_admit``'s rule): when the prefill server
+  picks its next request, one whose next uncached prompt block is in flight on that replica
+  (being pulled in, or computed by the prefill under way) is passed over, not started: the
+  requests behind it go ahead, and it starts once the block has landed (then it hits). One
+  prefill runs at a time, so the blocks a prefill computes are in flight only while it runs.
+- KV pulls (``SimConfig.pull``; None: off, the old model): a request routed to a replica that
+  lacks part of its prefix which another replica holds on its device (the exact index, i.e. a
+  live peer) pulls those blocks first, on a per-replica FCFS transfer link separate from the
+  prefill server, taking ``PullRates.pull_s(tokens)``; the pulled blocks are then stored on the
+  replica (pinned until its prefill starts) and count as cached tokens, as a KV connector's do
+  in vLLM. No pull starts for blocks already in flight on that replica (dedup: it waits). The
+  peer's copy is not pinned during the transfer (not modelled). With pulls, dedup reaches
+  across replicas: a request whose next block a peer's prefill is computing right now waits
+  for it (passed over like a local one) and then pulls it, rather than computing a copy; it
+  cannot wait longer than computing the block itself would take, since that prefill started
+  first. Whether a request is pulled is decided again when the prefill server reaches it.
 - The router-side count ``num_inflight`` goes up when a request is routed and down when it
   finishes, as every real router's in-flight counter does.
 
@@ -32,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench.sim.cache import BlockId, BlockPool, OracleCache
-from bench.sim.calibration import DEFAULT_RATES, EngineRates
+from bench.sim.calibration import DEFAULT_RATES, EngineRates, PullRates
 from bench.sim.workloads import Request, Workload
 
 
@@ -45,6 +61,8 @@ class SimConfig:
     """Per-replica host tier (0: none); device evictions land there (issue 10)."""
     rates: EngineRates = DEFAULT_RATES
     seed: int = 0
+    pull: PullRates | None = None
+    """KV pulls from peer replicas at this rate; None: no pulls (each replica computes its own)."""
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "capacity_blocks", "block_size"):
@@ -66,6 +84,15 @@ class SimReplica:
     num_queued_prefill_tokens: int = 0
     queued_tokens_by_request: dict = field(default_factory=dict)
     num_served: int = 0
+    in_flight: set = field(default_factory=set)
+    """Blocks being pulled into this replica or computed by its current prefill (dedup)."""
+    pull_queue: deque = field(default_factory=deque)
+    """(request, first block, end block) pulls waiting for or using the transfer link."""
+    pulling: bool = False
+    num_pulls: dict = field(default_factory=dict)
+    """request id -> pulls it made (bounded by ``_MAX_PULLS_PER_REQUEST``)."""
+    pull_pins: dict = field(default_factory=dict)
+    """request id -> blocks its finished pull pinned, released when its prefill starts."""
     version: int = 0
     """Bumped on every state change, so adapters can cache what they derive from the state."""
 
@@ -74,6 +101,7 @@ class SimReplica:
 class RequestRecord:
     replica: int
     num_cached_tokens: int = 0
+    num_pulled_tokens: int = 0
     ttft_s: float | None = None
     finish_s: float | None = None
 
@@ -94,6 +122,10 @@ class SimResult:
     output_throughput_tok_s: float
     max_mean_load: float
     sim_wall_s: float
+    pulled_token_rate: float = 0.0
+    """Prompt tokens pulled from peers / all prompt tokens (part of ``hit_rate``)."""
+    num_dedup_deferrals: int = 0
+    """Times a prefill start passed over a request whose next block was in flight."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -107,7 +139,8 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-_ARRIVAL, _PREFILL_DONE, _DECODE_DONE = 0, 1, 2
+_ARRIVAL, _PREFILL_DONE, _DECODE_DONE, _PULL_DONE = 0, 1, 2, 3
+_MAX_PULLS_PER_REQUEST = 2
 
 
 class Simulator:
@@ -125,6 +158,11 @@ class Simulator:
         self.replicas = [self._make_replica(i) for i in range(config.num_replicas)]
         self._events: list = []
         self._seq = 0
+        self.num_dedup_deferrals = 0
+        self.computing: dict[BlockId, int] = {}
+        """Blocks some replica's prefill is computing now -> how many (pulls on only)."""
+        self.waiters: dict[BlockId, set[int]] = {}
+        """Block being computed -> replicas with a request waiting for it (pulls on only)."""
 
     def _make_replica(self, i: int) -> SimReplica:
         device, host = self.holders, self.host_holders
@@ -191,8 +229,8 @@ class Simulator:
 
     @staticmethod
     def num_waiting(replica: SimReplica) -> int:
-        """Requests queued behind the one being prefilled."""
-        return len(replica.queue) - (1 if replica.prefilling else 0)
+        """Requests queued behind the one being prefilled, pulling ones included."""
+        return len(replica.queue) - (1 if replica.prefilling else 0) + len(replica.pull_queue)
 
     def kv_usage(self, replica: SimReplica) -> float:
         return min(1.0, replica.cache.num_busy_blocks / self.config.capacity_blocks)
@@ -227,6 +265,8 @@ class Simulator:
             self.now_s = at_s
             if kind == _PREFILL_DONE:
                 self._finish_prefill(payload, records)
+            elif kind == _PULL_DONE:
+                self._finish_pull(payload, records)
             else:
                 replica, req = payload
                 self._finish_decode(replica, req, records)
@@ -239,14 +279,78 @@ class Simulator:
         replica = self.replicas[chosen]
         replica.num_inflight += 1
         device, host = replica.cache.match(req.block_ids)
-        num_queued = req.num_prompt_tokens - self._cached_tokens(req, device + host)
+        pull_end = self._pull_end(replica, req, device + host)
+        num_queued = req.num_prompt_tokens - self._cached_tokens(req, max(device + host, pull_end))
         replica.queued_tokens_by_request[req.request_id] = num_queued
         replica.num_queued_prefill_tokens += num_queued
+        replica.version += 1
+        if pull_end:
+            replica.pull_queue.append((req, pull_end))
+            if not replica.pulling:
+                self._start_pull(replica)
+        else:
+            replica.queue.append(req)
+            if not replica.prefilling:
+                self._start_prefill(replica)
+        return RequestRecord(chosen)
+
+    # ---- KV pulls -----------------------------------------------------------------------------
+    def _pull_end(self, replica: SimReplica, req: Request, num_held: int) -> int:
+        """End block of the pull ``req`` needs on ``replica`` (0: none): the longest device
+        prefix a peer holds, when longer than ``num_held`` and its next block is not in flight
+        on ``replica`` already (then it waits for that block instead: dedup)."""
+        if self.config.pull is None or num_held >= len(req.block_ids):
+            return 0
+        if req.block_ids[num_held] in replica.in_flight:
+            return 0
+        best = max(
+            (n for i, (n, _) in self._device_matches(req.block_ids).items() if i != replica.index),
+            default=0,
+        )
+        if self._cached_tokens(req, best) <= self._cached_tokens(req, num_held):
+            return 0
+        return best
+
+    def _start_pull(self, replica: SimReplica) -> None:
+        while replica.pull_queue:
+            req, end = replica.pull_queue[0]
+            blocks = req.block_ids[:end]
+            device, host = replica.cache.match(blocks)
+            end = min(end, self._pull_end(replica, req, device + host) or device + host)
+            if end <= device + host:  # it landed meanwhile, or no peer holds it any more
+                replica.pull_queue.popleft()
+                replica.queue.append(req)
+                if not replica.prefilling:
+                    self._start_prefill(replica)
+                continue
+            blocks = req.block_ids[:end]
+            replica.cache.begin(blocks)  # pins the device part, reserves the pulled part
+            replica.in_flight.update(blocks[device:])
+            num_tokens = self._cached_tokens(req, end) - self._cached_tokens(req, device)
+            replica.pulling = True
+            replica.num_pulls[req.request_id] = replica.num_pulls.get(req.request_id, 0) + 1
+            replica.version += 1
+            pull_s = self.config.pull.pull_s(num_tokens)
+            self._push(self.now_s + pull_s, _PULL_DONE, (replica, req, device, end, num_tokens))
+            return
+        replica.pulling = False
+
+    def _finish_pull(self, payload, records) -> None:
+        replica, req, device, end, num_tokens = payload
+        blocks = req.block_ids[:end]
+        replica.cache.commit(blocks, device)
+        replica.in_flight.difference_update(blocks[device:])
+        previous_end = replica.pull_pins.get(req.request_id, 0)
+        if previous_end:  # an earlier pull's pins: this pull's begin pinned those blocks again
+            replica.cache.release(req.block_ids[:previous_end])
+        replica.pull_pins[req.request_id] = end
+        records[req.request_id].num_pulled_tokens += num_tokens
+        replica.pull_queue.popleft()
         replica.queue.append(req)
         replica.version += 1
         if not replica.prefilling:
             self._start_prefill(replica)
-        return RequestRecord(chosen)
+        self._start_pull(replica)
 
     def _cached_tokens(self, req: Request, num_blocks: int) -> int:
         # the last prompt token is always computed (its logits give the first output token)
@@ -255,9 +359,48 @@ class Simulator:
     def _num_output_blocks(self, req: Request) -> int:
         return math.ceil(req.num_output_tokens / self.config.block_size)
 
+    def _next_prefill(self, replica: SimReplica) -> Request | None:
+        """The first queued request whose next uncached block is not in flight (dedup), moved
+        to the head of the queue; None when every queued request waits for one. With pulls,
+        this is also where a request is checked again (as vLLM's KV connector is asked at
+        admission): one that a peer could now give more blocks than the replica holds goes to
+        the pull link instead (at most ``_MAX_PULLS_PER_REQUEST`` times)."""
+        if not replica.in_flight and self.config.pull is None:
+            return replica.queue[0]
+        for req in list(replica.queue):
+            device, host = replica.cache.match(req.block_ids)
+            num_held = device + host
+            if self._cached_tokens(req, num_held) < self._cached_tokens(req, len(req.block_ids)):
+                block = req.block_ids[num_held]
+                if block in replica.in_flight:
+                    self.num_dedup_deferrals += 1
+                    continue
+                if block in self.computing:  # a peer computes it now: wait, then pull
+                    self.num_dedup_deferrals += 1
+                    self.waiters.setdefault(block, set()).add(replica.index)
+                    continue
+            if replica.num_pulls.get(req.request_id, 0) < _MAX_PULLS_PER_REQUEST:
+                pull_end = self._pull_end(replica, req, num_held)
+                if pull_end:
+                    replica.queue.remove(req)
+                    replica.pull_queue.append((req, pull_end))
+                    if not replica.pulling:
+                        self._start_pull(replica)
+                    continue
+            if req is not replica.queue[0]:
+                replica.queue.remove(req)
+                replica.queue.appendleft(req)
+            return req
+        return None
+
     def _start_prefill(self, replica: SimReplica) -> None:
-        req = replica.queue[0]
+        req = self._next_prefill(replica)
+        if req is None:
+            return  # every queued request waits for a block in flight; its landing restarts
         device, host = replica.cache.begin(req.block_ids)
+        pinned_end = replica.pull_pins.pop(req.request_id, 0)
+        if pinned_end:
+            replica.cache.release(req.block_ids[:pinned_end])  # the pull's pins; begin re-pinned
         device_tokens = self._cached_tokens(req, device)
         host_tokens = self._cached_tokens(req, device + host) - device_tokens
         uncached = req.num_prompt_tokens - device_tokens - host_tokens
@@ -272,6 +415,10 @@ class Simulator:
         )
         replica.prefilling = True
         replica.version += 1
+        if self.config.pull is not None:
+            replica.in_flight.update(req.block_ids[device + host :])
+            for block in req.block_ids[device + host :]:
+                self.computing[block] = self.computing.get(block, 0) + 1
         payload = (replica, device, device_tokens + host_tokens)
         self._push(self.now_s + service_s, _PREFILL_DONE, payload)
 
@@ -282,6 +429,16 @@ class Simulator:
         record.num_cached_tokens = num_cached_tokens
         record.ttft_s = self.now_s - req.arrival_s
         replica.cache.commit(req.block_ids, num_hit_blocks)
+        woken: set[int] = set()
+        if self.config.pull is not None:
+            replica.in_flight.difference_update(req.block_ids[num_hit_blocks:])
+            for block in req.block_ids[num_hit_blocks:]:
+                count = self.computing.get(block, 0) - 1
+                if count > 0:
+                    self.computing[block] = count
+                else:
+                    self.computing.pop(block, None)
+                woken |= self.waiters.pop(block, set())
         replica.cache.reserve(self._num_output_blocks(req))
         replica.num_queued_prefill_tokens -= replica.queued_tokens_by_request.pop(req.request_id)
         replica.num_running += 1
@@ -291,6 +448,10 @@ class Simulator:
         self._push(self.now_s + decode_s, _DECODE_DONE, (replica, req))
         if replica.queue:
             self._start_prefill(replica)
+        for i in sorted(woken - {replica.index}):
+            peer = self.replicas[i]
+            if peer.queue and not peer.prefilling:
+                self._start_prefill(peer)
 
     def _finish_decode(self, replica: SimReplica, req: Request, records) -> None:
         replica.num_running -= 1
@@ -298,6 +459,7 @@ class Simulator:
         replica.num_served += 1
         replica.cache.unreserve(self._num_output_blocks(req))
         replica.cache.release(req.block_ids)
+        replica.num_pulls.pop(req.request_id, None)
         replica.version += 1
         records[req.request_id].finish_s = self.now_s
         done = getattr(self.policy, "on_finished", None)
@@ -317,6 +479,8 @@ class Simulator:
             replicas=len(self.replicas),
             num_requests=len(requests),
             hit_rate=sum(rec.num_cached_tokens for rec in records) / prompt_tokens,
+            pulled_token_rate=sum(rec.num_pulled_tokens for rec in records) / prompt_tokens,
+            num_dedup_deferrals=self.num_dedup_deferrals,
             oracle_hit_rate=oracle_hit_tokens / prompt_tokens,
             ttft_p50_s=percentile(ttfts, 50),
             ttft_p90_s=percentile(ttfts, 90),

@@ -10,7 +10,13 @@ import pytest
 from router.config import RouterConfig
 from router.index import Match
 from router.policies import make_policy
-from router.policy import ReplicaView, RoutingReason, TTFTModel, rendezvous_pick
+from router.policy import (
+    ReplicaView,
+    RoutingReason,
+    TTFTModel,
+    peer_device_blocks,
+    rendezvous_pick,
+)
 from router.protocol import ReplicaStats, hash_blocks
 
 BLOCK_SIZE = 16
@@ -104,6 +110,45 @@ def test_host_tier_blocks_are_priced_by_the_host_to_device_rate():
     )
     assert decision.replica_id == "fast"
     assert decision.predicted_ttft_s == pytest.approx(0.01)
+
+
+def test_pulls_are_priced_only_when_configured_and_then_beat_a_queued_holder():
+    """The holder's queue (0.34 s) beats a 2048-token prefill elsewhere (2 x 0.256 s), but not
+    a pull of those tokens from it at 40000 tokens/s (0.0512 s); pulls off: unchanged."""
+    blocks = prompt_blocks(5, num_blocks=128)
+    holder = idle("holder", num_waiting=1, num_queued_prefill_tokens=2400)
+    replicas = [holder, idle("cold")]
+    matches = {"holder": Match(128, 0)}
+    decision = make_policy(CONFIG).choose(blocks, 2048, replicas, matches)
+    assert decision.replica_id == "holder" and decision.reason == "prefix"
+    assert decision.predicted_ttft_s == pytest.approx(0.3 + 0.02 + 0.02)
+    pulling = make_policy(dataclasses.replace(CONFIG, kv_pull_tokens_per_s=40_000.0))
+    decision = pulling.choose(blocks, 2048, replicas, matches)
+    assert decision.replica_id == "cold" and decision.matched_blocks == 0
+    assert decision.predicted_ttft_s == pytest.approx(2048 / 40_000.0)
+    # Host-tier blocks cannot be pulled: a peer holding the prefix only on its host prices
+    # the cold replica as a full prefill again.
+    decision = pulling.choose(blocks, 2048, replicas, {"holder": Match(0, 128)})
+    assert decision.replica_id == "holder"
+
+
+def test_peer_device_blocks_gives_each_holder_the_best_other_holder():
+    matches = {"a": Match(10, 0), "b": Match(4, 9), "c": Match(4, 0)}
+    assert peer_device_blocks(matches) == {"a": 4, "b": 10, "c": 10, "": 10}
+    assert peer_device_blocks({}) == {"": 0}
+    model = TTFTModel(dataclasses.replace(CONFIG, kv_pull_tokens_per_s=1600.0))
+    # 4 local blocks (64 tokens), the peer holds 10 (160): 96 pulled, 40 of 200 computed.
+    ttft_s = model.predicted_ttft_s(idle("b"), Match(4, 0), 200, 1.0, peer_blocks=10)
+    assert ttft_s == pytest.approx(96 / 1600.0 + 40 / 8000.0)
+    assert TTFTModel(CONFIG).predicted_ttft_s(idle("b"), Match(4, 0), 200, 1.0, 10) == (
+        pytest.approx(136 / 8000.0)
+    )
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, float("inf"), "fast"])
+def test_kv_pull_rate_must_be_positive_or_none(rate):
+    with pytest.raises(ValueError, match="kv_pull_tokens_per_s"):
+        RouterConfig(kv_pull_tokens_per_s=rate)
 
 
 def test_measured_rates_beat_defaults_and_inflight_requests_count_as_queue():
