@@ -371,6 +371,7 @@ def run_fault(fault: str, url: str, workload: list, args, baseline: dict, probe:
         if state["fault_at_s"] is not None or elapsed_s < fault_at:
             return
         state["fault_at_s"] = elapsed_s
+        state["t0_mono"] = time.monotonic() - elapsed_s
         if fault in titles:
             count = len(processes_titled(titles[fault]))
             pid = sigkill_one(titles[fault])
@@ -419,7 +420,7 @@ def run_fault(fault: str, url: str, workload: list, args, baseline: dict, probe:
 def wait_recovery(url: str, probe: dict, state: dict) -> None:
     """Sets ``recovered_at_s`` (seconds since the load began, like ``fault_at_s``) once a
     probe succeeds and the killed kind of process is back to its count."""
-    start = time.monotonic() - state["fault_at_s"]
+    start = state["t0_mono"]
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     title = state.get("wait_title")
     while time.monotonic() < deadline:
