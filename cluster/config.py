@@ -163,43 +163,6 @@ class ClusterConfig:
             f"must be an integer >= 1, got {self.stream_interval!r}",
         )
         need(
-            _is_int(self.num_replicas) and self.num_replicas >= 1,
-            "num_replicas",
-            f"must be an integer >= 1, got {self.num_replicas!r}",
-        )
-        need(
-            _is_int(self.max_ongoing_requests) and self.max_ongoing_requests >= 1,
-            "max_ongoing_requests",
-            f"must be an integer >= 1, got {self.max_ongoing_requests!r}",
-        )
-        need(
-            self.max_queued_requests is None
-            or (_is_int(self.max_queued_requests) and self.max_queued_requests >= 1),
-            "max_queued_requests",
-            f"must be None or an integer >= 1, got {self.max_queued_requests!r}",
-        )
-        need(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
-        need(
-            _is_int(self.port) and 0 < self.port < 65536,
-            "port",
-            f"must be an integer in [1, 65535], got {self.port!r}",
-        )
-        need(
-            self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)),
-            "api_key",
-            "must be None or a non-empty string",
-        )
-        need(
-            _is_int(self.max_request_body_bytes) and self.max_request_body_bytes >= 1024,
-            "max_request_body_bytes",
-            f"must be an integer >= 1024, got {self.max_request_body_bytes!r}",
-        )
-        need(
-            _is_int(self.stream_interval) and self.stream_interval >= 1,
-            "stream_interval",
-            f"must be an integer >= 1, got {self.stream_interval!r}",
-        )
-        need(
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             "tool_call_parser",
             f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}",

@@ -144,7 +144,6 @@ class Ingress:
             )
         return app
 
-
     # ---- request plumbing ---------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         key = self._api_key
