@@ -28,17 +28,20 @@ Failure model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
-from router.protocol import KVEventBatch, ReplicaStats
+from router.protocol import BlockHash, KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
 from worker.engine import validate_request
 from worker.engine_core import EngineCore, StepResult, ThreadCore
 from worker.engine_process import ProcessCore
+from worker.kv_transfer import KVPayload
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
 from worker.parallel.workers import WorkerLauncher
 from worker.sampling_params import SamplingParams
@@ -73,6 +76,8 @@ class AsyncEngine:
         self._adds_sent = 0
         self._adds_handled = 0
         self._error: BaseException | None = None
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
         self._core.start(self._on_step, self._on_dead)
 
     # -- caller side -------------------------------------------------------------------------
@@ -119,6 +124,30 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._core.submit(("abort", request_id))
 
+    async def export_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                            cache_salt: str | None = None) -> KVPayload | None:
+        """``LLMEngine.export_prefix``, run by the engine between two steps."""
+        return await self._call("export_prefix", list(block_hashes), list(token_ids), cache_salt)
+
+    async def import_prefix(self, payload: KVPayload) -> int:
+        """``LLMEngine.import_prefix``, run by the engine between two steps; raises its refusals."""
+        return await self._call("import_prefix", payload)
+
+    async def _call(self, method: str, *args) -> object:
+        if not self.is_alive():
+            raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (loop, future)
+        try:
+            self._core.submit(("call", call_id, method, args))
+            if not self.is_alive():  # died before it could answer: _on_dead may have run already
+                _settle(future, EngineDeadError(f"engine {self.replica_id} failed: {self.why_dead()}"))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
     def stats(self) -> ReplicaStats:
         return self._stats
 
@@ -158,6 +187,8 @@ class AsyncEngine:
         self._stats, self._metrics = result.stats, result.metrics
         self._adds_handled = result.adds_handled
         self._kv_batches.extend(result.kv_batches)
+        for call_id, answer in result.replies:
+            self._answer(call_id, answer)
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, exc in result.rejected:
             self._route(request_id, exc, deliveries)
@@ -165,8 +196,17 @@ class AsyncEngine:
             self._route(out.request_id, out, deliveries)
         self._flush(deliveries)
 
+    def _answer(self, call_id: int, answer: object) -> None:
+        target = self._calls.pop(call_id, None)
+        if target is not None:
+            loop, future = target
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(_settle, future, answer)
+
     def _on_dead(self, exc: BaseException) -> None:
         self._error = exc
+        for call_id in list(self._calls):
+            self._answer(call_id, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"))
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id in list(self._streams):
             self._route(request_id, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"), deliveries)
@@ -203,6 +243,14 @@ def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     outputs += [c for c in earlier.outputs if c.index not in seen]  # advanced only in the earlier step
     outputs.sort(key=lambda c: c.index)
     return dataclasses.replace(later, outputs=outputs)
+
+
+def _settle(future: asyncio.Future, answer: object) -> None:
+    if not future.done():
+        if isinstance(answer, BaseException):
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

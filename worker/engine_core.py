@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05
 """How long the idle thread loop waits for a command before checking again."""
+
+ENGINE_CALLS = frozenset({"export_prefix", "import_prefix"})
+"""``LLMEngine`` methods a ``("call", ...)`` command may run between steps (KV pulled from a peer)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class StepResult:
     kv_batches: list[KVEventBatch]
     adds_handled: int
     """Adds the engine has taken off its command queue so far (accepted or refused)."""
+    replies: list[tuple[int, object]] = field(default_factory=list)
+    """Answers to ``("call", ...)`` commands: (call id, the method's result or the exception it raised)."""
 
 
 class EngineCore:
@@ -70,7 +75,8 @@ class EngineCore:
         raise NotImplementedError
 
     def submit(self, command: tuple) -> None:
-        """``("add", id, prompt ids, params, salt, resume token ids)``, ``("abort", id)`` or ``("stop",)``."""
+        """``("add", id, prompt ids, params, salt, resume token ids)``, ``("abort", id)``, ``("stop",)``
+        or ``("call", call id, method, args)`` (one of ``ENGINE_CALLS``, answered in ``StepResult.replies``)."""
         raise NotImplementedError
 
     def is_alive(self) -> bool:
@@ -100,6 +106,7 @@ class EngineLoop:
         self.adds_handled = 0
         self._aborted: list[RequestOutput] = []
         self._rejected: list[tuple[str, BaseException]] = []
+        self._replies: list[tuple[int, object]] = []
 
     def handle(self, command: tuple) -> bool:
         """Applies one command; False for ``stop``."""
@@ -117,22 +124,34 @@ class EngineLoop:
             out = self.engine.abort(command[1])
             if out is not None:
                 self._aborted.append(out)
+        elif kind == "call":
+            _, call_id, method, args = command
+            self._replies.append((call_id, self._call(method, args)))
         return True
+
+    def _call(self, method: str, args: tuple) -> object:
+        """Runs an ``ENGINE_CALLS`` method; what it raises is the caller's answer, never the loop's end."""
+        if method not in ENGINE_CALLS:
+            return ValueError(f"method: {method!r} is not one of {sorted(ENGINE_CALLS)}")
+        try:
+            return getattr(self.engine, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - bad input from a peer must not end the engine
+            return exc
 
     def step(self) -> StepResult | None:
         """One engine step (if anything is runnable); None when there is nothing to report."""
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         outputs = self._aborted + outputs
         kv_batches = self.engine.drain_kv_events()
-        if not (outputs or self._rejected or kv_batches):
+        if not (outputs or self._rejected or kv_batches or self._replies):
             return None
         result = StepResult(outputs, self._rejected, self.engine.stats(),
-                            self.engine.metrics_snapshot().as_dict(), kv_batches, self.adds_handled)
-        self._aborted, self._rejected = [], []
+                            self.engine.metrics_snapshot().as_dict(), kv_batches, self.adds_handled, self._replies)
+        self._aborted, self._rejected, self._replies = [], [], []
         return result
 
     def idle(self) -> bool:
-        return not self.engine.has_unfinished() and not self._aborted and not self._rejected
+        return not self.engine.has_unfinished() and not self._aborted and not self._rejected and not self._replies
 
 
 class ThreadCore(EngineCore):

@@ -7,7 +7,7 @@ process. Sharing one GIL with them, the engine loop waited for the GIL after eve
 
 Protocol, over one ``socket.socketpair`` wrapped in ``multiprocessing.connection``:
     parent -> child: ``("init", EngineConfig, replica_id)``, then commands (``("add", ...)``,
-    ``("abort", id)``, ``("stop",)``).
+    ``("abort", id)``, ``("stop",)``, ``("call", id, method, args)`` answered in the step's replies).
     child -> parent: ``("ready", EngineInfo)`` or ``("failed", message)`` once, then one
     ``("step", PackedStep)`` per engine step that produced anything, and ``("error",
     message)`` if the loop dies. Outputs travel as deltas (new token ids, new text, new
@@ -229,7 +229,8 @@ class ProcessCore(EngineCore):
         outputs = [out for out in map(self._assembler.assemble, step.outputs) if out is not None]
         for request_id, _ in step.rejected:
             self._assembler.discard(request_id)
-        return StepResult(outputs, step.rejected, step.stats, step.metrics, step.kv_batches, step.adds_handled)
+        return StepResult(outputs, step.rejected, step.stats, step.metrics, step.kv_batches, step.adds_handled,
+                          step.replies)
 
 
 def _end_process(proc: subprocess.Popen, conn: Connection) -> None:

@@ -26,6 +26,7 @@ write a block while it is copied.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +72,22 @@ class KVPayload:
     @property
     def kv_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def __reduce__(self):
+        """Pickles the K/V as plain bytes: never through torch's shared-memory reductions, which
+        ``multiprocessing`` connections would use and a peer process cannot open."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "kv"}
+        kv = self.kv.detach().to("cpu").contiguous()
+        raw = kv.view(torch.uint8).numpy().tobytes() if kv.numel() else b""
+        return _rebuild_payload, (fields, raw, dtype_name(kv.dtype), tuple(kv.shape))
+
+
+def _rebuild_payload(fields: dict, raw: bytes, dtype: str, shape: tuple[int, ...]) -> KVPayload:
+    torch_dtype = getattr(torch, dtype)
+    if not raw:
+        return KVPayload(**fields, kv=torch.empty(shape, dtype=torch_dtype))
+    kv = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype).reshape(shape)
+    return KVPayload(**fields, kv=kv)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -206,9 +223,11 @@ def import_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, payload: 
         [block] = pool.allocate(1)  # may evict (or move to the host tier) some unreferenced block
         held.append(block)
         targets.append((block, i))
-    if targets:
-        scatter_device_blocks(runner, [b.block_id for b, _ in targets], payload.kv[[i for _, i in targets]])
-        for block, i in targets:
-            pool.cache_block(block, payload.block_hashes[i], payload.token_ids[i * bs : (i + 1) * bs])
-    pool.free(held)
+    try:
+        if targets:  # a copy that raises (device memory) leaves the fresh blocks uncached and freed
+            scatter_device_blocks(runner, [b.block_id for b, _ in targets], payload.kv[[i for _, i in targets]])
+            for block, i in targets:
+                pool.cache_block(block, payload.block_hashes[i], payload.token_ids[i * bs : (i + 1) * bs])
+    finally:
+        pool.free(held)
     return len(targets)

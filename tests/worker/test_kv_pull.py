@@ -165,3 +165,39 @@ def test_import_into_a_full_pool_takes_what_fits_and_corrupts_nothing(tiny_model
         assert pulled.num_cached_tokens == expect_imported * b.block_size
         same_output(pulled, first)
 
+
+
+def test_pull_between_async_engines_across_the_process_boundary(tiny_models, test_seed):
+    """The commands through the engine loop: A in a child process, B in a thread; a payload
+    crosses the socket both ways, a refusal comes back as the exception and B goes on serving."""
+    import asyncio
+
+    from worker.async_engine import AsyncEngine
+
+    prompt = prompt_of(random.Random(test_seed), 100)
+    config = EngineConfig(model=tiny_models["llama"], num_kv_blocks=64)
+    a, b = AsyncEngine(config, "a", spawn=True), AsyncEngine(config, "b", spawn=False)
+
+    async def generate(engine, rid):
+        return [o async for o in engine.generate(rid, prompt, PARAMS)][-1]
+
+    async def main():
+        first = await generate(a, "a0")
+        hashes = hash_blocks(prompt, 16, a.model_id, None)
+        payload = await a.export_prefix(hashes, prompt)
+        assert payload.num_blocks == 6
+        with pytest.raises(KVPayloadMismatchError, match="payload.model_id"):
+            await b.import_prefix(dataclasses.replace(payload, model_id="someone-else"))
+        assert await b.import_prefix(payload) == 6
+        pulled = await generate(b, "b0")
+        assert pulled.num_cached_tokens == 96
+        same_output(pulled, first)
+        stored = [h for batch in b.drain_kv_events() for e in batch.events
+                  if e.kind == EventKind.STORED and e.tier == Tier.DEVICE for h in e.hashes]
+        assert stored[:6] == hashes, "the import's events reach the replica's publisher"
+        assert await a.import_prefix(await b.export_prefix(hashes, prompt)) == 0  # A holds them all
+        assert await a.export_prefix(hashes, [t + 1 for t in prompt]) is None
+        await a.shutdown(1.0)
+        await b.shutdown(1.0)
+
+    asyncio.run(main())
