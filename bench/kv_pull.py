@@ -10,6 +10,8 @@ nodes is not in this number: add ``payload bytes / link bandwidth`` for it.
 
 The transfer rate it publishes is ``pulled tokens / (export + pickle + unpickle + import)``, in
 tokens per second: what a router would divide remote tokens by (``router/prefix_policy.py``).
+``prefill_s`` is the cold TTFT of the prefix plus a 16-token question (one step with sampling);
+``prefill_tokens_per_s`` counts the prefix tokens only, so it understates the prefill rate a bit.
 
     python -m bench.kv_pull                     # SmolLM2, 500-token prefix, 3 repeats (CPU)
     python -m bench.kv_pull --quick             # smoke: one 64-token prefix

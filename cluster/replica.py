@@ -10,6 +10,10 @@ the engine refuses (bad input, full queue, dead engine) yields one
 ``{"rejected": {"kind", "message"}}`` dict instead of raising, so the ingress maps it to
 400/429/503 without unpickling engine errors.
 
+``export_prefix`` and ``pull_prefix`` move a prefix's KV between replicas (issue 19,
+``worker/kv_transfer.py``): the puller asks a peer for the blocks it holds and imports them
+into its own cache; a failed pull is logged and returns zero blocks, never failing a request.
+
 When the caller goes away (client disconnect -> Serve cancels the child request) the
 generator is cancelled or closed inside ``engine.generate``, which aborts the request and
 frees its blocks. ``check_health`` fails once the engine loop is dead or, under tensor
@@ -256,6 +260,33 @@ class EngineReplica:
         return self.metrics.snapshot(
             self.engine.metrics(), alive=self.engine.is_alive(), model_name=self.model_name
         )
+
+    async def export_prefix(self, block_hashes: list[bytes], token_ids: list[int],
+                            cache_salt: str | None = None):
+        """The leading blocks of this prefix that this replica holds, as a ``KVPayload`` (None
+        when it holds none): what a peer's ``pull_prefix`` calls (issue 19)."""
+        return await self.engine.export_prefix(block_hashes, token_ids, cache_salt)
+
+    async def pull_prefix(self, peer, block_hashes: list[bytes], token_ids: list[int],
+                          cache_salt: str | None = None) -> dict:
+        """Copies the blocks of this prefix that ``peer`` holds into this replica's cache, so
+        the next request with it hits them instead of prefilling. ``peer``: a handle whose
+        ``export_prefix.remote(...)`` is awaitable (a Serve handle pinned to the holder, a Ray
+        actor handle). Never raises: a peer that is gone, holds nothing or sends a payload
+        this engine refuses costs the pull, not a request; ``error`` says why.
+        Returns ``{"imported_blocks", "pulled_tokens", "payload_bytes", "pull_s", "error"}``."""
+        t0 = time.monotonic()
+        result = {"imported_blocks": 0, "pulled_tokens": 0, "payload_bytes": 0, "pull_s": 0.0, "error": None}
+        try:
+            payload = await peer.export_prefix.remote(block_hashes, token_ids, cache_salt)
+            if payload is not None:
+                result["pulled_tokens"], result["payload_bytes"] = payload.num_tokens, payload.kv_bytes
+                result["imported_blocks"] = await self.engine.import_prefix(payload)
+        except Exception as exc:  # noqa: BLE001 - a failed pull falls back to prefilling
+            log.warning("replica %s: pulling a prefix from a peer failed: %r", self.replica_id, exc)
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["pull_s"] = time.monotonic() - t0
+        return result
 
     def describe(self) -> dict:
         """What the ingress must agree on with the engine: names, limits, block size."""
