@@ -55,6 +55,12 @@ POLICIES = {
 }
 
 
+def _pull_price_factor() -> float:
+    from bench.sim.ours import PULL_PRICE_FACTOR
+
+    return PULL_PRICE_FACTOR
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--replicas", type=int, nargs="+", default=[64, 128, 256])
@@ -151,6 +157,7 @@ def run(args) -> tuple[list[dict], dict]:
             "seed": args.seed,
             "speculative": not args.no_speculative,
             "kv_pull": None if pull is None else dataclasses.asdict(pull),
+            "prefix_pull_price_factor": None if pull is None else _pull_price_factor(),
             "prefix_overrides": {
                 "max_load_ratio": args.max_load_ratio,
                 "miss_cost_factor": args.miss_cost_factor,
@@ -168,6 +175,8 @@ def main(argv=None) -> int:
     tag = args.tag or time.strftime("%Y%m%d", time.gmtime())
     lines = report.verdicts(rows)
     header["verdicts_on_ours"] = lines
+    summary = report.ours_summary(rows)
+    header["ours_summary"] = summary
     path = report.write_results(rows, header, args.out_dir / f"sim_{tag}.json")
     print(report.markdown_table(rows))
     if not args.no_plots:
@@ -175,6 +184,7 @@ def main(argv=None) -> int:
         for png in report.plot_results(rows, args.out_dir / f"sim_{tag}", subtitle):
             print(f"wrote {png}")
     print(f"wrote {path} in {header['wall_s']} s")
+    print("\n" + report.summary_table(summary))
     print("\nWhere ours misses the bars (95% of oracle hit rate, max/mean <= 1.2, lowest p90):")
     print("\n".join(f"- {line}" for line in lines) if lines else "- nowhere")
     return 0

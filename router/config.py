@@ -76,7 +76,9 @@ class RouterConfig:
     kv_pull_tokens_per_s: float | None = None
     """Rate at which a replica pulls a prefix's KV from a peer that holds it; the ``prefix``
     policy then prices a replica lacking a prefix a peer holds at the pull, not a prefill.
-    None (the default): replicas do not pull, every miss is priced as a prefill."""
+    None (the default): replicas do not pull, every miss is priced as a prefill. Setting it
+    below the measured transfer rate makes copies dearer (each takes cache space that evicts
+    other prefixes); the simulator uses 1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR)."""
     seed: int = 0
     """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
 

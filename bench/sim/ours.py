@@ -35,7 +35,7 @@ def sim_router_config(sim, policy: str, **overrides) -> RouterConfig:
     rates = sim.rates
     pull = sim.config.pull
     fields = dict(
-        kv_pull_tokens_per_s=None if pull is None else pull.pull_tokens_per_s,
+        kv_pull_tokens_per_s=None if pull is None else pull.pull_tokens_per_s / PULL_PRICE_FACTOR,
     )
     fields.update(overrides)
     return RouterConfig(
@@ -170,6 +170,14 @@ class OursPolicy:
 # (a 1k-token prompt takes ~7 s on the calibrated CPU), so the adapter sizes it to the time
 # this many queued prompt tokens take at the calibrated rate (55 s on the CPU, 5 s on a GPU).
 SPECULATIVE_TTL_QUEUE_TOKENS = 8192
+
+# The router prices a pull at this many times the transfer time (RouterConfig's
+# kv_pull_tokens_per_s = the transfer rate / this): a copy also takes cache space that evicts
+# other prefixes, which the TTFT model does not see. Tuned on the simulator with pulls on
+# (bench/results/sim_20261124_pulls.json): at 1 the router copies hot prefixes so freely that
+# the capacity-bound Mooncake workload falls to 91% of the oracle hit rate; 30-100 gives
+# 93-95% there while keeping the lowest p90 TTFT elsewhere; 50+ loses single_hot_prefix's p90.
+PULL_PRICE_FACTOR = 40.0
 
 # Same reason as router.embedded_index: prune expired speculative entries only past a size,
 # so recording stays amortized O(1).

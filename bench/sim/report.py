@@ -70,6 +70,43 @@ def verdicts(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
+def ours_summary(rows: Sequence[dict]) -> list[dict]:
+    """Per (workload, replicas): ours' hit rate as a fraction of the oracle's, its max/mean
+    load, and its p90 TTFT rank among the policies run (1 + those beating it by more than
+    ``P90_TIE_REL``, so a tie with the best is rank 1)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["workload"], row["replicas"]), []).append(row)
+    summary = []
+    for (workload, replicas), group in sorted(groups.items()):
+        ours = next((r for r in group if r["policy"] == OURS), None)
+        if ours is None:
+            continue
+        oracle = ours["oracle_hit_rate"]
+        summary.append(
+            {
+                "workload": workload,
+                "replicas": replicas,
+                "hit_of_oracle": ours["hit_rate"] / oracle if oracle else 1.0,
+                "max_mean_load": ours["max_mean_load"],
+                "p90_rank": 1
+                + sum(r["ttft_p90_s"] * (1 + P90_TIE_REL) < ours["ttft_p90_s"] for r in group),
+                "num_policies": len(group),
+            }
+        )
+    return summary
+
+
+def summary_table(summary: Sequence[dict]) -> str:
+    lines = ["| workload | replicas | hit % of oracle | max/mean | p90 rank |", "|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(
+            f"| {s['workload']} | {s['replicas']} | {s['hit_of_oracle']:.1%} | "
+            f"{s['max_mean_load']:.2f} | {s['p90_rank']} of {s['num_policies']} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown_table(rows: Sequence[dict]) -> str:
     head = (
         "| workload | replicas | policy | hit | oracle | p50 s | p90 s | p99 s | tok/s | max/mean |"

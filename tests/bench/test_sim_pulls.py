@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from bench.sim import report
 from bench.sim.baselines import RandomPolicy
 from bench.sim.calibration import (
     CALIBRATION_PATH,
@@ -129,3 +130,17 @@ def test_calibration_kv_pull_section_is_loaded_and_kept_by_record_rates(tmp_path
     path.write_text(json.dumps({"kv_pull": {"kv_bytes_per_token": 8.0}}))
     with pytest.raises(ValueError, match="kv_pull"):
         load_pull_rates(path)
+
+
+def test_summary_ranks_ours_p90_with_ties_within_one_percent():
+    def row(policy, p90, workload="w"):
+        return {"workload": workload, "replicas": 8, "policy": policy, "ttft_p90_s": p90,
+                "hit_rate": 0.45, "oracle_hit_rate": 0.5, "max_mean_load": 1.1}
+
+    rows = [row("a", 1.0), row("b", 2.0), row("prefix", 1.005),
+            row("a", 1.0, "v"), row("prefix", 1.5, "v")]
+    summary = {s["workload"]: s for s in report.ours_summary(rows)}
+    assert summary["w"]["p90_rank"] == 1 and summary["w"]["num_policies"] == 3
+    assert summary["v"]["p90_rank"] == 2
+    assert summary["w"]["hit_of_oracle"] == pytest.approx(0.9)
+    assert "| w | 8 | 90.0% | 1.10 | 1 of 3 |" in report.summary_table(summary.values())
