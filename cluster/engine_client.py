@@ -30,6 +30,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster import errors
 from cluster.errors import APIError
+from cluster.serve_compat import own_internal_request_id
 from router.protocol import hash_blocks
 from worker.sampling_params import SamplingParams
 
@@ -131,6 +132,7 @@ class EngineClient:
                     resume_token_ids: list[int] | None = None):
         """Starts one engine request; returns (first output, response) or raises APIError."""
         hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
+        own_internal_request_id()  # this task's calls only: prompts of one request go in parallel
         response = None
         try:
             # Serve may refuse in remote() itself (its queue is full) or on the first item.
@@ -192,7 +194,7 @@ class EngineClient:
                     raise ReplicaDiedError(first["rejected"]["message"])
                 return first
             except APIError as exc:
-                if exc.status_code != 503 or not stream.can_fail_over():
+                if exc.status != 503 or not stream.can_fail_over():
                     raise
                 cause = exc
 

@@ -6,6 +6,12 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
   that ties a routing decision to ``on_request_routed``/``on_request_completed``.
 - ``PendingRequest.routing_context.should_backoff``: without it Serve retries a full set of
   replicas in a tight loop.
+- ``ray.serve.context._set_request_context(_internal_request_id=...)`` and
+  ``ray.serve._private.utils.generate_request_id``: each engine call gets its own internal id
+  (``own_internal_request_id``). Serve copies the HTTP request's id into every handle call
+  made while serving it, and its router keys pending requests by that id, so two calls
+  pending at once (one completions request over several prompts) overwrite each other there
+  and one of them is never routed.
 - ``ray.serve._private.constants`` ``SERVE_CONTROLLER_NAME``/``SERVE_NAMESPACE`` and the
   controller's ``_register_shutdown_cleanup_actor`` (what Ray's own prefix router uses), so
   ``serve.shutdown()`` kills the index actor.
@@ -62,6 +68,11 @@ def missing_serve_internals() -> list[str]:
         inner_type = _field_type(field)
         if inner_type is None or inner not in {f.name for f in dataclasses.fields(inner_type)}:
             missing.append(f"PendingRequest.{name}.{inner}")
+    try:
+        from ray.serve._private.utils import generate_request_id  # noqa: F401
+        from ray.serve.context import _set_request_context  # noqa: F401
+    except ImportError as exc:
+        missing.append(f"ray.serve request context ({exc.name or exc})")
     for name in ("curr_replicas", "update_replicas", "on_request_routed", "on_request_completed"):
         if not hasattr(RequestRouter, name):
             missing.append(f"RequestRouter.{name}")
@@ -113,6 +124,15 @@ def request_key(pending_request: PendingRequest) -> str:
 def ask_to_back_off(pending_request: PendingRequest) -> None:
     """Makes Serve back off before routing ``pending_request`` again after a full set."""
     pending_request.routing_context.should_backoff = True
+
+
+def own_internal_request_id() -> None:
+    """Gives the handle calls made from the current asyncio task (and its context copy) an
+    internal request id of their own; see the module docstring for why."""
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _set_request_context
+
+    _set_request_context(_internal_request_id=generate_request_id())
 
 
 def serve_namespace() -> str:

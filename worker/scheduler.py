@@ -23,9 +23,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from router.protocol import BlockHash
 from worker.block_pool import BlockPool, NoFreeBlocksError
 from worker.config import EngineConfig
-from router.protocol import BlockHash
 from worker.request import Request, Status, cdiv
 
 
