@@ -119,6 +119,7 @@ _FLAGS = [
     # logging & metrics
     ("--log-level", "cluster", "log_level", str, "Log level of the driver, the deployments and the engine processes: debug, info, warning, error or critical.", "logging"),
     ("--enable-log-requests", "cluster", "enable_log_requests", None, "Log one line per request (Serve's access log).", "logging"),
+    ("--expose-replica-headers", "cluster", "expose_replica_headers", None, "Name the serving engine and ingress replicas in x-prefixserve-replica/x-prefixserve-ingress response headers (for debugging and benchmarks; they reveal the cluster's layout).", "http"),
     ("--metrics-prefix", "cluster", "metrics_prefix", str, "Prefix of the series names at /metrics; 'vllm' gives vLLM's names for its dashboards and autoscaling rules.", "logging"),
 ]  # fmt: skip
 

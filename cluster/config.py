@@ -94,6 +94,11 @@ class ClusterConfig:
     send fewer, larger messages (each crosses two Ray hops) and stream in bursts. A request's
     first tokens and its end go at once."""
     enable_log_requests: bool = False
+    expose_replica_headers: bool = False
+    """Send ``x-prefixserve-replica`` and ``x-prefixserve-ingress`` (the engine and ingress
+    replicas that served a request) on every response. Off by default: they tell clients how
+    the cluster is laid out and which replica holds which prefix; turn them on to debug or
+    benchmark routing."""
     """Log one line per HTTP request (Serve's access log) in the proxy, ingress and replicas.
     Off by default, as in vLLM: on a small machine the log lines cost serving throughput."""
     metrics_prefix: str = "prefixserve:"
@@ -221,6 +226,8 @@ class ClusterConfig:
             "root_path",
             f"must be empty or a path like /api (leading '/', no trailing '/'), got {self.root_path!r}",
         )
+        need(isinstance(self.expose_replica_headers, bool), "expose_replica_headers",
+             f"must be true or false, got {self.expose_replica_headers!r}")
         need(
             self.log_level in LOG_LEVELS,
             "log_level",

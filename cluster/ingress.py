@@ -6,7 +6,8 @@ template and tokenize once, fit ``max_tokens`` into the context (400), hash the 
 blocks for the router, then call ``EngineReplica.generate`` through a streaming
 ``DeploymentHandle``. The first replica output is awaited before any byte is sent, so a
 refusal (bad input 400, full queue 429 with Retry-After, dead engine 503) is a proper
-status; the serving replica goes out in the ``x-prefixserve-replica`` header. Failures
+status; with ``expose_replica_headers`` the serving replica goes out in the
+``x-prefixserve-replica`` header. Failures
 after the stream started end it with an ``error`` event and ``[DONE]``. A client that goes
 away cancels the handle calls, which aborts the engine requests and frees their blocks.
 Each replica times its requests (``cluster.metrics.IngressMetrics``: TTFT, queue time, e2e,
@@ -72,6 +73,14 @@ REPLICA_HEADER = "x-prefixserve-replica"
 INGRESS_HEADER = "x-prefixserve-ingress"
 # /health and /metrics must answer even when the hub or every replica is wedged.
 HEALTH_TIMEOUT_S = 2.0
+
+def replica_headers(cluster: ClusterConfig, engine_replicas: str, ingress_replica: str) -> dict:
+    """The response headers naming who served a request: none unless the cluster exposes them
+    (``ClusterConfig.expose_replica_headers``)."""
+    if not cluster.expose_replica_headers:
+        return {}
+    return {REPLICA_HEADER: engine_replicas, INGRESS_HEADER: ingress_replica}
+
 
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
 
@@ -140,7 +149,7 @@ class Ingress:
                 allow_origins=list(self.cluster.allowed_origins),
                 allow_methods=list(self.cluster.allowed_methods),
                 allow_headers=list(self.cluster.allowed_headers),
-                expose_headers=[REPLICA_HEADER, INGRESS_HEADER],
+                expose_headers=[REPLICA_HEADER, INGRESS_HEADER] if self.cluster.expose_replica_headers else [],
             )
         return app
 
@@ -199,7 +208,7 @@ class Ingress:
         """``arrival_s``: ``time.monotonic()`` when the handler started (TTFT, queue, e2e)."""
         self.request_metrics.started(arrival_s, [stream.first for stream in opened], time.monotonic())
         replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
-        headers = {REPLICA_HEADER: replicas, INGRESS_HEADER: self._ingress_id}
+        headers = replica_headers(self.cluster, replicas, self._ingress_id)
         items = self.engines.merge(opened)
         if not body.stream:
             failed = False

@@ -100,6 +100,7 @@ def start_servers(
             str(args.num_kv_blocks),
             "--port",
             str(port),
+            "--expose-replica-headers",  # per-replica request counts
             *shlex.split(args.serve_args),
         ]
         servers.append(

@@ -107,6 +107,7 @@ def start_tiny_cluster(folder) -> tuple[Server, object]:
     }
     cluster = {
         "num_replicas": 2,
+        "expose_replica_headers": True,  # the tests read who served each request
         "api_key": API_KEY,
         "max_ongoing_requests": 24,
         "max_queued_requests": 64,

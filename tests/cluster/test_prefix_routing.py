@@ -159,6 +159,7 @@ def _start_app(model: str, port: int, policy: str, redis_url: str | None = None)
     }
     cluster = {
         "num_replicas": 2,  # and so 2 ingress replicas
+        "expose_replica_headers": True,  # the tests read who served each request
         "port": port,
         "app_name": name,
         "allowed_origins": [CORS_ORIGIN],

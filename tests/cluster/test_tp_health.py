@@ -32,7 +32,7 @@ def tp_server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("tp-tiny") / "llama", "llama")
     engine = {"model": model, "num_kv_blocks": 256, "max_model_len": 1024, "num_threads": 1,
               "tensor_parallel_size": 2}
-    url, teardown = start_cluster(engine, {"num_replicas": 1}, "tp")
+    url, teardown = start_cluster(engine, {"num_replicas": 1, "expose_replica_headers": True}, "tp")
     yield url
     teardown()
 
