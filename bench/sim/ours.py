@@ -174,9 +174,10 @@ SPECULATIVE_TTL_QUEUE_TOKENS = 8192
 # The router prices a pull at this many times the transfer time (RouterConfig's
 # kv_pull_tokens_per_s = the transfer rate / this): a copy also takes cache space that evicts
 # other prefixes, which the TTFT model does not see. Tuned on the simulator with pulls on
-# (bench/results/sim_20261124_pulls.json): at 1 the router copies hot prefixes so freely that
-# the capacity-bound Mooncake workload falls to 91% of the oracle hit rate; 30-100 gives
-# 93-95% there while keeping the lowest p90 TTFT elsewhere; 50+ loses single_hot_prefix's p90.
+# (bench/results/sim_20261124_pulls.json, 64 replicas): at 1 the router copies prefixes so
+# freely that the capacity-bound Mooncake workload falls to 91.5% of the oracle hit rate; 40
+# gives 93.8% and the lowest p90 TTFT on every workload; 100 gives 95.1% but loses
+# single_hot_prefix's p90 (2.04 s vs round robin's 1.97 s) and at 128 replicas stays at 94%.
 PULL_PRICE_FACTOR = 40.0
 
 # Same reason as router.embedded_index: prune expired speculative entries only past a size,
