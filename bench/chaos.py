@@ -94,8 +94,14 @@ def p99(values: list[float]) -> float | None:
 
 
 # -- the load ---------------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, out: Outcome,
-                      slow_read_s: float = 0.0, drop_after_first: bool = False) -> None:
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    out: Outcome,
+    slow_read_s: float = 0.0,
+    drop_after_first: bool = False,
+) -> None:
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
             if reply.status_code != 200:
@@ -106,7 +112,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, out: Outc
                     await asyncio.sleep(slow_read_s)
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     out.done = True
                     return
@@ -125,8 +131,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, out: Outc
         out.error = f"{type(exc).__name__}: {exc}"[:200]
 
 
-async def run_load(url: str, workload: list, concurrency: int, duration_s: float,
-                   on_time=None) -> list[Outcome]:
+async def run_load(
+    url: str, workload: list, concurrency: int, duration_s: float, on_time=None
+) -> list[Outcome]:
     """Closed loop: ``concurrency`` workers send the workload round-robin for ``duration_s``;
     ``on_time(elapsed_s)`` is awaited between requests by worker 0 (fault injection)."""
     outcomes: list[Outcome] = []
@@ -139,8 +146,13 @@ async def run_load(url: str, workload: list, concurrency: int, duration_s: float
             while time.monotonic() - t0 < duration_s:
                 i = next(counter)
                 req = workload[i % len(workload)]
-                body = {"messages": req.messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-                        "ignore_eos": True, "stream": True}
+                body = {
+                    "messages": req.messages,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 out = Outcome(i % len(workload), time.monotonic())
                 outcomes.append(out)
                 await one_request(client, url, body, out)
@@ -224,9 +236,23 @@ class SlowProxy:
 
 
 def start_redis(port: int, workdir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -253,8 +279,12 @@ def kv_in_use_blocks(url: str) -> int | None:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    usage = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-             if s.name.endswith("kv_cache_usage_perc")]
+    usage = [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.endswith("kv_cache_usage_perc")
+    ]
     return None if not usage else sum(round(u * NUM_KV_BLOCKS) for u in usage)
 
 
@@ -267,8 +297,14 @@ def wait_idle_blocks(url: str) -> int | None:
     return held
 
 
-def summarize(name: str, outcomes: list[Outcome], baseline: dict[int, str], fault_at_s: float | None,
-              recovered_at_s: float | None, t0: float) -> FaultResult:
+def summarize(
+    name: str,
+    outcomes: list[Outcome],
+    baseline: dict[int, str],
+    fault_at_s: float | None,
+    recovered_at_s: float | None,
+    t0: float,
+) -> FaultResult:
     res = FaultResult(fault=name, requests=len(outcomes))
     during, after = [], []
     for o in outcomes:
@@ -293,12 +329,21 @@ def summarize(name: str, outcomes: list[Outcome], baseline: dict[int, str], faul
 
 # -- one run ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration-s", type=float, default=60.0, help="load per fault (default 60)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--duration-s", type=float, default=60.0, help="load per fault (default 60)"
+    )
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--faults", default="replica_kill,index_kill,ingress_kill,disconnect_storm,slow_readers",
-                        help="comma-separated; with --redis also redis_restart,redis_slow")
-    parser.add_argument("--redis", action="store_true", help="use a redis-server index (adds two faults)")
+    parser.add_argument(
+        "--faults",
+        default="replica_kill,index_kill,ingress_kill,disconnect_storm,slow_readers",
+        help="comma-separated; with --redis also redis_restart,redis_slow",
+    )
+    parser.add_argument(
+        "--redis", action="store_true", help="use a redis-server index (adds two faults)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     from bench.serve.workload import load_workload
@@ -312,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     known = {"replica_kill", "index_kill", "ingress_kill", "disconnect_storm", "slow_readers"}
     unknown = set(faults) - known - ({"redis_restart", "redis_slow"} if args.redis else set())
     if unknown:
-        parser.error(f"unknown faults (or Redis faults without --redis): {', '.join(sorted(unknown))}")
+        parser.error(
+            f"unknown faults (or Redis faults without --redis): {', '.join(sorted(unknown))}"
+        )
     redis_proc = proxy = None
     serve_args = []
     if args.redis:
@@ -323,8 +370,21 @@ def main(argv: list[str] | None = None) -> int:
         faults += [f for f in ("redis_restart", "redis_slow") if f not in faults]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv_serve = [sys.executable, "-m", "cluster.cli", "serve", "--num-replicas", "2", "--num-threads", "1",
-                  "--num-kv-blocks", str(NUM_KV_BLOCKS), "--port", str(port), *serve_args]
+    argv_serve = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "serve",
+        "--num-replicas",
+        "2",
+        "--num-threads",
+        "1",
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        "--port",
+        str(port),
+        *serve_args,
+    ]
     server = Server("prefixserve", argv_serve, workdir / "server.log", env=server_env(1))
     global SERVER_PID
     SERVER_PID = server.proc.pid
@@ -335,22 +395,32 @@ def main(argv: list[str] | None = None) -> int:
         print("fault-free run ...", file=sys.stderr, flush=True)
         base = asyncio.run(run_load(url, workload, args.concurrency, args.duration_s))
         baseline = {o.index: o.text for o in base if o.done and not o.error}
-        results.append(summarize("none", base, baseline, None, None, base[0].start_s if base else 0))
+        results.append(
+            summarize("none", base, baseline, None, None, base[0].start_s if base else 0)
+        )
         results[-1].leaked_blocks = wait_idle_blocks(url)
         redis = {"proc": redis_proc}
         for fault in faults:
             print(f"fault {fault} ...", file=sys.stderr, flush=True)
-            results.append(run_fault(fault, url, workload, args, baseline, probe, redis, proxy, workdir))
+            results.append(
+                run_fault(fault, url, workload, args, baseline, probe, redis, proxy, workdir)
+            )
         redis_proc = redis["proc"]
     finally:
         server.stop()
         if redis_proc is not None:
             redis_proc.kill()
-    header = {"benchmark": "chaos", "date": date, "cpu": cpu_model(), "cpus": os.cpu_count(),
-              "git_commit": git_commit(), "command": "python -m bench.chaos " + " ".join(argv or sys.argv[1:]),
-              "load": f"{args.concurrency} closed-loop streams, {args.duration_s:.0f} s per fault, "
-                      f"{MAX_TOKENS} greedy tokens, 2 engine x 1 thread, 2 ingress replicas",
-              "loadavg_start": os.getloadavg()}
+    header = {
+        "benchmark": "chaos",
+        "date": date,
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "git_commit": git_commit(),
+        "command": "python -m bench.chaos " + " ".join(argv or sys.argv[1:]),
+        "load": f"{args.concurrency} closed-loop streams, {args.duration_s:.0f} s per fault, "
+        f"{MAX_TOKENS} greedy tokens, 2 engine x 1 thread, 2 ingress replicas",
+        "loadavg_start": os.getloadavg(),
+    }
     rows = [asdict(r) for r in results]
     Path(f"{out_base}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     Path(f"{out_base}.md").write_text(markdown(header, rows))
@@ -358,13 +428,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_fault(fault: str, url: str, workload: list, args, baseline: dict, probe: dict,
-              redis: dict, proxy: SlowProxy | None, workdir: Path) -> FaultResult:
+def run_fault(
+    fault: str,
+    url: str,
+    workload: list,
+    args,
+    baseline: dict,
+    probe: dict,
+    redis: dict,
+    proxy: SlowProxy | None,
+    workdir: Path,
+) -> FaultResult:
     """One load with ``fault`` injected a third of the way in; ``redis["proc"]`` is the
     redis-server process (replaced when the fault restarts it)."""
     fault_at = args.duration_s / 3
     state: dict = {"fault_at_s": None, "recovered_at_s": None, "note": ""}
-    titles = {"replica_kill": "EngineReplica", "index_kill": "IndexActor", "ingress_kill": "Ingress"}
+    titles = {
+        "replica_kill": "EngineReplica",
+        "index_kill": "IndexActor",
+        "ingress_kill": "Ingress",
+    }
     extra_tasks: list = []
 
     async def inject(elapsed_s: float) -> None:
@@ -375,10 +458,14 @@ def run_fault(fault: str, url: str, workload: list, args, baseline: dict, probe:
         if fault in titles:
             count = len(processes_titled(titles[fault]))
             pid = sigkill_one(titles[fault])
-            state["note"] = f"SIGKILL pid {pid} of {count} {titles[fault]}" if pid else "skipped: not found"
+            state["note"] = (
+                f"SIGKILL pid {pid} of {count} {titles[fault]}" if pid else "skipped: not found"
+            )
             state["wait_title"] = (titles[fault], count)
         elif fault == "disconnect_storm":
-            extra_tasks.append(asyncio.ensure_future(storm(url, workload, 32, drop_after_first=True)))
+            extra_tasks.append(
+                asyncio.ensure_future(storm(url, workload, 32, drop_after_first=True))
+            )
             state["note"] = "32 streams dropped after their first token"
         elif fault == "slow_readers":
             extra_tasks.append(asyncio.ensure_future(storm(url, workload, 8, slow_read_s=2.0)))
@@ -391,7 +478,9 @@ def run_fault(fault: str, url: str, workload: list, args, baseline: dict, probe:
             state["note"] = "restarted: killed, 5 s down, restarted empty"
         elif fault == "redis_slow":
             proxy.slow(True)
-            state["note"] = f"+{REDIS_SLOW_DELAY_S * 1000:.0f} ms per chunk each way for {DURING_WINDOW_S:.0f} s"
+            state["note"] = (
+                f"+{REDIS_SLOW_DELAY_S * 1000:.0f} ms per chunk each way for {DURING_WINDOW_S:.0f} s"
+            )
             asyncio.get_running_loop().call_later(DURING_WINDOW_S, proxy.slow, False)
         asyncio.get_running_loop().run_in_executor(None, wait_recovery, url, probe, state)
 
@@ -408,8 +497,14 @@ def run_fault(fault: str, url: str, workload: list, args, baseline: dict, probe:
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     while state["recovered_at_s"] is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    res = summarize(fault, outcomes, baseline, state["fault_at_s"], state["recovered_at_s"],
-                    outcomes[0].start_s if outcomes else t0)
+    res = summarize(
+        fault,
+        outcomes,
+        baseline,
+        state["fault_at_s"],
+        state["recovered_at_s"],
+        outcomes[0].start_s if outcomes else t0,
+    )
     if state["recovered_at_s"] is not None and state["fault_at_s"] is not None:
         res.recovery_s = round(state["recovered_at_s"] - state["fault_at_s"], 2)
     res.note = state["note"]
@@ -431,25 +526,55 @@ def wait_recovery(url: str, probe: dict, state: dict) -> None:
         time.sleep(0.5)
 
 
-async def storm(url: str, workload: list, n: int, *, drop_after_first: bool = False,
-                slow_read_s: float = 0.0) -> None:
+async def storm(
+    url: str, workload: list, n: int, *, drop_after_first: bool = False, slow_read_s: float = 0.0
+) -> None:
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
         outs = [Outcome(i, time.monotonic()) for i in range(n)]
-        bodies = [{"messages": workload[i % len(workload)].messages, "max_tokens": 256, "temperature": 0,
-                   "ignore_eos": True, "stream": True} for i in range(n)]
-        await asyncio.gather(*(one_request(client, url, b, o, slow_read_s=slow_read_s,
-                                           drop_after_first=drop_after_first)
-                               for b, o in zip(bodies, outs, strict=True)))
+        bodies = [
+            {
+                "messages": workload[i % len(workload)].messages,
+                "max_tokens": 256,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            for i in range(n)
+        ]
+        await asyncio.gather(
+            *(
+                one_request(
+                    client, url, b, o, slow_read_s=slow_read_s, drop_after_first=drop_after_first
+                )
+                for b, o in zip(bodies, outs, strict=True)
+            )
+        )
 
 
 def markdown(header: dict, rows: list[dict]) -> str:
-    cols = ["fault", "requests", "lost", "errored", "mismatched", "ttft_p99_during_s",
-            "ttft_p99_after_s", "recovery_s", "leaked_blocks", "note"]
-    lines = [f"Chaos run {header['date']} ({header['cpu']}, {header['cpus']} CPUs): {header['load']}.",
-             f"Command: `{header['command']}`", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    cols = [
+        "fault",
+        "requests",
+        "lost",
+        "errored",
+        "mismatched",
+        "ttft_p99_during_s",
+        "ttft_p99_after_s",
+        "recovery_s",
+        "leaked_blocks",
+        "note",
+    ]
+    lines = [
+        f"Chaos run {header['date']} ({header['cpu']}, {header['cpus']} CPUs): {header['load']}.",
+        f"Command: `{header['command']}`",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     for r in rows:
-        lines.append("| " + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+        lines.append(
+            "| " + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

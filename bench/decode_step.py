@@ -35,6 +35,7 @@ def _print_breakdown(runner, inputs, repeats: int) -> None:
             out = fn(*args, **kwargs)
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
             return out
+
         return call
 
     names = ("linear", "rms_norm", "rotary", "store_kv", "attention")
@@ -55,13 +56,23 @@ def _print_breakdown(runner, inputs, repeats: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--decode-steps", type=int, default=4, help="decode steps to run before the timed one")
-    ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of a few repeats")
-    ap.add_argument("--breakdown", action="store_true", help="time each kernel of the backend (minimum per repeat)")
+    ap.add_argument(
+        "--decode-steps", type=int, default=4, help="decode steps to run before the timed one"
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="print torch.profiler's top ops of a few repeats"
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time each kernel of the backend (minimum per repeat)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -74,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = make_workload(Tokenizer(resolve_model("smollm2").path), args.max_num_seqs)
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=1024, max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=512))
+    engine = LLMEngine(
+        EngineConfig(
+            model="smollm2",
+            num_kv_blocks=1024,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=512,
+        )
+    )
     print(f"engine start {time.perf_counter() - t0:.1f} s")
     params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -93,11 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     while decodes < args.decode_steps:
         captured.clear()
         engine.step()
-        if captured and len(captured[-1].counts) == args.max_num_seqs and set(captured[-1].counts) == {1}:
+        if (
+            captured
+            and len(captured[-1].counts) == args.max_num_seqs
+            and set(captured[-1].counts) == {1}
+        ):
             decodes += 1
     runner.run_inputs = original
     inputs = captured[-1]
-    print(f"decode step: {len(inputs.counts)} sequences, context {min(inputs.starts) + 1}-{max(inputs.starts) + 1} tokens")
+    print(
+        f"decode step: {len(inputs.counts)} sequences, context {min(inputs.starts) + 1}-{max(inputs.starts) + 1} tokens"
+    )
 
     times_ms, cpu_ms = [], []
     for _ in range(args.repeats):
@@ -105,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         runner.run_inputs(inputs)
         times_ms.append((time.perf_counter() - t0) * 1e3)
         cpu_ms.append((time.process_time() - c0) * 1e3)
-    print(f"forward: min {min(times_ms):.1f} ms  median {statistics.median(times_ms):.1f} ms  "
-          f"(CPU time min {min(cpu_ms):.1f} ms; {args.repeats} repeats, {args.threads} threads)")
+    print(
+        f"forward: min {min(times_ms):.1f} ms  median {statistics.median(times_ms):.1f} ms  "
+        f"(CPU time min {min(cpu_ms):.1f} ms; {args.repeats} repeats, {args.threads} threads)"
+    )
     if args.breakdown:
         _print_breakdown(runner, inputs, args.repeats)
     if args.profile:

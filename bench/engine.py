@@ -37,11 +37,16 @@ def make_workload(tokenizer, num_requests: int, seed: int = 0) -> list[list[int]
     systems = []
     for i, topic in enumerate(TOPICS):
         target = rng.randint(300, 500)
-        rules = " ".join(f"Rule {j}: as {topic}, answer item {j} with care, cite policy {i}-{j}." for j in range(80))
+        rules = " ".join(
+            f"Rule {j}: as {topic}, answer item {j} with care, cite policy {i}-{j}."
+            for j in range(80)
+        )
         systems.append(tokenizer.encode(f"You are the assistant of {topic}. {rules}")[:target])
     prompts = []
     for r in range(num_requests):
-        question = tokenizer.encode(f"\nUser {r} asks: what should I do about case number {rng.randint(1000, 9999)}?\nAssistant:")
+        question = tokenizer.encode(
+            f"\nUser {r} asks: what should I do about case number {rng.randint(1000, 9999)}?\nAssistant:"
+        )
         prompts.append(systems[r % len(systems)] + question)
     return prompts
 
@@ -51,8 +56,15 @@ def run_ours(prompts, max_tokens: int, deterministic: bool, max_num_seqs: int = 
     from worker.engine import LLMEngine
     from worker.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=4096, max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=512, deterministic=deterministic))
+    engine = LLMEngine(
+        EngineConfig(
+            model="smollm2",
+            num_kv_blocks=4096,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=512,
+            deterministic=deterministic,
+        )
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
@@ -66,9 +78,13 @@ def run_ours(prompts, max_tokens: int, deterministic: bool, max_num_seqs: int = 
                 outs[out.request_id] = out
     total_s = time.monotonic() - t0
     cached = sum(o.num_cached_tokens for o in outs.values())
-    return _summary(f"prefixserve ({'deterministic' if deterministic else 'fast'})", total_s,
-                    sum(len(o.token_ids) for o in outs.values()), list(ttft.values()),
-                    cached_ratio=cached / sum(len(p) for p in prompts))
+    return _summary(
+        f"prefixserve ({'deterministic' if deterministic else 'fast'})",
+        total_s,
+        sum(len(o.token_ids) for o in outs.values()),
+        list(ttft.values()),
+        cached_ratio=cached / sum(len(p) for p in prompts),
+    )
 
 
 def run_transformers(prompts, max_tokens: int, batch_size: int, path: str) -> dict:
@@ -93,11 +109,20 @@ def run_transformers(prompts, max_tokens: int, batch_size: int, path: str) -> di
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         probe = FirstCall()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([probe]))
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([probe]),
+            )
         ttft += [probe.t - t0] * len(batch)
         generated += (out.shape[1] - width) * len(batch)
-    return _summary(f"transformers generate (batch {batch_size})", time.monotonic() - t0, generated, ttft)
+    return _summary(
+        f"transformers generate (batch {batch_size})", time.monotonic() - t0, generated, ttft
+    )
 
 
 ROW_PREFIX = "ROW "
@@ -108,10 +133,16 @@ def _run_isolated(system: str, argv: list[str]) -> dict:
     """Runs one system in a fresh interpreter, so none inherits another's heap, caches or
     thread pool (measured: transformers ran 10% slower after our engine in one process)."""
     cmd = [sys.executable, "-m", "bench.engine", *argv, "--only", system]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
-    rows = [line[len(ROW_PREFIX):] for line in proc.stdout.splitlines() if line.startswith(ROW_PREFIX)]
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
+    rows = [
+        line[len(ROW_PREFIX) :] for line in proc.stdout.splitlines() if line.startswith(ROW_PREFIX)
+    ]
     if proc.returncode != 0 or not rows:
-        raise RuntimeError(f"{system}: the child run failed (exit {proc.returncode}); its stderr is above")
+        raise RuntimeError(
+            f"{system}: the child run failed (exit {proc.returncode}); its stderr is above"
+        )
     print(proc.stdout.replace(ROW_PREFIX + rows[-1], "").rstrip(), flush=True)
     return json.loads(rows[-1])
 
@@ -122,11 +153,21 @@ def _summary(name: str, total_s: float, tokens: int, ttft_s: list[float], **extr
     def pct(q: float) -> float:
         return ttft_s[min(len(ttft_s) - 1, int(q * len(ttft_s)))]
 
-    row = {"system": name, "total_s": round(total_s, 2), "output_tokens": tokens,
-           "output_tokens_per_s": round(tokens / total_s, 2), "ttft_mean_s": round(sum(ttft_s) / len(ttft_s), 3),
-           "ttft_p50_s": round(pct(0.5), 3), "ttft_p99_s": round(pct(0.99), 3), **extra}
-    print(f"  {name:42s} {row['output_tokens_per_s']:8.1f} tok/s  total {total_s:7.1f}s  "
-          f"TTFT p50 {row['ttft_p50_s']:.2f}s p99 {row['ttft_p99_s']:.2f}s", flush=True)
+    row = {
+        "system": name,
+        "total_s": round(total_s, 2),
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / total_s, 2),
+        "ttft_mean_s": round(sum(ttft_s) / len(ttft_s), 3),
+        "ttft_p50_s": round(pct(0.5), 3),
+        "ttft_p99_s": round(pct(0.99), 3),
+        **extra,
+    }
+    print(
+        f"  {name:42s} {row['output_tokens_per_s']:8.1f} tok/s  total {total_s:7.1f}s  "
+        f"TTFT p50 {row['ttft_p50_s']:.2f}s p99 {row['ttft_p99_s']:.2f}s",
+        flush=True,
+    )
     return row
 
 
@@ -142,16 +183,29 @@ def plot(rows: list[dict], path: Path) -> None:
     a.barh(names, [r["output_tokens_per_s"] for r in rows], color=colors)
     hf = [r["output_tokens_per_s"] for r in rows if r["system"].startswith("transformers")]
     if hf:  # the issue's target: 3x the best static batch of transformers
-        a.axvline(TARGET_SPEEDUP * max(hf), color="#c0392b", linestyle="--",
-                  label=f"target: {TARGET_SPEEDUP:g}x best transformers")
+        a.axvline(
+            TARGET_SPEEDUP * max(hf),
+            color="#c0392b",
+            linestyle="--",
+            label=f"target: {TARGET_SPEEDUP:g}x best transformers",
+        )
         a.legend(loc="lower right")
     for y, r in enumerate(rows):
         a.annotate(f" {r['output_tokens_per_s']:.1f}", (r["output_tokens_per_s"], y), va="center")
-    a.set_xlim(0, 1.2 * max([r["output_tokens_per_s"] for r in rows] + [TARGET_SPEEDUP * max(hf, default=0)]))
+    a.set_xlim(
+        0,
+        1.2 * max([r["output_tokens_per_s"] for r in rows] + [TARGET_SPEEDUP * max(hf, default=0)]),
+    )
     a.set_xlabel("output tokens/s (higher is better)")
     b.barh(names, [r["ttft_p50_s"] for r in rows], color=colors, label="p50")
-    b.barh(names, [r["ttft_p99_s"] - r["ttft_p50_s"] for r in rows], left=[r["ttft_p50_s"] for r in rows],
-           color=colors, alpha=0.35, label="p99")
+    b.barh(
+        names,
+        [r["ttft_p99_s"] - r["ttft_p50_s"] for r in rows],
+        left=[r["ttft_p50_s"] for r in rows],
+        color=colors,
+        alpha=0.35,
+        label="p99",
+    )
     b.set_xlabel("time to first token, s (lower is better)")
     b.legend()
     for ax in (a, b):
@@ -162,15 +216,23 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--hf-batch-sizes", default="16,64", help="static batch sizes to try for transformers")
+    ap.add_argument(
+        "--hf-batch-sizes", default="16,64", help="static batch sizes to try for transformers"
+    )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="16 requests x 16 tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument("--max-num-seqs", type=int, default=64, help="our engine's running-batch cap (default 64)")
-    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one system, in a child process
+    ap.add_argument(
+        "--max-num-seqs", type=int, default=64, help="our engine's running-batch cap (default 64)"
+    )
+    ap.add_argument(
+        "--only", default=None, help=argparse.SUPPRESS
+    )  # one system, in a child process
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_tokens, args.hf_batch_sizes = 16, 16, "16"
@@ -181,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
 
     path = resolve_model("smollm2").path
     prompts = make_workload(Tokenizer(path), args.num_requests)
-    print(f"workload: {len(prompts)} requests, prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
-          f"{args.max_tokens} output tokens, torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"workload: {len(prompts)} requests, prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
+        f"{args.max_tokens} output tokens, torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     if args.only:  # child: run one system, hand its row back on the last line
         kind, _, batch = args.only.partition(":")
         if kind == "transformers":
@@ -204,13 +269,24 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    out = {"benchmark": "engine", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "command": "python -m bench.engine " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                       "torch": torch.__version__, "threads": torch.get_num_threads()},
-           "workload": {"num_requests": len(prompts), "max_tokens": args.max_tokens,
-                        "prompt_tokens_total": sum(map(len, prompts))},
-           "rows": rows, "summary": summary}
+    out = {
+        "benchmark": "engine",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m bench.engine " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "workload": {
+            "num_requests": len(prompts),
+            "max_tokens": args.max_tokens,
+            "prompt_tokens_total": sum(map(len, prompts)),
+        },
+        "rows": rows,
+        "summary": summary,
+    }
     suffix = "_quick" if args.quick else ""
     (RESULTS / f"engine_{stamp}{suffix}.json").write_text(json.dumps(out, indent=2))
     plot(rows, RESULTS / f"engine_{stamp}{suffix}.png")

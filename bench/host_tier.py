@@ -43,7 +43,9 @@ def timed_ttft(engine, prompt: list[int], rid: str) -> tuple[float, list[int], i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prefix-tokens", type=int, default=2048)
@@ -54,44 +56,73 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(0)
     prefix_blocks = args.prefix_tokens // 16
-    common = dict(model=args.model, device=args.device, max_num_batched_tokens=args.prefix_tokens + 64,
-                  max_model_len=max(4096, args.prefix_tokens + 128))
-    recompute_engine = LLMEngine(EngineConfig(**common, num_kv_blocks=prefix_blocks + 40, enable_prefix_caching=False))
+    common = dict(
+        model=args.model,
+        device=args.device,
+        max_num_batched_tokens=args.prefix_tokens + 64,
+        max_model_len=max(4096, args.prefix_tokens + 128),
+    )
+    recompute_engine = LLMEngine(
+        EngineConfig(**common, num_kv_blocks=prefix_blocks + 40, enable_prefix_caching=False)
+    )
     per_block = recompute_engine.runner.bytes_per_block
     # The device pool holds one long prompt and little more, so filler evicts the prefix;
     # the host tier holds two.
-    engine = LLMEngine(EngineConfig(**common, num_kv_blocks=prefix_blocks + 40,
-                                    host_kv_cache_bytes=per_block * (prefix_blocks + 64) * 2))
+    engine = LLMEngine(
+        EngineConfig(
+            **common,
+            num_kv_blocks=prefix_blocks + 40,
+            host_kv_cache_bytes=per_block * (prefix_blocks + 64) * 2,
+        )
+    )
     vocab = engine.spec.vocab_size
     rows = {"device_hit": [], "host_hit": [], "recompute": []}
     outputs = {}
     for rep in range(args.repeats):
         prefix = [rng.randrange(100, vocab) for _ in range(args.prefix_tokens)]
+
         def question():
             return [rng.randrange(100, vocab) for _ in range(16)]
+
         timed_ttft(engine, prefix + question(), f"warm{rep}")
         t, toks, cached = timed_ttft(engine, prefix + question(), f"dev{rep}")
         rows["device_hit"].append((t, cached))
         for i in range(2):  # filler: pushes the prefix to the host tier
-            timed_ttft(engine, [rng.randrange(100, vocab) for _ in range(args.prefix_tokens)], f"fill{rep}-{i}")
+            timed_ttft(
+                engine,
+                [rng.randrange(100, vocab) for _ in range(args.prefix_tokens)],
+                f"fill{rep}-{i}",
+            )
         q = question()
         loaded_before = engine.pool.host.counters.blocks_loaded
         t, toks_host, cached = timed_ttft(engine, prefix + q, f"host{rep}")
         if engine.pool.host.counters.blocks_loaded == loaded_before:
-            raise RuntimeError("the prefix did not come back from the host tier: raise --prefix-tokens or shrink the pool")
+            raise RuntimeError(
+                "the prefix did not come back from the host tier: raise --prefix-tokens or shrink the pool"
+            )
         rows["host_hit"].append((t, cached))
         t, toks_re, _ = timed_ttft(recompute_engine, prefix + q, f"re{rep}")
         rows["recompute"].append((t, 0))
         outputs[rep] = toks_host == toks_re
-    table = {k: {"ttft_s_median": sorted(x[0] for x in v)[len(v) // 2], "cached_tokens": v[-1][1]} for k, v in rows.items()}
+    table = {
+        k: {"ttft_s_median": sorted(x[0] for x in v)[len(v) // 2], "cached_tokens": v[-1][1]}
+        for k, v in rows.items()
+    }
     ratio = table["host_hit"]["ttft_s_median"] / table["recompute"]["ttft_s_median"]
     print(f"{'path':12s} {'TTFT median s':>14s} {'cached tokens':>14s}")
     for k, v in table.items():
         print(f"{k:12s} {v['ttft_s_median']:14.3f} {v['cached_tokens']:14d}")
-    print(f"host hit / recompute = {ratio:.2f} (target on H100/H200: <= 0.30); outputs equal: {all(outputs.values())}")
-    result = {**result_header("host_tier", "bench.host_tier", argv, args.device),
-              "prefix_tokens": args.prefix_tokens, "repeats": args.repeats,
-              "table": table, "host_over_recompute": round(ratio, 3), "outputs_equal": all(outputs.values())}
+    print(
+        f"host hit / recompute = {ratio:.2f} (target on H100/H200: <= 0.30); outputs equal: {all(outputs.values())}"
+    )
+    result = {
+        **result_header("host_tier", "bench.host_tier", argv, args.device),
+        "prefix_tokens": args.prefix_tokens,
+        "repeats": args.repeats,
+        "table": table,
+        "host_over_recompute": round(ratio, 3),
+        "outputs_equal": all(outputs.values()),
+    }
     stem = result_stem("host_tier", args.device)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     import matplotlib
@@ -101,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = list(table)
-    ax.barh(names, [table[n]["ttft_s_median"] for n in names], color=["#2b7bba", "#6baed6", "#999999"])
+    ax.barh(
+        names, [table[n]["ttft_s_median"] for n in names], color=["#2b7bba", "#6baed6", "#999999"]
+    )
     ax.set_xlabel("time to first token, s (median)")
     ax.set_title(f"{args.prefix_tokens}-token prefix on {result['device']}")
     ax.invert_yaxis()

@@ -19,14 +19,20 @@ RESULTS = Path(__file__).parent / "results"
 
 def device_name(device: str) -> str:
     """The GPU's name on CUDA, else the CPU's processor string."""
-    return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    return (
+        torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    )
 
 
 def result_header(benchmark: str, module: str, argv: list[str] | None, device: str) -> dict:
     """``benchmark``, ``date``, ``command`` (as ``python -m module ...``) and ``device``."""
     args = argv if argv is not None else sys.argv[1:]
-    return {"benchmark": benchmark, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python -m", module, *args]), "device": device_name(device)}
+    return {
+        "benchmark": benchmark,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m", module, *args]),
+        "device": device_name(device),
+    }
 
 
 def result_stem(benchmark: str, device: str, suffix: str = "") -> Path:

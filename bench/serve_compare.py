@@ -41,9 +41,7 @@ from bench.loadgen import cli as loadgen_cli
 from bench.sim.report import machine_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_LAUNCH = (
-    "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} --expose-replica-headers"
-)
+DEFAULT_LAUNCH = "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} --expose-replica-headers"
 SUMMARY_KEYS = (
     "completed",
     "failed",
@@ -107,9 +105,7 @@ def run_policy(args, policy: str, loadgen_argv: list[str]) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
     load_before = os.getloadavg()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env
-        )
+        proc = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_healthy(base_url, proc, args.startup_timeout_s)
             ns = loadgen_cli.build_parser().parse_args(
@@ -178,7 +174,9 @@ def plot(rows: list[dict], path: Path, subtitle: str) -> None:
     for j in range(most):
         xs = [i + (j - (most - 1) / 2) * width for i in range(len(ok))]
         counts = [sorted(r["replica_request_counts"].values(), reverse=True) for r in ok]
-        axes[2].bar(xs, [c[j] if j < len(c) else 0 for c in counts], width, label=f"replica {j + 1}")
+        axes[2].bar(
+            xs, [c[j] if j < len(c) else 0 for c in counts], width, label=f"replica {j + 1}"
+        )
     axes[2].set_title("requests per replica (busiest first)")
     axes[2].legend(fontsize=8)
     for ax in axes:
@@ -199,9 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default=time.strftime("%Y%m%d", time.gmtime()))
     p.add_argument("--threads-per-replica", type=int, default=1)
-    p.add_argument(
-        "--log-dir", type=Path, default=Path("/tmp"), help="server logs (not results)"
-    )
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="server logs (not results)")
     p.add_argument(
         "loadgen_args",
         nargs="*",

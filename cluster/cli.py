@@ -216,7 +216,9 @@ def _coerce(key: str, kind, value):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         ok = ok and (kind is float or isinstance(value, int))
     if not ok:
-        raise ValueError(f"{key}: expected {getattr(kind, '__name__', kind or 'bool')}, got {value!r}")
+        raise ValueError(
+            f"{key}: expected {getattr(kind, '__name__', kind or 'bool')}, got {value!r}"
+        )
     return float(value) if kind is float else value
 
 
@@ -242,7 +244,9 @@ def config_file_values(path: str) -> dict:
     for key, value in data.items():
         row = rows.get(str(key).replace("-", "_"))
         if row is None:
-            raise ValueError(f"--config {path}: unknown key {key!r} (keys are the flags without '--')")
+            raise ValueError(
+                f"--config {path}: unknown key {key!r} (keys are the flags without '--')"
+            )
         if value is not None:
             try:
                 values[row[2]] = _coerce(str(key), row[3], value)
@@ -364,7 +368,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     if started_ray:
         # Logical CPUs, not cores: the replicas' CPU reservations must fit even on a small
         # machine (the engines then share its cores).
-        needed = math.ceil(cluster.num_replicas * cluster.num_cpus_per_replica * engine.tensor_parallel_size) + 1
+        needed = (
+            math.ceil(
+                cluster.num_replicas * cluster.num_cpus_per_replica * engine.tensor_parallel_size
+            )
+            + 1
+        )
         # Ray starts its workers at nice 15 by default, below any process of the user's (a
         # client, a peer server) that competes for the cores; the engine replicas are the work.
         os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")

@@ -209,7 +209,10 @@ class ClusterConfig:
         )
         need(
             self.max_ingress_replicas is None
-            or (_is_int(self.max_ingress_replicas) and self.max_ingress_replicas >= self.ingress_replicas),
+            or (
+                _is_int(self.max_ingress_replicas)
+                and self.max_ingress_replicas >= self.ingress_replicas
+            ),
             "max_ingress_replicas",
             f"must be None or an integer >= the ingress replicas ({self.ingress_replicas}), "
             f"got {self.max_ingress_replicas!r}",
@@ -222,12 +225,18 @@ class ClusterConfig:
         )
         need(
             isinstance(self.root_path, str)
-            and (self.root_path == "" or (self.root_path.startswith("/") and not self.root_path.endswith("/"))),
+            and (
+                self.root_path == ""
+                or (self.root_path.startswith("/") and not self.root_path.endswith("/"))
+            ),
             "root_path",
             f"must be empty or a path like /api (leading '/', no trailing '/'), got {self.root_path!r}",
         )
-        need(isinstance(self.expose_replica_headers, bool), "expose_replica_headers",
-             f"must be true or false, got {self.expose_replica_headers!r}")
+        need(
+            isinstance(self.expose_replica_headers, bool),
+            "expose_replica_headers",
+            f"must be true or false, got {self.expose_replica_headers!r}",
+        )
         need(
             self.log_level in LOG_LEVELS,
             "log_level",

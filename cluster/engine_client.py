@@ -88,8 +88,15 @@ class ReplicaDiedError(Exception):
 class _Stream:
     """One engine request's stream and what the client has had of it so far."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt,
-                 first: dict, response) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        salt,
+        first: dict,
+        response,
+    ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -128,8 +135,14 @@ class EngineClient:
         self.block_size = block_size
         self.model_id = model_id
 
-    async def _open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt,
-                    resume_token_ids: list[int] | None = None):
+    async def _open(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        salt,
+        resume_token_ids: list[int] | None = None,
+    ):
         """Starts one engine request; returns (first output, response) or raises APIError."""
         hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
         own_internal_request_id()  # this task's calls only: prompts of one request go in parallel
@@ -137,7 +150,11 @@ class EngineClient:
         try:
             # Serve may refuse in remote() itself (its queue is full) or on the first item.
             response = self._stream_handle.generate.remote(
-                request_id, prompt_ids, params, cache_salt=salt, block_hashes=hashes,
+                request_id,
+                prompt_ids,
+                params,
+                cache_salt=salt,
+                block_hashes=hashes,
                 resume_token_ids=resume_token_ids,
             )
             first = await response.__anext__()
@@ -176,7 +193,9 @@ class EngineClient:
             raise failures[0]
         return [
             _Stream(sub_id, prompt, p, salt, first, response)
-            for sub_id, prompt, p, (first, response) in zip(sub_ids, prompts, params, results, strict=True)
+            for sub_id, prompt, p, (first, response) in zip(
+                sub_ids, prompts, params, results, strict=True
+            )
         ]
 
     async def _fail_over(self, stream: _Stream, cause: BaseException) -> dict:
@@ -184,12 +203,21 @@ class EngineClient:
         while True:
             stream.num_failovers += 1
             await asyncio.sleep(FAILOVER_BACKOFF_S * 2 ** (stream.num_failovers - 1))
-            log.warning("request %s: replica lost after %d tokens (%r); resuming on another (try %d)",
-                        stream.request_id, len(stream.token_ids), cause, stream.num_failovers)
+            log.warning(
+                "request %s: replica lost after %d tokens (%r); resuming on another (try %d)",
+                stream.request_id,
+                len(stream.token_ids),
+                cause,
+                stream.num_failovers,
+            )
             try:
                 first, stream.response = await self._open(
-                    f"{stream.request_id}@{stream.num_failovers}", stream.prompt_ids, stream.params,
-                    stream.salt, resume_token_ids=list(stream.token_ids))
+                    f"{stream.request_id}@{stream.num_failovers}",
+                    stream.prompt_ids,
+                    stream.params,
+                    stream.salt,
+                    resume_token_ids=list(stream.token_ids),
+                )
                 if first.get("rejected", {}).get("kind") == "dead":
                     raise ReplicaDiedError(first["rejected"]["message"])
                 return first

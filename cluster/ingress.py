@@ -74,6 +74,7 @@ INGRESS_HEADER = "x-prefixserve-ingress"
 # /health and /metrics must answer even when the hub or every replica is wedged.
 HEALTH_TIMEOUT_S = 2.0
 
+
 def replica_headers(cluster: ClusterConfig, engine_replicas: str, ingress_replica: str) -> dict:
     """The response headers naming who served a request: none unless the cluster exposes them
     (``ClusterConfig.expose_replica_headers``)."""
@@ -149,7 +150,9 @@ class Ingress:
                 allow_origins=list(self.cluster.allowed_origins),
                 allow_methods=list(self.cluster.allowed_methods),
                 allow_headers=list(self.cluster.allowed_headers),
-                expose_headers=[REPLICA_HEADER, INGRESS_HEADER] if self.cluster.expose_replica_headers else [],
+                expose_headers=[REPLICA_HEADER, INGRESS_HEADER]
+                if self.cluster.expose_replica_headers
+                else [],
             )
         return app
 
@@ -206,7 +209,9 @@ class Ingress:
         self, body, builder: ResponseBuilder, opened: list, arrival_s: float
     ) -> Response:
         """``arrival_s``: ``time.monotonic()`` when the handler started (TTFT, queue, e2e)."""
-        self.request_metrics.started(arrival_s, [stream.first for stream in opened], time.monotonic())
+        self.request_metrics.started(
+            arrival_s, [stream.first for stream in opened], time.monotonic()
+        )
         replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
         headers = replica_headers(self.cluster, replicas, self._ingress_id)
         items = self.engines.merge(opened)
@@ -271,7 +276,9 @@ class Ingress:
                 raise errors.bad_request(str(exc), "chat_template_kwargs") from None
             raise errors.bad_request(f"messages: {exc}", "messages") from None
         except jinja2.TemplateError as exc:  # the template's own raise_exception, or a bad kwarg
-            raise errors.bad_request(f"messages: the chat template failed: {exc}", "messages") from None
+            raise errors.bad_request(
+                f"messages: the chat template failed: {exc}", "messages"
+            ) from None
 
     # ---- endpoints ----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -305,7 +312,9 @@ class Ingress:
         )
         if body.requested_max_tokens() is None and "max_tokens" in self.generation_defaults:
             max_tokens = min(max_tokens, self.generation_defaults["max_tokens"])  # max_new_tokens
-        params = apply_tool_plan(body.sampling_params(max_tokens, self.generation_defaults), tool_plan)
+        params = apply_tool_plan(
+            body.sampling_params(max_tokens, self.generation_defaults), tool_plan
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         opened = await self.engines.open_all(request_id, [prompt_ids], [params], body.cache_salt)
         builder = ResponseBuilder(

@@ -302,9 +302,12 @@ class _SamplingRequest(_Strict):
         one), checked to compile: a 400 naming the field otherwise."""
         try:
             return spec_from_request(
-                response_format=self.response_format, structured_outputs=self.structured_outputs,
-                guided_json=self.guided_json, guided_regex=self.guided_regex,
-                guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
+                response_format=self.response_format,
+                structured_outputs=self.structured_outputs,
+                guided_json=self.guided_json,
+                guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar,
             )
         except SpecError as exc:
             raise bad_request(str(exc), exc.field) from None

@@ -102,7 +102,9 @@ def output_to_dict(out: RequestOutput, replica_id: str, reported: set[int]) -> d
     }
     if out.prompt_logprobs is not None and out.carries_first_tokens:  # once per request
         item["prompt_logprobs"] = [
-            None if entry is None else [entry.token_id, entry.logprob, entry.rank, [list(t) for t in entry.top]]
+            None
+            if entry is None
+            else [entry.token_id, entry.logprob, entry.rank, [list(t) for t in entry.top]]
             for entry in out.prompt_logprobs
         ]
     return item
@@ -177,7 +179,10 @@ class EngineReplica:
         self._in_flight.add(request_id)
         try:
             stream = self.engine.generate(
-                request_id, prompt_token_ids, params, cache_salt=cache_salt,
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt=cache_salt,
                 resume_token_ids=resume_token_ids or (),
             )
             async with contextlib.aclosing(stream):
@@ -246,7 +251,9 @@ class EngineReplica:
     def check_health(self) -> None:
         """Serve's health probe: raising marks this replica unhealthy and replaces it."""
         if not self.engine.is_alive():
-            raise RuntimeError(f"engine of replica {self.replica_id} is dead: {self.engine.why_dead()}")
+            raise RuntimeError(
+                f"engine of replica {self.replica_id} is dead: {self.engine.why_dead()}"
+            )
 
     def record_routing_stats(self) -> dict:
         """Serve's routing-stats hook: what the request router reads per replica."""
@@ -261,14 +268,16 @@ class EngineReplica:
             self.engine.metrics(), alive=self.engine.is_alive(), model_name=self.model_name
         )
 
-    async def export_prefix(self, block_hashes: list[bytes], token_ids: list[int],
-                            cache_salt: str | None = None):
+    async def export_prefix(
+        self, block_hashes: list[bytes], token_ids: list[int], cache_salt: str | None = None
+    ):
         """The leading blocks of this prefix that this replica holds, as a ``KVPayload`` (None
         when it holds none): what a peer's ``pull_prefix`` calls (issue 19)."""
         return await self.engine.export_prefix(block_hashes, token_ids, cache_salt)
 
-    async def pull_prefix(self, peer, block_hashes: list[bytes], token_ids: list[int],
-                          cache_salt: str | None = None) -> dict:
+    async def pull_prefix(
+        self, peer, block_hashes: list[bytes], token_ids: list[int], cache_salt: str | None = None
+    ) -> dict:
         """Copies the blocks of this prefix that ``peer`` holds into this replica's cache, so
         the next request with it hits them instead of prefilling. ``peer``: a handle whose
         ``export_prefix.remote(...)`` is awaitable (a Serve handle pinned to the holder, a Ray
@@ -276,11 +285,20 @@ class EngineReplica:
         this engine refuses costs the pull, not a request; ``error`` says why.
         Returns ``{"imported_blocks", "pulled_tokens", "payload_bytes", "pull_s", "error"}``."""
         t0 = time.monotonic()
-        result = {"imported_blocks": 0, "pulled_tokens": 0, "payload_bytes": 0, "pull_s": 0.0, "error": None}
+        result = {
+            "imported_blocks": 0,
+            "pulled_tokens": 0,
+            "payload_bytes": 0,
+            "pull_s": 0.0,
+            "error": None,
+        }
         try:
             payload = await peer.export_prefix.remote(block_hashes, token_ids, cache_salt)
             if payload is not None:
-                result["pulled_tokens"], result["payload_bytes"] = payload.num_tokens, payload.kv_bytes
+                result["pulled_tokens"], result["payload_bytes"] = (
+                    payload.num_tokens,
+                    payload.kv_bytes,
+                )
                 result["imported_blocks"] = await self.engine.import_prefix(payload)
         except Exception as exc:  # noqa: BLE001 - a failed pull falls back to prefilling
             log.warning("replica %s: pulling a prefix from a peer failed: %r", self.replica_id, exc)

@@ -193,7 +193,9 @@ class ResponseBuilder:
                 top_logprobs.append(None)
             else:
                 _, logprob, _, top = entry
-                alternatives = {self.token_to_str(tid): lp for tid, lp in top[: self.num_top_logprobs]}
+                alternatives = {
+                    self.token_to_str(tid): lp for tid, lp in top[: self.num_top_logprobs]
+                }
                 alternatives.setdefault(token, logprob)
                 token_logprobs.append(logprob)
                 top_logprobs.append(alternatives)
@@ -207,7 +209,9 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    def _echoed(self, state: ChoiceState, text: str, entries: list, start_offset: int) -> tuple[str, dict | None]:
+    def _echoed(
+        self, state: ChoiceState, text: str, entries: list, start_offset: int
+    ) -> tuple[str, dict | None]:
         """A completion choice's text and logprobs, led by its prompt once when echoing."""
         if self.echo_prompts is None or state.echo_sent:
             return text, self.completion_logprobs(entries, start_offset)
@@ -231,10 +235,14 @@ class ResponseBuilder:
                 rendered.append(None)
                 continue
             token_id, logprob, rank, top = entry
-            ranked = {str(tid): {"logprob": lp, "rank": i + 1, "decoded_token": self.token_to_str(tid)}
-                      for i, (tid, lp) in enumerate(top)}
+            ranked = {
+                str(tid): {"logprob": lp, "rank": i + 1, "decoded_token": self.token_to_str(tid)}
+                for i, (tid, lp) in enumerate(top)
+            }
             ranked[str(token_id)] = {
-                "logprob": logprob, "rank": rank, "decoded_token": self.token_to_str(token_id)
+                "logprob": logprob,
+                "rank": rank,
+                "decoded_token": self.token_to_str(token_id),
             }
             rendered.append(ranked)
         return rendered

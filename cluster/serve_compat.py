@@ -109,8 +109,9 @@ def check_serve_internals() -> None:
     missing = missing_serve_internals()
     if _BEST_EFFORT in missing:
         missing.remove(_BEST_EFFORT)
-        log.warning("%s; the index actor outlives serve.shutdown()",
-                    missing_message([_BEST_EFFORT]))
+        log.warning(
+            "%s; the index actor outlives serve.shutdown()", missing_message([_BEST_EFFORT])
+        )
     if missing:
         raise RuntimeError(missing_message(missing))
 

@@ -275,8 +275,7 @@ def apply_tool_plan(params: SamplingParams, plan: ToolPlan | None) -> SamplingPa
         return params
     if params.structured_output is not None:
         raise bad_request(
-            f"tool_choice {plan.mode!r} cannot be combined with response_format or guided "
-            "decoding",
+            f"tool_choice {plan.mode!r} cannot be combined with response_format or guided decoding",
             "tool_choice",
         )
     return dataclasses.replace(params, structured_output=plan.structured_output)

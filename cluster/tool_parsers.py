@@ -234,7 +234,7 @@ class ToolCallStream:
             return  # content after the first call is dropped
         text = self._held_whitespace + text
         stripped = text.rstrip(_WHITESPACE)
-        self._held_whitespace = text[len(stripped):]
+        self._held_whitespace = text[len(stripped) :]
         if stripped:
             self._content.append(stripped)
 
@@ -339,10 +339,10 @@ class HermesStream(ToolCallStream):
             tag = self.END if self._call is not None else self.START
             at = buffer.find(tag)
             if at >= 0:
-                body, self._buffer = buffer[:at], buffer[at + len(tag):]
+                body, self._buffer = buffer[:at], buffer[at + len(tag) :]
             else:
                 keep = 0 if final else _partial_suffix(buffer, tag)
-                body, self._buffer = buffer[: len(buffer) - keep], buffer[len(buffer) - keep:]
+                body, self._buffer = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
             if self._call is None:
                 self._emit_content(body)
                 if at >= 0:
@@ -390,7 +390,7 @@ class Llama3JsonStream(ToolCallStream):
             if not head:
                 return
             if head.startswith(self.PYTHON_TAG):
-                self._mode, self._buffer = "calls", head[len(self.PYTHON_TAG):]
+                self._mode, self._buffer = "calls", head[len(self.PYTHON_TAG) :]
             elif head.startswith("{"):
                 self._mode, self._buffer = "calls", head
             elif self.PYTHON_TAG.startswith(head) and not final:

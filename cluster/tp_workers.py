@@ -56,19 +56,25 @@ class RayWorkerLauncher:
     def start(self, spec: WorkerSpec) -> None:
         group = self._placement_group
         if group is None:
-            raise ValueError(f"tensor_parallel_size={spec.world_size} needs the replica to run in a placement group "
-                             "of that many bundles (placement_group_bundles in the deployment's options)")
+            raise ValueError(
+                f"tensor_parallel_size={spec.world_size} needs the replica to run in a placement group "
+                "of that many bundles (placement_group_bundles in the deployment's options)"
+            )
         bundles = group.bundle_specs
         if len(bundles) < spec.world_size:
-            raise ValueError(f"tensor_parallel_size={spec.world_size} needs {spec.world_size} placement-group bundles; "
-                             f"the replica's group has {len(bundles)}")
+            raise ValueError(
+                f"tensor_parallel_size={spec.world_size} needs {spec.world_size} placement-group bundles; "
+                f"the replica's group has {len(bundles)}"
+            )
         for rank in range(1, spec.world_size):
             bundle = bundles[rank]
             actor = TensorParallelWorker.options(
                 name=worker_name(spec.replica_id, rank),
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                ),
             ).remote()
             self._actors[rank] = actor
             self._runs[rank] = actor.run.remote(spec, rank)
@@ -76,12 +82,19 @@ class RayWorkerLauncher:
     def dead_ranks(self) -> list[int]:
         if not self._runs:
             return []
-        ended, _ = ray.wait(list(self._runs.values()), num_returns=len(self._runs), timeout=0, fetch_local=False)
+        ended, _ = ray.wait(
+            list(self._runs.values()), num_returns=len(self._runs), timeout=0, fetch_local=False
+        )
         ended_set = set(ended)
         return [rank for rank, ref in self._runs.items() if ref in ended_set]
 
     def stop(self, timeout_s: float) -> None:
         if self._runs:
-            ray.wait(list(self._runs.values()), num_returns=len(self._runs), timeout=timeout_s, fetch_local=False)
+            ray.wait(
+                list(self._runs.values()),
+                num_returns=len(self._runs),
+                timeout=timeout_s,
+                fetch_local=False,
+            )
         for actor in self._actors.values():
             ray.kill(actor, no_restart=True)

@@ -92,7 +92,9 @@ def paged_attention(
     return _attention_fast(query, k_cache, v_cache, meta, scale)
 
 
-def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _gather_kv(
+    cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Head-major cache, [..., nblocks] block ids -> [Hkv, ..., nblocks * block_size, D].
 
     One dim-0 ``index_select`` per KV head: on a contiguous 2-D source torch copies whole
@@ -110,7 +112,9 @@ def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | No
     return out.view(num_kv_heads, *blocks.shape[:-1], blocks.shape[-1] * block_size, head_dim)
 
 
-def _step_buffer(meta: AttentionMetadata, key: tuple, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+def _step_buffer(
+    meta: AttentionMetadata, key: tuple, shape: tuple[int, ...], like: torch.Tensor
+) -> torch.Tensor:
     """A scratch tensor kept in ``meta.plans`` for the step: every layer reuses it."""
     buf = meta.plans.get(key)
     if buf is None or buf.shape != shape or buf.dtype != like.dtype:
@@ -118,7 +122,9 @@ def _step_buffer(meta: AttentionMetadata, key: tuple, shape: tuple[int, ...], li
     return buf
 
 
-def _probe_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _probe_softmax(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     n, rows = q.shape[:2]
     m, l_sum, o = q.new_empty(n, rows, 1), q.new_empty(n, rows, 1), q.new_empty(n, rows, q.shape[2])
     _tile_softmax(q, k.transpose(1, 2), v, masked, m, l_sum, o)
@@ -147,26 +153,56 @@ def exact_tile_rows(head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
         for kk, vv in ((k, v), (k[:1].expand(batch, -1, -1), v[:1].expand(batch, -1, -1))):
             reference = _probe_softmax(q, kk, vv, masked)
             for rows in sorted(exact):
-                split = full // rows  # each full tile's first split * rows rows, cut into small tiles
+                split = (
+                    full // rows
+                )  # each full tile's first split * rows rows, cut into small tiles
                 used = split * rows
-                got = _probe_softmax(q[:, :used].reshape(batch * split, rows, head_dim), kk.repeat_interleave(split, 0),
-                                     vv.repeat_interleave(split, 0), masked[:, :used].reshape(batch * split, rows, keys))
-                if not all(torch.equal(a.reshape(batch, used, -1), b[:, :used]) for a, b in zip(got, reference, strict=True)):
+                got = _probe_softmax(
+                    q[:, :used].reshape(batch * split, rows, head_dim),
+                    kk.repeat_interleave(split, 0),
+                    vv.repeat_interleave(split, 0),
+                    masked[:, :used].reshape(batch * split, rows, keys),
+                )
+                if not all(
+                    torch.equal(a.reshape(batch, used, -1), b[:, :used])
+                    for a, b in zip(got, reference, strict=True)
+                ):
                     exact.discard(rows)
     chosen = tuple(sorted(exact | {full}))
-    log.info("attention tiles: probe on %s found row tiles %s exact (head_dim %d, %s); reference %d rows",
-             cpu_description(), list(chosen), head_dim, str(dtype).removeprefix("torch."), full)
+    log.info(
+        "attention tiles: probe on %s found row tiles %s exact (head_dim %d, %s); reference %d rows",
+        cpu_description(),
+        list(chosen),
+        head_dim,
+        str(dtype).removeprefix("torch."),
+        full,
+    )
     return chosen
 
 
-def plan_for(meta: AttentionMetadata, block_size: int, group: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype) -> AttentionPlan:
+def plan_for(
+    meta: AttentionMetadata,
+    block_size: int,
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> AttentionPlan:
     """The step's ``AttentionPlan``, built on the first layer and reused by the others."""
     key = (block_size, group, num_kv_heads)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = build_plan(meta.query_start_loc_list, meta.seq_lens_list, meta.block_tables.tolist(), block_size,
-                          group, num_kv_heads, ATTN_TILE_ROWS, ATTN_KV_CHUNK, exact_tile_rows(head_dim, dtype))
+        plan = build_plan(
+            meta.query_start_loc_list,
+            meta.seq_lens_list,
+            meta.block_tables.tolist(),
+            block_size,
+            group,
+            num_kv_heads,
+            ATTN_TILE_ROWS,
+            ATTN_KV_CHUNK,
+            exact_tile_rows(head_dim, dtype),
+        )
         meta.plans[key] = plan
     return plan
 
@@ -181,23 +217,31 @@ def _tile_softmax(q, k_t, v, masked, m_out, l_out, o_out, num_heads: int = 1) ->
     """
     scores = torch.bmm(q, k_t)
     if masked.shape[0]:  # the tiles that need a mask come first
-        scores.view(num_heads, -1, *scores.shape[1:])[:, : masked.shape[0]].masked_fill_(masked, _MASKED)
+        scores.view(num_heads, -1, *scores.shape[1:])[:, : masked.shape[0]].masked_fill_(
+            masked, _MASKED
+        )
     torch.amax(scores, dim=-1, keepdim=True, out=m_out)
     p = scores.sub_(m_out).exp_()
     torch.sum(p, dim=-1, keepdim=True, out=l_out)
     torch.bmm(p, v, out=o_out)
 
 
-def _block_ids(meta: AttentionMetadata, key: tuple, blocks: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+def _block_ids(
+    meta: AttentionMetadata, key: tuple, blocks: torch.Tensor, num_kv_heads: int, num_blocks: int
+) -> torch.Tensor:
     """Rows of the ``[Hkv * num_blocks, block_size * D]`` view of the cache holding ``blocks``
     for every KV head, head-major; kept in ``meta.plans`` for the step's other layers."""
     ids = meta.plans.get(key)
     if ids is None:
-        ids = meta.plans[key] = (torch.arange(num_kv_heads)[:, None] * num_blocks + blocks.reshape(1, -1)).reshape(-1)
+        ids = meta.plans[key] = (
+            torch.arange(num_kv_heads)[:, None] * num_blocks + blocks.reshape(1, -1)
+        ).reshape(-1)
     return ids
 
 
-def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attention_tiled(
+    query, k_cache, v_cache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_blocks, block_size = k_cache.shape[:3]
     group = num_heads // num_kv_heads
@@ -218,23 +262,45 @@ def _attention_tiled(query, k_cache, v_cache, meta: AttentionMetadata, scale: fl
     o = query.new_empty(plan.num_slots, head_dim)
     for s, tiles in enumerate(plan.tile_sets):
         tile, num_tiles = tiles.tile_rows, tiles.num_tiles
-        q_tiles = qh.index_select(1, tiles.tile_row_ids).view(num_kv_heads, num_tiles, tile, head_dim)
+        q_tiles = qh.index_select(1, tiles.tile_row_ids).view(
+            num_kv_heads, num_tiles, tile, head_dim
+        )
         for i, region in enumerate(tiles.regions):
             a, b, count = region.first, region.first + region.count, region.count
             slots = slice(region.first_slot, region.first_slot + num_kv_heads * count * tile)
-            m_r, l_r, o_r = m[slots].view(-1, tile, 1), l_sum[slots].view(-1, tile, 1), o[slots].view(-1, tile, head_dim)
+            m_r, l_r, o_r = (
+                m[slots].view(-1, tile, 1),
+                l_sum[slots].view(-1, tile, 1),
+                o[slots].view(-1, tile, head_dim),
+            )
             ids_key = ("ids", block_size, group, num_kv_heads, num_blocks, s, i)
             ids = _block_ids(meta, ids_key, region.blocks, num_kv_heads, num_blocks)
             shape = (ids.numel(), block_size * head_dim)
-            k = torch.index_select(k_rows, 0, ids, out=_step_buffer(meta, ("k", s, i), shape, k_cache))
-            v = torch.index_select(v_rows, 0, ids, out=_step_buffer(meta, ("v", s, i), shape, v_cache))
+            k = torch.index_select(
+                k_rows, 0, ids, out=_step_buffer(meta, ("k", s, i), shape, k_cache)
+            )
+            v = torch.index_select(
+                v_rows, 0, ids, out=_step_buffer(meta, ("v", s, i), shape, v_cache)
+            )
             masked = tiles.tile_masked[a : a + region.num_masked]
-            if region.shared:  # every tile reads the one chunk in place (a stride-0 batch), per head
-                k, v = k.view(num_kv_heads, 1, chunk, head_dim), v.view(num_kv_heads, 1, chunk, head_dim)
+            if (
+                region.shared
+            ):  # every tile reads the one chunk in place (a stride-0 batch), per head
+                k, v = (
+                    k.view(num_kv_heads, 1, chunk, head_dim),
+                    v.view(num_kv_heads, 1, chunk, head_dim),
+                )
                 for h in range(num_kv_heads):
                     heads = slice(h * count, (h + 1) * count)
-                    _tile_softmax(q_tiles[h, a:b], k[h].expand(count, -1, -1).transpose(1, 2), v[h].expand(count, -1, -1),
-                                  masked, m_r[heads], l_r[heads], o_r[heads])
+                    _tile_softmax(
+                        q_tiles[h, a:b],
+                        k[h].expand(count, -1, -1).transpose(1, 2),
+                        v[h].expand(count, -1, -1),
+                        masked,
+                        m_r[heads],
+                        l_r[heads],
+                        o_r[heads],
+                    )
             else:  # one batch over every KV head's tiles, each with its own copy of its chunk
                 k = k.view(num_kv_heads * count, chunk, head_dim)
                 v = v.view(num_kv_heads * count, chunk, head_dim)
@@ -279,8 +345,12 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         q_pos = torch.arange(lens[s] - q_len, lens[s])
         mask = torch.arange(lens[s])[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
-            query[qsl[s] : qsl[s + 1]].transpose(0, 1), k, v,
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            query[qsl[s] : qsl[s + 1]].transpose(0, 1),
+            k,
+            v,
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
         )
         out[qsl[s] : qsl[s + 1]] = o.transpose(0, 1)
     if decodes:
@@ -289,8 +359,10 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         if sub is None:
             sub = meta.plans["decodes"] = AttentionMetadata(
                 query_start_loc=torch.arange(len(decodes) + 1, dtype=torch.int32),
-                seq_lens=meta.seq_lens[decodes], block_tables=meta.block_tables[decodes],
-                slot_mapping=meta.slot_mapping[:0], query_start_loc_list=list(range(len(decodes) + 1)),
+                seq_lens=meta.seq_lens[decodes],
+                block_tables=meta.block_tables[decodes],
+                slot_mapping=meta.slot_mapping[:0],
+                query_start_loc_list=list(range(len(decodes) + 1)),
                 seq_lens_list=[lens[s] for s in decodes],
             )
         rows = torch.tensor([qsl[s] for s in decodes])

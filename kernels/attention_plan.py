@@ -123,7 +123,9 @@ def _tiles_for(num_rows: int, tile_rows: int, exact: tuple[int, ...]) -> list[tu
     return pieces
 
 
-def _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows, exact):
+def _collect_chunks(
+    query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows, exact
+):
     """Every chunk some row meets, its rows packed in tiles."""
     blocks_per_chunk = kv_chunk // block_size
     # chunk key (index, block ids) -> segments (first row, end row, position of row r - r // group)
@@ -136,7 +138,10 @@ def _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, 
         for c in range(-(-ctx // kv_chunk)):
             # Tokens at positions >= c * kv_chunk see at least one key of chunk c.
             t0 = q0 + max(0, c * kv_chunk - first_pos)
-            key = (c, tuple(table[c * blocks_per_chunk : min((c + 1) * blocks_per_chunk, num_blocks)]))
+            key = (
+                c,
+                tuple(table[c * blocks_per_chunk : min((c + 1) * blocks_per_chunk, num_blocks)]),
+            )
             segments_by_chunk.setdefault(key, []).append((t0 * group, q1 * group, first_pos - q0))
     chunks = []
     for (c, blocks), segments in segments_by_chunk.items():
@@ -155,8 +160,14 @@ def _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, 
     return chunks
 
 
-def _tile_set(chunks: list[_ChunkTiles], tile_rows: int, kv_chunk: int, num_kv_heads: int, first_slot: int,
-              merge_entries: list[tuple[torch.Tensor, ...]]) -> tuple[TileSet, int]:
+def _tile_set(
+    chunks: list[_ChunkTiles],
+    tile_rows: int,
+    kv_chunk: int,
+    num_kv_heads: int,
+    first_slot: int,
+    merge_entries: list[tuple[torch.Tensor, ...]],
+) -> tuple[TileSet, int]:
     """Lays ``chunks`` (all tiled by ``tile_rows``) out in regions from slot ``first_slot`` on;
     appends their rows' merge entries (chunk index, row, slot of head 0, slots per head).
     Returns the tile set and the next free slot."""
@@ -177,15 +188,25 @@ def _tile_set(chunks: list[_ChunkTiles], tile_rows: int, kv_chunk: int, num_kv_h
         if shared:
             blocks = torch.tensor(members[0].blocks, dtype=torch.long)
         else:
-            chunk_blocks = torch.cat([torch.tensor([ch.blocks], dtype=torch.long).expand(ch.rows.shape[0], -1)
-                                      for ch in members])
+            chunk_blocks = torch.cat(
+                [
+                    torch.tensor([ch.blocks], dtype=torch.long).expand(ch.rows.shape[0], -1)
+                    for ch in members
+                ]
+            )
             blocks = chunk_blocks[order]
         regions.append(TileRegion(num_tiles, count, int(needs.sum()), blocks, first_slot))
         per_head = count * tile_rows
         slots = first_slot + torch.arange(per_head)
         real = rows.flatten() >= 0
-        merge_entries.append((index[:, None].expand(-1, tile_rows).flatten()[real], rows.flatten()[real],
-                              slots[real], torch.full((int(real.sum()),), per_head)))
+        merge_entries.append(
+            (
+                index[:, None].expand(-1, tile_rows).flatten()[real],
+                rows.flatten()[real],
+                slots[real],
+                torch.full((int(real.sum()),), per_head),
+            )
+        )
         rows_out.append(rows.clamp(min=0))
         pos_out.append(pos)
         first_key.append(index * kv_chunk)
@@ -193,7 +214,9 @@ def _tile_set(chunks: list[_ChunkTiles], tile_rows: int, kv_chunk: int, num_kv_h
         first_slot += num_kv_heads * per_head
     tile_pos = torch.cat(pos_out)
     key_pos = torch.cat(first_key)[:, None, None] + torch.arange(kv_chunk)[None, None, :]
-    return TileSet(tile_rows, torch.cat(rows_out).flatten(), key_pos > tile_pos[:, :, None], regions), first_slot
+    return TileSet(
+        tile_rows, torch.cat(rows_out).flatten(), key_pos > tile_pos[:, :, None], regions
+    ), first_slot
 
 
 def build_plan(
@@ -210,22 +233,32 @@ def build_plan(
     """Groups every sequence's rows by the chunks they meet; see the module docstring.
     ``exact_tile_rows``: tile row counts below ``tile_rows`` proven to round like it."""
     exact = tuple(sorted({t for t in exact_tile_rows if t < tile_rows} | {tile_rows}))
-    chunks = _collect_chunks(query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows, exact)
-    merge_entries: list[tuple[torch.Tensor, ...]] = []  # (chunk index, row, head-0 slot, slots per head)
+    chunks = _collect_chunks(
+        query_start_loc, seq_lens, block_tables, block_size, group, kv_chunk, tile_rows, exact
+    )
+    merge_entries: list[
+        tuple[torch.Tensor, ...]
+    ] = []  # (chunk index, row, head-0 slot, slots per head)
     tile_sets: list[TileSet] = []
     num_slots = 0
     for size in sorted({ch.rows.shape[1] for ch in chunks}, reverse=True):
         members = [ch for ch in chunks if ch.rows.shape[1] == size]
-        tiles, num_slots = _tile_set(members, size, kv_chunk, num_kv_heads, num_slots, merge_entries)
+        tiles, num_slots = _tile_set(
+            members, size, kv_chunk, num_kv_heads, num_slots, merge_entries
+        )
         tile_sets.append(tiles)
 
     # Fold order: rows meeting more chunks first, so the rows of chunk index c are a prefix.
     num_rows = query_start_loc[-1] * group
     if merge_entries:
-        entry_chunk, entry_row, entry_slot, entry_stride = (torch.cat(parts) for parts in zip(*merge_entries, strict=True))
+        entry_chunk, entry_row, entry_slot, entry_stride = (
+            torch.cat(parts) for parts in zip(*merge_entries, strict=True)
+        )
     else:
         entry_chunk = entry_row = entry_slot = entry_stride = torch.zeros(0, dtype=torch.long)
-    chunks_of_row = torch.zeros(num_rows, dtype=torch.long).scatter_reduce_(0, entry_row, entry_chunk + 1, "amax")
+    chunks_of_row = torch.zeros(num_rows, dtype=torch.long).scatter_reduce_(
+        0, entry_row, entry_chunk + 1, "amax"
+    )
     order = torch.argsort(chunks_of_row, descending=True, stable=True)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(num_rows)
@@ -233,5 +266,9 @@ def build_plan(
     offsets = torch.cumsum(counts, 0) - counts
     heads = torch.arange(num_kv_heads)[:, None]
     merge_index = torch.empty(num_kv_heads, int(counts.sum()), dtype=torch.long)
-    merge_index[:, offsets[entry_chunk] + rank[entry_row]] = entry_slot[None] + heads * entry_stride[None]
-    return AttentionPlan(kv_chunk, num_rows, num_kv_heads, tile_sets, num_slots, rank, counts.tolist(), merge_index)
+    merge_index[:, offsets[entry_chunk] + rank[entry_row]] = (
+        entry_slot[None] + heads * entry_stride[None]
+    )
+    return AttentionPlan(
+        kv_chunk, num_rows, num_kv_heads, tile_sets, num_slots, rank, counts.tolist(), merge_index
+    )

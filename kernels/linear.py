@@ -101,13 +101,21 @@ def probe_tile_rows(packing: str, packed: torch.Tensor, weight: torch.Tensor) ->
     tile = packing_ops(packing).multiply
     probe_rows = {rows: rows * -(-LINEAR_TILE_ROWS // rows) for rows in TILE_LADDER_ROWS}
     total = -(-max(probe_rows.values()) // LINEAR_TILE_ROWS) * LINEAR_TILE_ROWS
-    probe = torch.randn(total, weight.shape[1], generator=torch.Generator().manual_seed(_PROBE_SEED))
-    reference = torch.cat([tile(probe[r0 : r0 + LINEAR_TILE_ROWS], packed, weight, LINEAR_TILE_ROWS)
-                           for r0 in range(0, total, LINEAR_TILE_ROWS)])
+    probe = torch.randn(
+        total, weight.shape[1], generator=torch.Generator().manual_seed(_PROBE_SEED)
+    )
+    reference = torch.cat(
+        [
+            tile(probe[r0 : r0 + LINEAR_TILE_ROWS], packed, weight, LINEAR_TILE_ROWS)
+            for r0 in range(0, total, LINEAR_TILE_ROWS)
+        ]
+    )
     exact = [LINEAR_TILE_ROWS]
     for rows, num_rows in probe_rows.items():
         if rows != LINEAR_TILE_ROWS and all(
-            torch.equal(tile(probe[r0 : r0 + rows], packed, weight, rows), reference[r0 : r0 + rows])
+            torch.equal(
+                tile(probe[r0 : r0 + rows], packed, weight, rows), reference[r0 : r0 + rows]
+            )
             for r0 in range(0, num_rows, rows)
         ):
             exact.append(rows)
@@ -146,7 +154,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
             if candidate is None:
                 continue
             tile_rows = probe_tile_rows(packing, candidate, weight)
-            log.debug("%s tiles for a %s weight: %s rows", packing, tuple(weight.shape), list(tile_rows))
+            log.debug(
+                "%s tiles for a %s weight: %s rows", packing, tuple(weight.shape), list(tile_rows)
+            )
             if best is None or tile_rows[0] < best[0]:
                 best = (tile_rows[0], packing, candidate, tile_rows)
             if best[0] == TILE_LADDER_ROWS[0]:
@@ -183,11 +193,15 @@ def log_tile_choices() -> str | None:
     if not _tile_choices:
         return None
     total = sum(_tile_choices.values())
-    parts = [f"{list(rows)} for {n}/{total} weights ({packing + '-packed' if packing else 'unpacked'})"
-             for (packing, rows), n in sorted(_tile_choices.items(), key=lambda item: -item[1])]
+    parts = [
+        f"{list(rows)} for {n}/{total} weights ({packing + '-packed' if packing else 'unpacked'})"
+        for (packing, rows), n in sorted(_tile_choices.items(), key=lambda item: -item[1])
+    ]
     packings = sorted({packing for packing, _ in _tile_choices if packing})
-    msg = (f"linear tiles: probe on {cpu_description()} chose row tiles {', '.join(parts)}; "
-           f"{' and '.join(packings) + ' packing on' if packings else 'weight packing off'}")
+    msg = (
+        f"linear tiles: probe on {cpu_description()} chose row tiles {', '.join(parts)}; "
+        f"{' and '.join(packings) + ' packing on' if packings else 'weight packing off'}"
+    )
     _tile_choices.clear()
     if msg not in _logged:
         _logged.add(msg)
@@ -214,8 +228,17 @@ def tile_plan(num_rows: int, tile_rows: tuple[int, ...]) -> tuple[int, ...]:
     # best[n]: (cost, rows covered, tiles, last tile) of the best cover of n rows
     best: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]
     for n in range(1, rest + 1):
-        best.append(min((best[max(0, n - t)][0] + _tile_cost(t), best[max(0, n - t)][1] + t,
-                         best[max(0, n - t)][2] + 1, t) for t in tile_rows))
+        best.append(
+            min(
+                (
+                    best[max(0, n - t)][0] + _tile_cost(t),
+                    best[max(0, n - t)][1] + t,
+                    best[max(0, n - t)][2] + 1,
+                    t,
+                )
+                for t in tile_rows
+            )
+        )
     tiles, n = [biggest] * bulk, rest
     while n > 0:
         tiles.append(best[n][3])
@@ -223,7 +246,9 @@ def tile_plan(num_rows: int, tile_rows: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(tiles, reverse=True))
 
 
-def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def plain_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
@@ -233,7 +258,9 @@ fewer in packed tiles: packed tiles win while the weight's streaming dominates, 
 once the rows amortise it (the crossover measured: ``bench/results/cpu_kernel_measurements.md``)."""
 
 
-def fast_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fast_linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The non-deterministic path, where a row's rounding may depend on the batch: one oneDNN
     call on a oneDNN-packed weight; on an MKL-packed one, whichever of packed tiles and one
     plain GEMM is faster for the row count."""
@@ -274,7 +301,9 @@ def batch_invariant_linear(
     else:
         out = x.new_empty(x.shape[0], weight.shape[0])
         for r0 in range(0, x.shape[0], LINEAR_TILE_ROWS):
-            torch.matmul(x[r0 : r0 + LINEAR_TILE_ROWS], weight.t(), out=out[r0 : r0 + LINEAR_TILE_ROWS])
+            torch.matmul(
+                x[r0 : r0 + LINEAR_TILE_ROWS], weight.t(), out=out[r0 : r0 + LINEAR_TILE_ROWS]
+            )
     if bias is not None:
         out += bias
     return out[:num_rows] if pad else out

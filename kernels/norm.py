@@ -19,4 +19,3 @@ def rms_norm(
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype), x
-

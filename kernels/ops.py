@@ -55,20 +55,28 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
             rms_norm=torch_rms_norm,
             rotary=apply_rotary,
             store_kv=torch_store_kv,
-            attention=lambda q, kc, vc, meta, scale: torch_attention.paged_attention(q, kc, vc, meta, scale, deterministic),
+            attention=lambda q, kc, vc, meta, scale: torch_attention.paged_attention(
+                q, kc, vc, meta, scale, deterministic
+            ),
             head_major_cache=True,
             prepare_weight=pack_weight,
         )
     from kernels import triton_ops
 
     if not triton_ops.triton_available():
-        raise ValueError("kernel backend 'triton' needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
+        raise ValueError(
+            "kernel backend 'triton' needs the triton package and a CUDA device (or TRITON_INTERPRET=1)"
+        )
     triton_ops.patch_interpreter()
 
     def attention(q: torch.Tensor, kc, vc, meta, scale: float) -> torch.Tensor:
-        return triton_ops.paged_attention(q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+        return triton_ops.paged_attention(
+            q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+        )
 
-    def rotary(q: torch.Tensor, k: torch.Tensor, positions, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        q: torch.Tensor, k: torch.Tensor, positions, cos_sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_ops.rotary(q.contiguous(), k.contiguous(), positions, cos_sin)
 
     def store_kv(k: torch.Tensor, v: torch.Tensor, kc, vc, slots) -> None:

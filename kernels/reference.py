@@ -112,7 +112,9 @@ def rotary_ref(
     return rotate(query), rotate(key)
 
 
-def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` in float64, the yardstick for every linear kernel."""
     out = x.double() @ weight.double().T
     if bias is not None:

@@ -17,7 +17,9 @@ def inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) 
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if kind not in _SUPPORTED_SCALING:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(_SUPPORTED_SCALING)})")
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported (supported: {', '.join(_SUPPORTED_SCALING)})"
+        )
     if kind == "linear":
         inv_freq = inv_freq / float(rope_scaling["factor"])
     elif kind == "llama3":

@@ -40,7 +40,9 @@ class _Baseline:
     def __init__(self, config: RouterConfig) -> None:
         self.model = TTFTModel(config)
 
-    def _pick(self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]) -> ReplicaView:
+    def _pick(
+        self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]
+    ) -> ReplicaView:
         raise NotImplementedError
 
     def choose(
@@ -68,7 +70,9 @@ class RoundRobinPolicy(_Baseline):
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
-    def _pick(self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]) -> ReplicaView:
+    def _pick(
+        self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]
+    ) -> ReplicaView:
         with self._lock:
             turn = next(self._counter)
         return sorted(replicas, key=lambda v: v.replica_id)[turn % len(replicas)]
@@ -79,7 +83,9 @@ class LeastLoadedPolicy(_Baseline):
 
     name = "least_loaded"
 
-    def _pick(self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]) -> ReplicaView:
+    def _pick(
+        self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]
+    ) -> ReplicaView:
         key = block_hashes[0] if block_hashes else b""
         return min(replicas, key=lambda v: (replica_load(v), -rendezvous_weight(key, v.replica_id)))
 
@@ -94,7 +100,9 @@ class Pow2Policy(_Baseline):
         self._rng = random.Random(config.seed)
         self._lock = threading.Lock()
 
-    def _pick(self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]) -> ReplicaView:
+    def _pick(
+        self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]
+    ) -> ReplicaView:
         if len(replicas) == 1:
             return replicas[0]
         with self._lock:

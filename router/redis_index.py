@@ -79,6 +79,7 @@ def namespace(model_id: str) -> str:
 REDIS_PASSWORD_ENV = "PREFIXSERVE_REDIS_PASSWORD"
 """Where the password of an external Redis comes from when its URL carries none."""
 
+
 class RedisIndex:
     """``PrefixIndex`` backed by Redis; safe to share between threads (pooled client)."""
 

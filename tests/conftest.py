@@ -37,9 +37,16 @@ def tiny_models(tmp_path_factory, smollm2_path) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     models = {arch: make_tiny_model(root / arch, arch, seed=i) for i, arch in enumerate(TINY_ARCHS)}
     models["llama3-scaled"] = make_tiny_model(
-        root / "llama3", "llama", seed=7,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        root / "llama3",
+        "llama",
+        seed=7,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     )
     return models
 

@@ -13,7 +13,11 @@ ALLOWED = {
     "router": {"router"},
     "kernels": {"kernels"},
 }
-FORBIDDEN_THIRD_PARTY = {"router": {"torch", "triton"}, "kernels": {"ray", "redis", "fastapi"}, "worker": {"ray", "redis"}}
+FORBIDDEN_THIRD_PARTY = {
+    "router": {"torch", "triton"},
+    "kernels": {"ray", "redis", "fastapi"},
+    "worker": {"ray", "redis"},
+}
 
 
 def _imports(path: Path) -> list[str]:
@@ -33,14 +37,20 @@ def _allowed(pkg: str, name: str) -> bool:
         return top not in FORBIDDEN_THIRD_PARTY.get(pkg, set())
     if pkg not in ALLOWED:
         return True
-    return any(name == a or name.startswith(a + ".") or (a == top and "." not in a) for a in ALLOWED[pkg])
+    return any(
+        name == a or name.startswith(a + ".") or (a == top and "." not in a) for a in ALLOWED[pkg]
+    )
 
 
 def test_import_directions():
     bad = []
     for pkg in ALLOWED:
         for path in (ROOT / pkg).rglob("*.py"):
-            bad += [f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if not _allowed(pkg, n)]
+            bad += [
+                f"{path.relative_to(ROOT)} imports {n}"
+                for n in _imports(path)
+                if not _allowed(pkg, n)
+            ]
     assert not bad, "imports against docs/design.md:\n" + "\n".join(bad)
 
 

@@ -96,8 +96,9 @@ def test_triton_interpreter_internals_exist():
     needed = ["InterpreterBuilder", "TensorHandle", "_patch_lang_tensor", "_get_np_dtype"]
     missing = [name for name in needed if not hasattr(interpreter, name)]
     builder = getattr(interpreter, "InterpreterBuilder", object)
-    missing += [f"InterpreterBuilder.{m}" for m in ("create_dot", "cast_impl")
-                if not hasattr(builder, m)]
+    missing += [
+        f"InterpreterBuilder.{m}" for m in ("create_dot", "cast_impl") if not hasattr(builder, m)
+    ]
     assert not missing, (
         f"triton {triton.__version__} lacks triton.runtime.interpreter's {missing} "
         f"(patched by kernels/triton_common.py; tested with triton"

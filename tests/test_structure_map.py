@@ -62,7 +62,9 @@ def named_paths(text: str) -> set[str]:
 
 
 def missing_paths(paths: set[str], root: Path = ROOT) -> list[str]:
-    return sorted(p for p in paths if not (root / p).exists() or (p.endswith("/") and not (root / p).is_dir()))
+    return sorted(
+        p for p in paths if not (root / p).exists() or (p.endswith("/") and not (root / p).is_dir())
+    )
 
 
 def test_every_source_file_has_a_line_in_the_map():

@@ -55,13 +55,21 @@ MAX_BUFFERED_KV_BATCHES = 10_000
 class AsyncEngine:
     """``generate`` streams a request's ``RequestOutput``s; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None,
-                 *, spawn: bool | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        replica_id: str = "replica-0",
+        launcher: WorkerLauncher | None = None,
+        *,
+        spawn: bool | None = None,
+    ):
         """``spawn``: run the engine in its own process (default: whenever there is no
         ``launcher``, i.e. one rank or local tensor-parallel workers)."""
         if spawn is None:
             spawn = launcher is None
-        self._core: EngineCore = ProcessCore(config, replica_id) if spawn else ThreadCore(config, replica_id, launcher)
+        self._core: EngineCore = (
+            ProcessCore(config, replica_id) if spawn else ThreadCore(config, replica_id, launcher)
+        )
         info = self._core.info
         self.config = config
         self.replica_id = replica_id
@@ -82,7 +90,11 @@ class AsyncEngine:
 
     # -- caller side -------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
         resume_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Streams ``RequestOutput``s; ``resume_token_ids`` continue a stream another replica
@@ -90,23 +102,36 @@ class AsyncEngine:
         if not self.is_alive():
             raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
         info = self._core.info
-        validate_request(prompt_token_ids, params, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                         kv_capacity_tokens=info.kv_capacity_tokens)
-        waiting = self._metrics.get("num_requests_waiting", 0) + (self._adds_sent - self._adds_handled)
+        validate_request(
+            prompt_token_ids,
+            params,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+        )
+        waiting = self._metrics.get("num_requests_waiting", 0) + (
+            self._adds_sent - self._adds_handled
+        )
         if waiting + params.n > self.config.max_waiting_requests:
-            raise EngineOverloadedError(f"{waiting} requests waiting (limit {self.config.max_waiting_requests})")
+            raise EngineOverloadedError(
+                f"{waiting} requests waiting (limit {self.config.max_waiting_requests})"
+            )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, out_q)
         self._adds_sent += 1
-        self._core.submit(("add", request_id, list(prompt_token_ids), params, cache_salt, list(resume_token_ids)))
+        self._core.submit(
+            ("add", request_id, list(prompt_token_ids), params, cache_salt, list(resume_token_ids))
+        )
         finished = False
         try:
             while True:
                 item = await out_q.get()
-                while not isinstance(item, BaseException) and not item.finished and not out_q.empty():
+                while (
+                    not isinstance(item, BaseException) and not item.finished and not out_q.empty()
+                ):
                     later = out_q.get_nowait()  # a slow reader: send what piled up as one output
                     item = later if isinstance(later, BaseException) else coalesce(item, later)
                 if isinstance(item, BaseException):
@@ -124,8 +149,12 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._core.submit(("abort", request_id))
 
-    async def export_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
-                            cache_salt: str | None = None) -> KVPayload | None:
+    async def export_prefix(
+        self,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+    ) -> KVPayload | None:
         """``LLMEngine.export_prefix``, run by the engine between two steps."""
         return await self._call("export_prefix", list(block_hashes), list(token_ids), cache_salt)
 
@@ -143,7 +172,9 @@ class AsyncEngine:
         try:
             self._core.submit(("call", call_id, method, args))
             if not self.is_alive():  # died before it could answer: _on_dead may have run already
-                _settle(future, EngineDeadError(f"engine {self.replica_id} failed: {self.why_dead()}"))
+                _settle(
+                    future, EngineDeadError(f"engine {self.replica_id} failed: {self.why_dead()}")
+                )
             return await future
         finally:
             self._calls.pop(call_id, None)
@@ -200,7 +231,9 @@ class AsyncEngine:
         target = self._calls.pop(call_id, None)
         if target is not None:
             loop, future = target
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is waiting
+            with contextlib.suppress(
+                RuntimeError
+            ):  # the caller's loop is closed: nobody is waiting
                 loop.call_soon_threadsafe(_settle, future, answer)
 
     def _on_dead(self, exc: BaseException) -> None:
@@ -209,7 +242,9 @@ class AsyncEngine:
             self._answer(call_id, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"))
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id in list(self._streams):
-            self._route(request_id, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"), deliveries)
+            self._route(
+                request_id, EngineDeadError(f"engine {self.replica_id} failed: {exc!r}"), deliveries
+            )
         self._flush(deliveries)
 
     def _route(self, request_id: str, item, deliveries: dict) -> None:
@@ -236,11 +271,16 @@ def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     for c in later.outputs:
         before = new_by_index.get(c.index)
         if before is not None:
-            c = dataclasses.replace(c, new_token_ids=before.new_token_ids + c.new_token_ids,
-                                    new_text=before.new_text + c.new_text)
+            c = dataclasses.replace(
+                c,
+                new_token_ids=before.new_token_ids + c.new_token_ids,
+                new_text=before.new_text + c.new_text,
+            )
         outputs.append(c)
     seen = {c.index for c in later.outputs}
-    outputs += [c for c in earlier.outputs if c.index not in seen]  # advanced only in the earlier step
+    outputs += [
+        c for c in earlier.outputs if c.index not in seen
+    ]  # advanced only in the earlier step
     outputs.sort(key=lambda c: c.index)
     return dataclasses.replace(later, outputs=outputs)
 

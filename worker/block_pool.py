@@ -68,7 +68,9 @@ class BlockPool:
         """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
-    def find_cached_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]) -> list[Block]:
+    def find_cached_prefix(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
+    ) -> list[Block]:
         """The longest run of leading blocks already cached whose stored tokens match."""
         if not self.enable_prefix_caching:
             return []
@@ -85,7 +87,9 @@ class BlockPool:
             hits.append(block)
         return hits
 
-    def load_host_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int) -> list[Block]:
+    def load_host_prefix(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int
+    ) -> list[Block]:
         """Bring host blocks ``start, start + 1, ...`` back to the device while they match.
 
         Each returned block holds one reference. Stops at the first miss, or when no device
@@ -145,7 +149,11 @@ class BlockPool:
     # -- the prefix cache --------------------------------------------------------------------
     def cache_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Register a full, computed block. A duplicate of an already-cached hash stays private."""
-        if not self.enable_prefix_caching or block.block_hash is not None or block_hash in self._cached:
+        if (
+            not self.enable_prefix_caching
+            or block.block_hash is not None
+            or block_hash in self._cached
+        ):
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
@@ -197,10 +205,14 @@ class BlockPool:
         for block in self.blocks:
             in_free = block.block_id in free
             if in_free == (block.ref_count > 0) or block.ref_count < 0:
-                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, in free queue {in_free}")
+                raise AssertionError(
+                    f"block {block.block_id}: ref_count {block.ref_count}, in free queue {in_free}"
+                )
         for h, block_id in self._cached.items():
             if self.blocks[block_id].block_hash != h:
-                raise AssertionError(f"hash map points at block {block_id} which holds another hash")
+                raise AssertionError(
+                    f"hash map points at block {block_id} which holds another hash"
+                )
         if self.host is not None:
             self.host.check_invariants()
             both = set(self._cached) & set(self.host.hashes())

@@ -67,9 +67,11 @@ def resolve_dtype(dtype: str, device: str, cuda_capability: tuple[int, int] | No
     return "float16"
 
 
-_CPU_GMU_MESSAGE = ("is for CUDA devices (a fraction of the GPU's total memory); on CPU size the KV cache with "
-                    "kv_cache_memory_fraction (--kv-cache-memory-fraction, of the RAM left after loading) or "
-                    "kv_cache_bytes (--kv-cache-bytes)")
+_CPU_GMU_MESSAGE = (
+    "is for CUDA devices (a fraction of the GPU's total memory); on CPU size the KV cache with "
+    "kv_cache_memory_fraction (--kv-cache-memory-fraction, of the RAM left after loading) or "
+    "kv_cache_bytes (--kv-cache-bytes)"
+)
 
 
 @dataclass(frozen=True)
@@ -131,43 +133,124 @@ class EngineConfig:
             if not cond:
                 raise ValueError(f"EngineConfig.{field}: {msg}")
 
-        need(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
-        need(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        need(self.max_model_len is None or self.max_model_len > 0, "max_model_len", f"must be positive, got {self.max_model_len}")
+        need(
+            isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"
+        )
+        need(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            f"must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+        )
+        need(
+            self.max_model_len is None or self.max_model_len > 0,
+            "max_model_len",
+            f"must be positive, got {self.max_model_len}",
+        )
         need(self.max_num_seqs > 0, "max_num_seqs", f"must be positive, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens",
-             f"must be at least block_size ({self.block_size}), got {self.max_num_batched_tokens}")
-        need(self.dtype in _DTYPES or self.dtype == AUTO, "dtype", f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        need(isinstance(self.device, str) and (self.device in ("cpu", AUTO) or self.device.startswith("cuda")), "device",
-             f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend",
-             f"must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
-        knobs = [k for k in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction", "gpu_memory_utilization") if getattr(self, k) is not None]
-        need(len(knobs) <= 1, "num_kv_blocks", f"set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction, gpu_memory_utilization (got {', '.join(knobs)})")
-        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", f"must be at least 2, got {self.num_kv_blocks}")
-        need(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be positive, got {self.kv_cache_bytes}")
+        need(
+            self.max_num_batched_tokens >= self.block_size,
+            "max_num_batched_tokens",
+            f"must be at least block_size ({self.block_size}), got {self.max_num_batched_tokens}",
+        )
+        need(
+            self.dtype in _DTYPES or self.dtype == AUTO,
+            "dtype",
+            f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}",
+        )
+        need(
+            isinstance(self.device, str)
+            and (self.device in ("cpu", AUTO) or self.device.startswith("cuda")),
+            "device",
+            f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+        need(
+            self.kernel_backend in ("auto", "torch", "triton"),
+            "kernel_backend",
+            f"must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}",
+        )
+        knobs = [
+            k
+            for k in (
+                "num_kv_blocks",
+                "kv_cache_bytes",
+                "kv_cache_memory_fraction",
+                "gpu_memory_utilization",
+            )
+            if getattr(self, k) is not None
+        ]
+        need(
+            len(knobs) <= 1,
+            "num_kv_blocks",
+            f"set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction, gpu_memory_utilization (got {', '.join(knobs)})",
+        )
+        need(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+            "num_kv_blocks",
+            f"must be at least 2, got {self.num_kv_blocks}",
+        )
+        need(
+            self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+            "kv_cache_bytes",
+            f"must be positive, got {self.kv_cache_bytes}",
+        )
         frac = self.kv_cache_memory_fraction
-        need(frac is None or 0.0 < frac <= 0.95, "kv_cache_memory_fraction", f"must be in (0, 0.95], got {frac}")
+        need(
+            frac is None or 0.0 < frac <= 0.95,
+            "kv_cache_memory_fraction",
+            f"must be in (0, 0.95], got {frac}",
+        )
         gmu = self.gpu_memory_utilization
-        need(gmu is None or 0.0 < gmu <= 1.0, "gpu_memory_utilization", f"must be in (0, 1], got {gmu}")
+        need(
+            gmu is None or 0.0 < gmu <= 1.0,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {gmu}",
+        )
         need(gmu is None or self.device != "cpu", "gpu_memory_utilization", _CPU_GMU_MESSAGE)
-        need(isinstance(self.generation_config, str) and bool(self.generation_config), "generation_config",
-             "must be 'auto', 'vllm' or a folder holding generation_config.json")
-        need(self.host_kv_cache_bytes is None or self.host_kv_cache_bytes > 0, "host_kv_cache_bytes",
-             f"must be positive, got {self.host_kv_cache_bytes}")
-        need(self.max_waiting_requests > 0, "max_waiting_requests", f"must be positive, got {self.max_waiting_requests}")
-        need(0 <= self.max_logprobs <= 20, "max_logprobs", f"must be in [0, 20], got {self.max_logprobs}")
-        need(self.num_threads is None or self.num_threads > 0, "num_threads", f"must be positive, got {self.num_threads}")
+        need(
+            isinstance(self.generation_config, str) and bool(self.generation_config),
+            "generation_config",
+            "must be 'auto', 'vllm' or a folder holding generation_config.json",
+        )
+        need(
+            self.host_kv_cache_bytes is None or self.host_kv_cache_bytes > 0,
+            "host_kv_cache_bytes",
+            f"must be positive, got {self.host_kv_cache_bytes}",
+        )
+        need(
+            self.max_waiting_requests > 0,
+            "max_waiting_requests",
+            f"must be positive, got {self.max_waiting_requests}",
+        )
+        need(
+            0 <= self.max_logprobs <= 20,
+            "max_logprobs",
+            f"must be in [0, 20], got {self.max_logprobs}",
+        )
+        need(
+            self.num_threads is None or self.num_threads > 0,
+            "num_threads",
+            f"must be positive, got {self.num_threads}",
+        )
         tp = self.tensor_parallel_size
-        need(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE,
-             "tensor_parallel_size", f"must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {tp!r}")
-        need(tp == 1 or self.host_kv_cache_bytes is None, "host_kv_cache_bytes",
-             "the host KV tier does not support tensor_parallel_size > 1 yet; leave it unset")
+        need(
+            isinstance(tp, int)
+            and not isinstance(tp, bool)
+            and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE,
+            "tensor_parallel_size",
+            f"must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {tp!r}",
+        )
+        need(
+            tp == 1 or self.host_kv_cache_bytes is None,
+            "host_kv_cache_bytes",
+            "the host KV tier does not support tensor_parallel_size > 1 yet; leave it unset",
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == AUTO:
-            raise ValueError("EngineConfig.dtype is 'auto': call EngineConfig.resolved() where the engine runs")
+            raise ValueError(
+                "EngineConfig.dtype is 'auto': call EngineConfig.resolved() where the engine runs"
+            )
         return _DTYPES[self.dtype]
 
     def resolved(self) -> EngineConfig:
@@ -175,24 +258,40 @@ class EngineConfig:
         cuda_available = torch.cuda.is_available()
         device = resolve_device(self.device, cuda_available)
         if device.startswith("cuda") and not cuda_available:
-            raise ValueError(f"EngineConfig.device: {device!r} but this process sees no CUDA device "
-                             f"(torch {torch.__version__}); use 'auto' or 'cpu', or a CUDA build of torch")
+            raise ValueError(
+                f"EngineConfig.device: {device!r} but this process sees no CUDA device "
+                f"(torch {torch.__version__}); use 'auto' or 'cpu', or a CUDA build of torch"
+            )
         capability = None
         if self.dtype == AUTO and device.startswith("cuda"):
             capability = torch.cuda.get_device_capability(torch.device(device))
         dtype = resolve_dtype(self.dtype, device, capability)
         if device == "cpu" and self.gpu_memory_utilization is not None:
-            raise ValueError(f"EngineConfig.gpu_memory_utilization: {_CPU_GMU_MESSAGE} (device 'auto' found no GPU)")
+            raise ValueError(
+                f"EngineConfig.gpu_memory_utilization: {_CPU_GMU_MESSAGE} (device 'auto' found no GPU)"
+            )
         if (device, dtype) != (self.device, self.dtype):
-            log.info("engine config: device %s -> %s, dtype %s -> %s%s", self.device, device, self.dtype, dtype,
-                     f" (compute capability {capability[0]}.{capability[1]})" if capability else "")
+            log.info(
+                "engine config: device %s -> %s, dtype %s -> %s%s",
+                self.device,
+                device,
+                self.dtype,
+                dtype,
+                f" (compute capability {capability[0]}.{capability[1]})" if capability else "",
+            )
         return self.replace(device=device, dtype=dtype)
 
     @property
     def memory_fraction(self) -> float:
         """The fraction knob in force when neither blocks nor bytes were given."""
-        if self.num_kv_blocks is None and self.kv_cache_bytes is None and self.gpu_memory_utilization is None:
-            return self.kv_cache_memory_fraction if self.kv_cache_memory_fraction is not None else 0.2
+        if (
+            self.num_kv_blocks is None
+            and self.kv_cache_bytes is None
+            and self.gpu_memory_utilization is None
+        ):
+            return (
+                self.kv_cache_memory_fraction if self.kv_cache_memory_fraction is not None else 0.2
+            )
         return 0.0
 
     def replace(self, **changes) -> EngineConfig:

@@ -43,7 +43,10 @@ def configure_cpu_allocator() -> bool:
     except (OSError, AttributeError, TypeError):
         log.debug("no glibc mallopt (%s): keeping the default allocator settings", name)
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    ok = (
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    )
     if not ok:
         log.debug("mallopt refused the thresholds: keeping the default allocator settings")
     _configured = ok

@@ -60,22 +60,39 @@ class StepDelta:
     text: str = ""
 
 
-def check_resume(prompt_token_ids: Sequence[int], params: SamplingParams, resume_token_ids: Sequence[int], *,
-                 vocab_size: int, max_model_len: int) -> None:
+def check_resume(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    resume_token_ids: Sequence[int],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
     """Raises ``ValueError`` unless ``resume_token_ids`` can continue this request."""
     if params.n != 1:
-        raise ValueError(f"resume_token_ids: only a request with n == 1 can be resumed, got n={params.n}")
+        raise ValueError(
+            f"resume_token_ids: only a request with n == 1 can be resumed, got n={params.n}"
+        )
     if params.max_tokens is not None and len(resume_token_ids) >= params.max_tokens:
-        raise ValueError(f"resume_token_ids: {len(resume_token_ids)} tokens already reach max_tokens={params.max_tokens}")
+        raise ValueError(
+            f"resume_token_ids: {len(resume_token_ids)} tokens already reach max_tokens={params.max_tokens}"
+        )
     if len(prompt_token_ids) + len(resume_token_ids) >= max_model_len:
-        raise ValueError(f"resume_token_ids: prompt and resumed tokens fill the context ({max_model_len})")
+        raise ValueError(
+            f"resume_token_ids: prompt and resumed tokens fill the context ({max_model_len})"
+        )
     bad = [t for t in resume_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"resume_token_ids: token id {bad[0]} is out of range [0, {vocab_size})")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, replica_id: str = "replica-0", launcher: WorkerLauncher | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        replica_id: str = "replica-0",
+        launcher: WorkerLauncher | None = None,
+    ):
         """``launcher`` starts tensor-parallel ranks 1..N-1; default: local processes."""
         config = config.resolved()  # device/dtype "auto" made concrete here, where the engine runs
         tp = config.tensor_parallel_size
@@ -92,19 +109,27 @@ class LLMEngine:
         self.config = config
         self.replica_id = replica_id
         self.model_id = config.model_id or resolved.model_id
-        self.max_model_len = min(config.max_model_len or resolved.max_model_len, resolved.max_model_len)
+        self.max_model_len = min(
+            config.max_model_len or resolved.max_model_len, resolved.max_model_len
+        )
         if config.max_model_len and config.max_model_len > resolved.max_model_len:
-            raise ValueError(f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context ({resolved.max_model_len})")
+            raise ValueError(
+                f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context ({resolved.max_model_len})"
+            )
         self.model_path = resolved.path
         self.tokenizer = load_tokenizer(config, model_path=resolved.path, chat_template=False)
         if tp == 1:
             spec, weights = load_weights(resolved.path, config.torch_dtype)
             self.runner = ModelRunner(config, spec, weights, self.max_model_len)
         else:
-            spec = self._start_tensor_parallel(resolved.path, launcher or LocalProcessLauncher(), replica_id)
+            spec = self._start_tensor_parallel(
+                resolved.path, launcher or LocalProcessLauncher(), replica_id
+            )
         self.spec = spec
         self.block_size = config.block_size
-        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         if self.runner.host_kv is not None:
             self.pool.attach_host(self.runner.num_host_blocks, self.runner)
         self.scheduler = Scheduler(config, self.pool)
@@ -117,21 +142,41 @@ class LLMEngine:
         """Changes whenever an engine starts, so an index drops what a previous run announced."""
         self._kv_batches: list[KVEventBatch] = []
         self._unseeded = itertools.count()
-        log.info("engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s",
-                 replica_id, self.model_id, time.perf_counter() - t0, self.pool.num_blocks,
-                 self.pool.num_blocks * self.block_size, config.deterministic)
+        log.info(
+            "engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s",
+            replica_id,
+            self.model_id,
+            time.perf_counter() - t0,
+            self.pool.num_blocks,
+            self.pool.num_blocks * self.block_size,
+            config.deterministic,
+        )
 
-    def _start_tensor_parallel(self, model_path: str, launcher: WorkerLauncher, replica_id: str) -> ModelSpec:
+    def _start_tensor_parallel(
+        self, model_path: str, launcher: WorkerLauncher, replica_id: str
+    ) -> ModelSpec:
         config = self.config
-        ShardPlan.make(read_spec(model_path), 0, config.tensor_parallel_size)  # sizes fail before any worker starts
-        self.tp = TensorParallelGroup.start(config, model_path, self.max_model_len, launcher, replica_id)
+        ShardPlan.make(
+            read_spec(model_path), 0, config.tensor_parallel_size
+        )  # sizes fail before any worker starts
+        self.tp = TensorParallelGroup.start(
+            config, model_path, self.max_model_len, launcher, replica_id
+        )
         # Stops the group when this engine is collected or at interpreter exit, if shutdown()
         # did not; the callback holds the group only, never the engine.
         self._tp_finalizer = weakref.finalize(self, self.tp.stop)
         try:
-            spec, plan, weights = load_shard(model_path, config.torch_dtype, 0, config.tensor_parallel_size)
-            self.runner = ModelRunner(config, plan.local_spec(spec), weights, self.max_model_len,
-                                      self.tp.comm, plan.vocab_start)
+            spec, plan, weights = load_shard(
+                model_path, config.torch_dtype, 0, config.tensor_parallel_size
+            )
+            self.runner = ModelRunner(
+                config,
+                plan.local_spec(spec),
+                weights,
+                self.max_model_len,
+                self.tp.comm,
+                plan.vocab_start,
+            )
         except BaseException:
             self._tp_finalizer()
             raise
@@ -155,34 +200,72 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, vocab_size=self.spec.vocab_size, max_model_len=self.max_model_len,
-                         kv_capacity_tokens=self.pool.num_blocks * self.block_size)
+        validate_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.pool.num_blocks * self.block_size,
+        )
         if self.tp is not None and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with tensor parallelism (tensor_parallel_size > 1)")
+            raise ValueError(
+                "prompt_logprobs is not supported with tensor parallelism (tensor_parallel_size > 1)"
+            )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, resume_token_ids: Sequence[int] = ()) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        resume_token_ids: Sequence[int] = (),
+    ) -> None:
         """Queues a request. ``resume_token_ids``: outputs another replica already streamed
         before it died (stream failover, ``n == 1``): the request goes on after them."""
         self.validate(prompt_token_ids, params)
         if resume_token_ids:
-            check_resume(prompt_token_ids, params, resume_token_ids, vocab_size=self.spec.vocab_size,
-                         max_model_len=self.max_model_len)
+            check_resume(
+                prompt_token_ids,
+                params,
+                resume_token_ids,
+                vocab_size=self.spec.vocab_size,
+                max_model_len=self.max_model_len,
+            )
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) + params.n > self.config.max_waiting_requests:
-            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests waiting (limit {self.config.max_waiting_requests})")
-        seed = params.seed if params.seed is not None else hash((self.config.seed, next(self._unseeded)))
+            raise EngineOverloadedError(
+                f"{len(self.scheduler.waiting)} requests waiting (limit {self.config.max_waiting_requests})"
+            )
+        seed = (
+            params.seed
+            if params.seed is not None
+            else hash((self.config.seed, next(self._unseeded)))
+        )
         constraint = params.structured_output
-        grammar = self.grammars.matcher(constraint) if constraint is not None else None  # compiles before any state changes
+        grammar = (
+            self.grammars.matcher(constraint) if constraint is not None else None
+        )  # compiles before any state changes
         group = []
         for i in range(params.n):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                           params.include_stop_str_in_output, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
             req = Request(
-                request_id=request_id, index=i, prompt_token_ids=list(prompt_token_ids),
-                params=params, seed=seed, block_size=self.block_size, model_id=self.model_id,
-                cache_salt=cache_salt, detokenizer=detok, max_total_tokens=self.max_model_len,
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=list(prompt_token_ids),
+                params=params,
+                seed=seed,
+                block_size=self.block_size,
+                model_id=self.model_id,
+                cache_salt=cache_salt,
+                detokenizer=detok,
+                max_total_tokens=self.max_model_len,
             )
             if constraint is not None:
                 req.grammar = grammar if i == 0 else self.grammars.matcher(constraint)
@@ -221,13 +304,15 @@ class LLMEngine:
             raise RuntimeError(f"tensor-parallel step failed: {self._tp_failure(exc)}") from exc
         sampling_reqs = [batch.requests[i] for i in sampling_idx]
         if prompt_spans:
-            record_prompt_logprobs(logits[len(sampling_idx):], prompt_spans)
+            record_prompt_logprobs(logits[len(sampling_idx) :], prompt_spans)
             logits = logits[: len(sampling_idx)]
         results = self.sampler.sample(logits, sampling_reqs)
         self.scheduler.commit_computed(batch)
         now = time.monotonic()
-        deltas = {req: self._append(req, res, now)
-                  for req, res in zip(sampling_reqs, results, strict=True)}
+        deltas = {
+            req: self._append(req, res, now)
+            for req, res in zip(sampling_reqs, results, strict=True)
+        }
         self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - t0)
         self._collect_events()
         touched = {r.request_id for r in batch.requests}
@@ -281,30 +366,47 @@ class LLMEngine:
         if req.max_tokens_reached():
             req.finish_reason = FinishReason.LENGTH
 
-    def _output(self, request_id: str, group: list[Request], deltas: dict[Request, StepDelta],
-                finished: bool) -> RequestOutput:
+    def _output(
+        self,
+        request_id: str,
+        group: list[Request],
+        deltas: dict[Request, StepDelta],
+        finished: bool,
+    ) -> RequestOutput:
         """The group's ``RequestOutput``; ``deltas`` holds this step's new tokens per sequence
         (a sequence without one, e.g. a sibling still waiting, gets an empty delta)."""
         first = group[0]
         outs = []
         for req in group:
             delta = deltas.get(req, StepDelta())
-            outs.append(CompletionOutput(
-                index=req.index, text=req.detokenizer.text, token_ids=list(req.output_token_ids),
-                new_text=delta.text, new_token_ids=delta.token_ids,
-                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            ))
-        first_token_time = min((r.first_token_time for r in group if r.first_token_time),
-                               default=None)
+            outs.append(
+                CompletionOutput(
+                    index=req.index,
+                    text=req.detokenizer.text,
+                    token_ids=list(req.output_token_ids),
+                    new_text=delta.text,
+                    new_token_ids=delta.token_ids,
+                    logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            )
+        first_token_time = min(
+            (r.first_token_time for r in group if r.first_token_time), default=None
+        )
         metrics = {"arrival_time": first.arrival_time, "first_token_time": first_token_time}
         metrics["first_scheduled_time"] = min(
-            (r.first_scheduled_time for r in group if r.first_scheduled_time), default=None)
+            (r.first_scheduled_time for r in group if r.first_scheduled_time), default=None
+        )
         if finished:
             metrics["finished_time"] = time.monotonic()
         return RequestOutput(
-            request_id=request_id, prompt_token_ids=first.prompt_token_ids, outputs=outs,
-            num_cached_tokens=first.num_cached_tokens or 0, finished=finished, error=None,
+            request_id=request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outs,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            finished=finished,
+            error=None,
             metrics=metrics,
             prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None,
         )
@@ -313,17 +415,27 @@ class LLMEngine:
     def _collect_events(self) -> None:
         events = self.pool.take_events()
         if events:
-            self._kv_batches.append(KVEventBatch(self.replica_id, next(self._event_seq), tuple(events), self.replica_epoch))
+            self._kv_batches.append(
+                KVEventBatch(
+                    self.replica_id, next(self._event_seq), tuple(events), self.replica_epoch
+                )
+            )
 
     def drain_kv_events(self) -> list[KVEventBatch]:
         out, self._kv_batches = self._kv_batches, []
         return out
 
     # -- KV pulled from a peer replica (worker/kv_transfer.py) -------------------------------
-    def export_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
-                      cache_salt: str | None = None) -> kv_transfer.KVPayload | None:
+    def export_prefix(
+        self,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+    ) -> kv_transfer.KVPayload | None:
         """The leading blocks of this prefix held here (either tier), as a picklable payload."""
-        return kv_transfer.export_prefix(self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt)
+        return kv_transfer.export_prefix(
+            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt
+        )
 
     def import_prefix(self, payload: kv_transfer.KVPayload) -> int:
         """Caches a peer's exported blocks as if computed here; returns how many were copied.
@@ -341,8 +453,10 @@ class LLMEngine:
     def stats(self) -> ReplicaStats:
         return ReplicaStats(
             host_to_device_tokens_per_s=self.host_to_device_tokens_per_s(),
-            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
-            kv_usage=self.pool.usage, prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_usage=self.pool.usage,
+            prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
             decode_tokens_per_s=self.metrics.decode_tokens_per_s,
             num_queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
         )
@@ -377,15 +491,27 @@ class LLMEngine:
         )
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                     kv_capacity_tokens: int) -> None:
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    kv_capacity_tokens: int,
+) -> None:
     """Raises ``ValueError`` saying what is wrong with a request, before it touches the engine."""
     if not isinstance(params, SamplingParams):
         raise ValueError("params must be a SamplingParams")
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
-    bad = next((t for t in prompt_token_ids
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
+    bad = next(
+        (
+            t
+            for t in prompt_token_ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+        ),
+        None,
+    )
     if bad is not None:
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
     bad = next((t for t in params.logit_bias or () if not t < vocab_size), None)
@@ -393,13 +519,17 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, voc
         raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
     n = len(prompt_token_ids)
     if n >= max_model_len:
-        raise ValueError(f"prompt has {n} tokens; this model's context is {max_model_len} tokens (prompt plus output)")
+        raise ValueError(
+            f"prompt has {n} tokens; this model's context is {max_model_len} tokens (prompt plus output)"
+        )
     if params.max_tokens is not None and n + params.max_tokens > max_model_len:
         raise ValueError(
             f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the context of "
             f"{max_model_len} tokens"
         )
     if n > kv_capacity_tokens:
-        raise ValueError(f"prompt of {n} tokens does not fit the KV cache ({kv_capacity_tokens} tokens)")
+        raise ValueError(
+            f"prompt of {n} tokens does not fit the KV cache ({kv_capacity_tokens} tokens)"
+        )
     if params.structured_output is not None:
         check_spec(params.structured_output)

@@ -71,7 +71,9 @@ class EngineCore:
     info: EngineInfo
     tokenizer: Tokenizer
 
-    def start(self, on_step: Callable[[StepResult], None], on_dead: Callable[[BaseException], None]) -> None:
+    def start(
+        self, on_step: Callable[[StepResult], None], on_dead: Callable[[BaseException], None]
+    ) -> None:
         raise NotImplementedError
 
     def submit(self, command: tuple) -> None:
@@ -94,8 +96,14 @@ class EngineCore:
 
 
 def info_of(engine: LLMEngine) -> EngineInfo:
-    return EngineInfo(engine.model_id, engine.model_path, engine.max_model_len, engine.block_size,
-                      engine.spec.vocab_size, engine.pool.num_blocks * engine.block_size)
+    return EngineInfo(
+        engine.model_id,
+        engine.model_path,
+        engine.max_model_len,
+        engine.block_size,
+        engine.spec.vocab_size,
+        engine.pool.num_blocks * engine.block_size,
+    )
 
 
 class EngineLoop:
@@ -145,19 +153,33 @@ class EngineLoop:
         kv_batches = self.engine.drain_kv_events()
         if not (outputs or self._rejected or kv_batches or self._replies):
             return None
-        result = StepResult(outputs, self._rejected, self.engine.stats(),
-                            self.engine.metrics_snapshot().as_dict(), kv_batches, self.adds_handled, self._replies)
+        result = StepResult(
+            outputs,
+            self._rejected,
+            self.engine.stats(),
+            self.engine.metrics_snapshot().as_dict(),
+            kv_batches,
+            self.adds_handled,
+            self._replies,
+        )
         self._aborted, self._rejected, self._replies = [], [], []
         return result
 
     def idle(self) -> bool:
-        return not self.engine.has_unfinished() and not self._aborted and not self._rejected and not self._replies
+        return (
+            not self.engine.has_unfinished()
+            and not self._aborted
+            and not self._rejected
+            and not self._replies
+        )
 
 
 class ThreadCore(EngineCore):
     """The engine in this process, stepped by one thread that owns it."""
 
-    def __init__(self, config: EngineConfig, replica_id: str, launcher: WorkerLauncher | None) -> None:
+    def __init__(
+        self, config: EngineConfig, replica_id: str, launcher: WorkerLauncher | None
+    ) -> None:
         self.engine = LLMEngine(config, replica_id, launcher)
         self.info = info_of(self.engine)
         self.tokenizer = self.engine.tokenizer
@@ -194,7 +216,11 @@ class ThreadCore(EngineCore):
         try:
             while True:
                 try:
-                    command = self._commands.get(timeout=IDLE_POLL_S) if loop.idle() else self._commands.get_nowait()
+                    command = (
+                        self._commands.get(timeout=IDLE_POLL_S)
+                        if loop.idle()
+                        else self._commands.get_nowait()
+                    )
                     if not loop.handle(command):
                         return
                     while True:
@@ -213,4 +239,6 @@ class ThreadCore(EngineCore):
             try:
                 self.engine.shutdown()
             except Exception:  # noqa: BLE001 - ending workers is best effort; their parent's exit ends them too
-                log.exception("engine %s: stopping tensor-parallel workers failed", self.engine.replica_id)
+                log.exception(
+                    "engine %s: stopping tensor-parallel workers failed", self.engine.replica_id
+                )

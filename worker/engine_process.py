@@ -81,11 +81,27 @@ def pack_output(out: RequestOutput) -> PackedOutput:
     for c in out.outputs:
         num_new = len(c.new_token_ids)
         new_logprobs = None if c.logprobs is None else (c.logprobs[-num_new:] if num_new else [])
-        completions.append(PackedCompletion(c.index, c.new_text, list(c.new_token_ids), new_logprobs,
-                                            c.finish_reason, c.stop_reason, c.text if c.finished else None))
+        completions.append(
+            PackedCompletion(
+                c.index,
+                c.new_text,
+                list(c.new_token_ids),
+                new_logprobs,
+                c.finish_reason,
+                c.stop_reason,
+                c.text if c.finished else None,
+            )
+        )
     prompt_logprobs = out.prompt_logprobs if out.carries_first_tokens else None
-    return PackedOutput(out.request_id, out.num_cached_tokens, out.finished, out.error, out.metrics, completions,
-                        prompt_logprobs)
+    return PackedOutput(
+        out.request_id,
+        out.num_cached_tokens,
+        out.finished,
+        out.error,
+        out.metrics,
+        completions,
+        prompt_logprobs,
+    )
 
 
 class OutputAssembler:
@@ -95,7 +111,9 @@ class OutputAssembler:
         self._requests: dict[str, tuple[list[int], dict[int, CompletionOutput]]] = {}
         self._prompt_logprobs: dict[str, list] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], resume_token_ids: Sequence[int] = ()) -> None:
+    def add(
+        self, request_id: str, prompt_token_ids: list[int], resume_token_ids: Sequence[int] = ()
+    ) -> None:
         """Expects ``request_id``'s outputs; ``resume_token_ids`` come before its first ones."""
         resumed = {0: CompletionOutput(0, "", list(resume_token_ids))} if resume_token_ids else {}
         self._requests[request_id] = (prompt_token_ids, resumed)
@@ -113,24 +131,43 @@ class OutputAssembler:
         for p in packed.completions:
             c = completions.get(p.index)
             if c is None:
-                c = completions[p.index] = CompletionOutput(p.index, "", [], logprobs=None if p.new_logprobs is None else [])
+                c = completions[p.index] = CompletionOutput(
+                    p.index, "", [], logprobs=None if p.new_logprobs is None else []
+                )
             c.text += p.new_text
             c.token_ids += p.new_token_ids
             if p.new_logprobs is not None:
                 c.logprobs += p.new_logprobs
             if p.text is not None:
                 c.text = p.text
-            outputs.append(CompletionOutput(p.index, c.text, list(c.token_ids), p.new_text, p.new_token_ids,
-                                            None if c.logprobs is None else list(c.logprobs),
-                                            p.finish_reason, p.stop_reason))
+            outputs.append(
+                CompletionOutput(
+                    p.index,
+                    c.text,
+                    list(c.token_ids),
+                    p.new_text,
+                    p.new_token_ids,
+                    None if c.logprobs is None else list(c.logprobs),
+                    p.finish_reason,
+                    p.stop_reason,
+                )
+            )
         if packed.prompt_logprobs is not None:
             self._prompt_logprobs[packed.request_id] = packed.prompt_logprobs
         prompt_logprobs = self._prompt_logprobs.get(packed.request_id)
         if packed.finished:
             del self._requests[packed.request_id]
             self._prompt_logprobs.pop(packed.request_id, None)
-        return RequestOutput(packed.request_id, prompt_ids, outputs, packed.num_cached_tokens, packed.finished,
-                             packed.error, packed.metrics, prompt_logprobs=prompt_logprobs)
+        return RequestOutput(
+            packed.request_id,
+            prompt_ids,
+            outputs,
+            packed.num_cached_tokens,
+            packed.finished,
+            packed.error,
+            packed.metrics,
+            prompt_logprobs=prompt_logprobs,
+        )
 
 
 class ProcessCore(EngineCore):
@@ -139,18 +176,25 @@ class ProcessCore(EngineCore):
     def __init__(self, config: EngineConfig, replica_id: str) -> None:
         self.replica_id = replica_id
         parent_sock, child_sock = socket.socketpair()
-        self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine_process", str(child_sock.fileno())],
-                                      pass_fds=(child_sock.fileno(),), env=child_env())
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.engine_process", str(child_sock.fileno())],
+            pass_fds=(child_sock.fileno(),),
+            env=child_env(),
+        )
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
         self._send_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _end_process, self._proc, self._conn)
         self._send(("init", config, replica_id))
         self.info = self._wait_ready()
-        self.tokenizer = load_tokenizer(config, model_path=self.info.model_path, chat_template=False)
+        self.tokenizer = load_tokenizer(
+            config, model_path=self.info.model_path, chat_template=False
+        )
         self._assembler = OutputAssembler()
         self._dead_reason = ""
-        self._reader = threading.Thread(target=self._read, name=f"engine-reader-{replica_id}", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, name=f"engine-reader-{replica_id}", daemon=True
+        )
 
     def _wait_ready(self) -> EngineInfo:
         deadline_s = time.monotonic() + ENGINE_START_TIMEOUT_S
@@ -163,12 +207,18 @@ class ProcessCore(EngineCore):
                 if kind == "ready":
                     return payload
                 self._finalizer()
-                raise RuntimeError(f"engine process of {self.replica_id} failed to start: {payload}")
+                raise RuntimeError(
+                    f"engine process of {self.replica_id} failed to start: {payload}"
+                )
             if self._proc.poll() is not None:
                 break
         self._finalizer()
         code = self._proc.poll()
-        why = f"exited with code {code}" if code is not None else f"not ready in {ENGINE_START_TIMEOUT_S:.0f}s"
+        why = (
+            f"exited with code {code}"
+            if code is not None
+            else f"not ready in {ENGINE_START_TIMEOUT_S:.0f}s"
+        )
         raise RuntimeError(f"engine process of {self.replica_id} {why}; see its log above")
 
     def start(self, on_step, on_dead) -> None:
@@ -201,7 +251,9 @@ class ProcessCore(EngineCore):
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("engine process of %s did not stop in %.0fs; killing it", self.replica_id, timeout_s)
+            log.warning(
+                "engine process of %s did not stop in %.0fs; killing it", self.replica_id, timeout_s
+            )
         self._finalizer()
         self._reader.join(timeout_s)
 
@@ -217,7 +269,9 @@ class ProcessCore(EngineCore):
                     break
         except (EOFError, OSError):
             code = self._proc.wait()
-            reason = "engine process stopped" if code == 0 else f"engine process exited with code {code}"
+            reason = (
+                "engine process stopped" if code == 0 else f"engine process exited with code {code}"
+            )
         except Exception as exc:  # noqa: BLE001 - a message we cannot read: the engine is lost to us
             log.exception("engine %s: reading its process failed", self.replica_id)
             reason = f"reading the engine process failed: {exc!r}"
@@ -229,8 +283,15 @@ class ProcessCore(EngineCore):
         outputs = [out for out in map(self._assembler.assemble, step.outputs) if out is not None]
         for request_id, _ in step.rejected:
             self._assembler.discard(request_id)
-        return StepResult(outputs, step.rejected, step.stats, step.metrics, step.kv_batches, step.adds_handled,
-                          step.replies)
+        return StepResult(
+            outputs,
+            step.rejected,
+            step.stats,
+            step.metrics,
+            step.kv_batches,
+            step.adds_handled,
+            step.replies,
+        )
 
 
 def _end_process(proc: subprocess.Popen, conn: Connection) -> None:
@@ -279,8 +340,10 @@ def serve_engine(conn: Connection) -> int:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=os.environ.get("PREFIXSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PREFIXSERVE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s",
+    )
     conn = Connection(int(argv[0]))
     try:
         return serve_engine(conn)

@@ -44,7 +44,9 @@ def read_generation_defaults(folder: str | Path) -> dict[str, float | int]:
     try:
         data = json.loads(path.read_text())
     except ValueError as exc:
-        raise ValueError(f"EngineConfig.generation_config: {path} is not valid JSON ({exc})") from None
+        raise ValueError(
+            f"EngineConfig.generation_config: {path} is not valid JSON ({exc})"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"EngineConfig.generation_config: {path} must hold a JSON object")
     defaults: dict[str, float | int] = {}
@@ -53,7 +55,9 @@ def read_generation_defaults(folder: str | Path) -> dict[str, float | int]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"EngineConfig.generation_config: {path}: {key} must be a number, got {value!r}")
+            raise ValueError(
+                f"EngineConfig.generation_config: {path}: {key} must be a number, got {value!r}"
+            )
         defaults[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
     _check_ranges(defaults, path)
     return defaults
@@ -80,16 +84,23 @@ def load_generation_defaults(config: EngineConfig, model_path: str) -> dict[str,
     else:
         folder = Path(source)
         if not (folder / GENERATION_CONFIG_FILE).is_file():
-            raise ValueError(f"EngineConfig.generation_config: {source!r} must be 'auto', 'vllm' or a folder holding "
-                             f"{GENERATION_CONFIG_FILE}")
+            raise ValueError(
+                f"EngineConfig.generation_config: {source!r} must be 'auto', 'vllm' or a folder holding "
+                f"{GENERATION_CONFIG_FILE}"
+            )
     defaults = read_generation_defaults(folder)
     if defaults:
-        log.info("generation config %s: defaults for fields a request leaves unset: %s",
-                 folder / GENERATION_CONFIG_FILE, ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
+        log.info(
+            "generation config %s: defaults for fields a request leaves unset: %s",
+            folder / GENERATION_CONFIG_FILE,
+            ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())),
+        )
     return defaults
 
 
-def apply_defaults(requested: dict[str, float | int | None], defaults: dict[str, float | int]) -> dict[str, float | int]:
+def apply_defaults(
+    requested: dict[str, float | int | None], defaults: dict[str, float | int]
+) -> dict[str, float | int]:
     """Request value if set, else the model's default; fields neither sets are left out."""
     merged = {k: v for k, v in defaults.items() if k in requested}
     merged.update({k: v for k, v in requested.items() if v is not None})

@@ -74,7 +74,9 @@ def _token() -> str | None:
     return os.environ.get("HF_TOKEN") or None  # None: huggingface_hub's stored login, if any
 
 
-def select_files(repo_files: list[str], weight_map_files: set[str] | None, weights: bool) -> list[str]:
+def select_files(
+    repo_files: list[str], weight_map_files: set[str] | None, weights: bool
+) -> list[str]:
     """The files of a repo the engine needs (pure: the repo's listing in, a list out)."""
     top = [f for f in repo_files if "/" not in f]
     chosen = [f for f in top if any(fnmatch.fnmatch(f, p) for p in NON_WEIGHT_PATTERNS)]
@@ -90,8 +92,14 @@ def _describe(repo_id: str, revision: str | None, label: str = "model") -> str:
     return f"{label} {repo_id!r}" + (f" (revision {revision!r})" if revision else "")
 
 
-def download_repo(repo_id: str, *, revision: str | None = None, download_dir: str | None = None,
-                  weights: bool = True, need_config: bool = True) -> str:
+def download_repo(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    weights: bool = True,
+    need_config: bool = True,
+) -> str:
     """A local snapshot folder of ``repo_id`` holding what the engine needs; see the module doc.
     ``need_config=False``: a tokenizer repo (``--tokenizer``), which may have no config.json."""
     try:
@@ -105,8 +113,10 @@ def download_repo(repo_id: str, *, revision: str | None = None, download_dir: st
     if offline():
         folder = cached_snapshot(repo_id, revision, cache, need_config)
         if folder is None:
-            raise ValueError(f"{what}: HF_HUB_OFFLINE=1 and {repo_id} is not in {cache}; "
-                             "download it once online (or unset HF_HUB_OFFLINE)")
+            raise ValueError(
+                f"{what}: HF_HUB_OFFLINE=1 and {repo_id} is not in {cache}; "
+                "download it once online (or unset HF_HUB_OFFLINE)"
+            )
         _check_snapshot(Path(folder), what, weights, need_config)
         log.info("%s: offline, using the cached snapshot %s", what, folder)
         return folder
@@ -114,21 +124,40 @@ def download_repo(repo_id: str, *, revision: str | None = None, download_dir: st
     try:
         files = _plan(repo_id, revision, cache, url, token, weights, need_config)
         log.info("%s: fetching %d files from %s into %s", what, len(files), url, cache)
-        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache, endpoint=url, token=token,
-                                   allow_patterns=files)
-    except (httpx2.ConnectError, httpx2.TimeoutException) as exc:  # hub unreachable: the cache may do
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache,
+            endpoint=url,
+            token=token,
+            allow_patterns=files,
+        )
+    except (
+        httpx2.ConnectError,
+        httpx2.TimeoutException,
+    ) as exc:  # hub unreachable: the cache may do
         folder = cached_snapshot(repo_id, revision, cache, need_config)
         if folder is None:
-            raise ValueError(f"{what}: cannot reach {url} ({type(exc).__name__}) and {repo_id} is not in "
-                             f"{cache}; check the network or HF_ENDPOINT") from exc
-        log.warning("%s: cannot reach %s (%s); using the cached snapshot %s", what, url, type(exc).__name__, folder)
+            raise ValueError(
+                f"{what}: cannot reach {url} ({type(exc).__name__}) and {repo_id} is not in "
+                f"{cache}; check the network or HF_ENDPOINT"
+            ) from exc
+        log.warning(
+            "%s: cannot reach %s (%s); using the cached snapshot %s",
+            what,
+            url,
+            type(exc).__name__,
+            folder,
+        )
     except Exception as exc:  # noqa: BLE001 - turned into one clear message per failure kind
         raise _hub_error(exc, what, repo_id, url, cache) from exc
     _check_snapshot(Path(folder), what, weights, need_config)
     return folder
 
 
-def cached_snapshot(repo_id: str, revision: str | None, cache: str, need_config: bool = True) -> str | None:
+def cached_snapshot(
+    repo_id: str, revision: str | None, cache: str, need_config: bool = True
+) -> str | None:
     """The snapshot folder the cache holds for ``revision`` (a commit, or a branch/tag through
     ``refs/``), or None. Reads huggingface_hub's cache layout directly: its own offline lookup
     also wants every file of the repo's listing, and we fetch only a subset."""
@@ -145,8 +174,15 @@ def cached_snapshot(repo_id: str, revision: str | None, cache: str, need_config:
     return str(folder) if found else None
 
 
-def _plan(repo_id: str, revision: str | None, cache: str, url: str, token: str | None, weights: bool,
-          need_config: bool) -> list[str]:
+def _plan(
+    repo_id: str,
+    revision: str | None,
+    cache: str,
+    url: str,
+    token: str | None,
+    weights: bool,
+    need_config: bool,
+) -> list[str]:
     """Lists the repo (one API call) and picks the files; reads the safetensors index if any."""
     from huggingface_hub import HfApi, hf_hub_download
 
@@ -154,12 +190,21 @@ def _plan(repo_id: str, revision: str | None, cache: str, url: str, token: str |
     repo_files = [s.rfilename for s in info.siblings or []]
     weight_map_files = None
     if weights and _SAFETENSORS_INDEX in repo_files:
-        index = hf_hub_download(repo_id, _SAFETENSORS_INDEX, revision=info.sha, cache_dir=cache, endpoint=url, token=token)
+        index = hf_hub_download(
+            repo_id,
+            _SAFETENSORS_INDEX,
+            revision=info.sha,
+            cache_dir=cache,
+            endpoint=url,
+            token=token,
+        )
         weight_map_files = set(json.loads(Path(index).read_text()).get("weight_map", {}).values())
     files = select_files(repo_files, weight_map_files, weights)
     if weights and not any(f.endswith(".safetensors") for f in files):
-        raise ValueError(f"{_describe(repo_id, revision)}: the repo has no *.safetensors weights "
-                         "(prefixserve reads safetensors only, not .bin/.pth)")
+        raise ValueError(
+            f"{_describe(repo_id, revision)}: the repo has no *.safetensors weights "
+            "(prefixserve reads safetensors only, not .bin/.pth)"
+        )
     if need_config and "config.json" not in files:
         raise ValueError(f"{_describe(repo_id, revision)}: the repo has no config.json")
     return files
@@ -169,8 +214,10 @@ def _check_snapshot(folder: Path, what: str, weights: bool, need_config: bool) -
     if need_config and not (folder / "config.json").is_file():
         raise ValueError(f"{what}: the snapshot {folder} has no config.json")
     if weights and not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{what}: the snapshot {folder} has no *.safetensors weights (a tokenizer-only download? "
-                         "fetch the model once online)")
+        raise ValueError(
+            f"{what}: the snapshot {folder} has no *.safetensors weights (a tokenizer-only download? "
+            "fetch the model once online)"
+        )
 
 
 def _hub_error(exc: Exception, what: str, repo_id: str, url: str, cache: str) -> Exception:
@@ -186,17 +233,26 @@ def _hub_error(exc: Exception, what: str, repo_id: str, url: str, cache: str) ->
         return exc  # ours, already clear
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, GatedRepoError):
-        return ValueError(f"{what} is gated on {url}: accept its licence on the model's page, then set HF_TOKEN "
-                          "to a token of that account")
+        return ValueError(
+            f"{what} is gated on {url}: accept its licence on the model's page, then set HF_TOKEN "
+            "to a token of that account"
+        )
     if isinstance(exc, RevisionNotFoundError):
         return ValueError(f"{what}: revision not found in {repo_id} on {url}")
     if status in (401, 403):
-        return ValueError(f"{what}: {url} refused access ({status}); the repo is private, gated or missing: "
-                          "set HF_TOKEN to a token that can read it" + (" (the one set was refused)" if _token() else ""))
+        return ValueError(
+            f"{what}: {url} refused access ({status}); the repo is private, gated or missing: "
+            "set HF_TOKEN to a token that can read it"
+            + (" (the one set was refused)" if _token() else "")
+        )
     if isinstance(exc, RepositoryNotFoundError) or status == 404:
-        return ValueError(f"{what}: repository not found on {url}, and no local folder {repo_id!r} exists "
-                          "(check the id or the path; a private repo needs HF_TOKEN)")
+        return ValueError(
+            f"{what}: repository not found on {url}, and no local folder {repo_id!r} exists "
+            "(check the id or the path; a private repo needs HF_TOKEN)"
+        )
     if isinstance(exc, LocalEntryNotFoundError):
-        return ValueError(f"{what}: cannot reach {url} and {repo_id} is not in {cache} "
-                          f"({type(exc.__cause__ or exc).__name__}); check the network or HF_ENDPOINT")
+        return ValueError(
+            f"{what}: cannot reach {url} and {repo_id} is not in {cache} "
+            f"({type(exc.__cause__ or exc).__name__}); check the network or HF_ENDPOINT"
+        )
     return ValueError(f"{what}: download from {url} failed: {type(exc).__name__}: {exc}")

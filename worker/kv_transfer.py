@@ -96,8 +96,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _refuse_tensor_parallel(runner: ModelRunner) -> None:
     if runner.comm.world_size > 1:
-        raise ValueError("KV transfer between replicas needs tensor_parallel_size == 1 "
-                         f"(this engine has {runner.comm.world_size} ranks, each holding a share of the heads)")
+        raise ValueError(
+            "KV transfer between replicas needs tensor_parallel_size == 1 "
+            f"(this engine has {runner.comm.world_size} ranks, each holding a share of the heads)"
+        )
 
 
 # -- copies between the cache and the payload layout ---------------------------------------------
@@ -114,7 +116,9 @@ def gather_device_blocks(runner: ModelRunner, block_ids: Sequence[int]) -> torch
 def host_slot_block(runner: ModelRunner, slot: int) -> torch.Tensor:
     """Host-tier slot ``slot`` in one block's ``KV_LAYOUT`` (``[L, 2, bs, Hkv, D]``)."""
     block = runner.host_kv[slot]
-    return block.transpose(2, 3) if runner.ops.head_major_cache else block  # head-major slots are [L, 2, Hkv, bs, D]
+    return (
+        block.transpose(2, 3) if runner.ops.head_major_cache else block
+    )  # head-major slots are [L, 2, Hkv, bs, D]
 
 
 def scatter_device_blocks(runner: ModelRunner, block_ids: Sequence[int], kv: torch.Tensor) -> None:
@@ -128,8 +132,14 @@ def scatter_device_blocks(runner: ModelRunner, block_ids: Sequence[int], kv: tor
 
 
 # -- export ------------------------------------------------------------------------------------
-def export_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, block_hashes: Sequence[BlockHash],
-                  token_ids: Sequence[int], cache_salt: str | None = None) -> KVPayload | None:
+def export_prefix(
+    pool: BlockPool,
+    runner: ModelRunner,
+    model_id: str,
+    block_hashes: Sequence[BlockHash],
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
+) -> KVPayload | None:
     """The longest run of leading blocks held here (either tier) whose stored tokens equal
     ``token_ids``, as a payload; None when the first block is not held. Reads only: no
     reference, eviction order or tier changes. ``cache_salt`` rides along so the importer can
@@ -145,7 +155,9 @@ def export_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, block_has
         if hit:
             sources.append(("device", hit[0].block_id))
             continue
-        slot = pool.host.slot_of(h) if pool.host is not None and pool.enable_prefix_caching else None
+        slot = (
+            pool.host.slot_of(h) if pool.host is not None and pool.enable_prefix_caching else None
+        )
         if slot is None or not pool.host.matches(h, toks):
             break
         sources.append(("host", slot))
@@ -163,39 +175,70 @@ def export_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, block_has
     n = len(sources)
     spec = runner.spec
     return KVPayload(
-        model_id=model_id, block_size=bs, dtype=dtype_name(runner.kv.dtype), layout=KV_LAYOUT,
-        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, cache_salt=cache_salt,
-        block_hashes=tuple(block_hashes[:n]), token_ids=tuple(int(t) for t in token_ids[: n * bs]),
+        model_id=model_id,
+        block_size=bs,
+        dtype=dtype_name(runner.kv.dtype),
+        layout=KV_LAYOUT,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        cache_salt=cache_salt,
+        block_hashes=tuple(block_hashes[:n]),
+        token_ids=tuple(int(t) for t in token_ids[: n * bs]),
         kv=torch.stack(rows).contiguous(),
     )
 
 
 # -- import ------------------------------------------------------------------------------------
-def check_payload(payload: object, pool: BlockPool, runner: ModelRunner, model_id: str) -> KVPayload:
+def check_payload(
+    payload: object, pool: BlockPool, runner: ModelRunner, model_id: str
+) -> KVPayload:
     """Raises ``KVPayloadMismatchError`` naming the first field that does not fit this engine."""
     if not isinstance(payload, KVPayload):
         raise KVPayloadMismatchError(f"payload: expected a KVPayload, got {type(payload).__name__}")
     spec = runner.spec
     expected = {
-        "model_id": model_id, "block_size": pool.block_size, "dtype": dtype_name(runner.kv.dtype),
-        "layout": KV_LAYOUT, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+        "model_id": model_id,
+        "block_size": pool.block_size,
+        "dtype": dtype_name(runner.kv.dtype),
+        "layout": KV_LAYOUT,
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
     }
     for name, want in expected.items():
         got = getattr(payload, name)
         if got != want:
-            raise KVPayloadMismatchError(f"payload.{name}: {got!r} does not match this engine's {want!r}")
+            raise KVPayloadMismatchError(
+                f"payload.{name}: {got!r} does not match this engine's {want!r}"
+            )
     n, bs = payload.num_blocks, payload.block_size
     if len(payload.token_ids) != n * bs:
-        raise KVPayloadMismatchError(f"payload.token_ids: {len(payload.token_ids)} tokens for {n} blocks of {bs}")
+        raise KVPayloadMismatchError(
+            f"payload.token_ids: {len(payload.token_ids)} tokens for {n} blocks of {bs}"
+        )
     shape = (n, spec.num_layers, 2, bs, spec.num_kv_heads, spec.head_dim)
-    if not isinstance(payload.kv, torch.Tensor) or tuple(payload.kv.shape) != shape or dtype_name(payload.kv.dtype) != expected["dtype"]:
-        got = (tuple(payload.kv.shape), payload.kv.dtype) if isinstance(payload.kv, torch.Tensor) else type(payload.kv).__name__
-        raise KVPayloadMismatchError(f"payload.kv: expected shape {shape} of {expected['dtype']}, got {got}")
+    if (
+        not isinstance(payload.kv, torch.Tensor)
+        or tuple(payload.kv.shape) != shape
+        or dtype_name(payload.kv.dtype) != expected["dtype"]
+    ):
+        got = (
+            (tuple(payload.kv.shape), payload.kv.dtype)
+            if isinstance(payload.kv, torch.Tensor)
+            else type(payload.kv).__name__
+        )
+        raise KVPayloadMismatchError(
+            f"payload.kv: expected shape {shape} of {expected['dtype']}, got {got}"
+        )
     chain = hash_blocks(list(payload.token_ids), bs, model_id, payload.cache_salt)
     if tuple(chain) != tuple(payload.block_hashes):
-        bad = next(i for i, (a, b) in enumerate(zip(chain, payload.block_hashes, strict=True)) if a != b)
-        raise KVPayloadMismatchError(f"payload.token_ids: block {bad}'s tokens do not hash to payload.block_hashes[{bad}]")
+        bad = next(
+            i for i, (a, b) in enumerate(zip(chain, payload.block_hashes, strict=True)) if a != b
+        )
+        raise KVPayloadMismatchError(
+            f"payload.token_ids: block {bad}'s tokens do not hash to payload.block_hashes[{bad}]"
+        )
     return payload
 
 
@@ -225,9 +268,13 @@ def import_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, payload: 
         targets.append((block, i))
     try:
         if targets:  # a copy that raises (device memory) leaves the fresh blocks uncached and freed
-            scatter_device_blocks(runner, [b.block_id for b, _ in targets], payload.kv[[i for _, i in targets]])
+            scatter_device_blocks(
+                runner, [b.block_id for b, _ in targets], payload.kv[[i for _, i in targets]]
+            )
             for block, i in targets:
-                pool.cache_block(block, payload.block_hashes[i], payload.token_ids[i * bs : (i + 1) * bs])
+                pool.cache_block(
+                    block, payload.block_hashes[i], payload.token_ids[i * bs : (i + 1) * bs]
+                )
     finally:
         pool.free(held)
     return len(targets)

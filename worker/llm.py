@@ -34,7 +34,9 @@ from worker.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", *, launcher: WorkerLauncher | None = None, **engine_options):
+    def __init__(
+        self, model: str = "smollm2", *, launcher: WorkerLauncher | None = None, **engine_options
+    ):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), launcher=launcher)
         config = self.engine.config
         self.tokenizer = self.engine.tokenizer
@@ -57,7 +59,11 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, (list, tuple)) else [params or self.get_default_sampling_params()] * len(prompts)
+        params_list = (
+            params
+            if isinstance(params, (list, tuple))
+            else [params or self.get_default_sampling_params()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         order = []
@@ -67,7 +73,9 @@ class LLM:
             self.engine.add_request(rid, ids, p)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2)
+        bar = tqdm(
+            total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2
+        )
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:

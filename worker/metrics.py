@@ -26,7 +26,11 @@ class EngineMetrics:
         self.num_steps += 1
         if step_s <= 0:
             return
-        decode = sum(1 for n, r in zip(batch.num_new_tokens, batch.requests, strict=True) if n == 1 and r.output_token_ids)
+        decode = sum(
+            1
+            for n, r in zip(batch.num_new_tokens, batch.requests, strict=True)
+            if n == 1 and r.output_token_ids
+        )
         prefill = batch.total_tokens - decode
         rate = batch.total_tokens / step_s
         if prefill:

@@ -49,7 +49,9 @@ def available_memory_bytes(device: str) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_bytes_for_utilization(total_bytes: int, weight_bytes: int, peak_activation_bytes: int, utilization: float) -> int:
+def kv_bytes_for_utilization(
+    total_bytes: int, weight_bytes: int, peak_activation_bytes: int, utilization: float
+) -> int:
     """KV bytes under ``gpu_memory_utilization``: the engine may use ``utilization`` of the
     device's total memory; the weights and the profile run's peak activations come first.
     A budget that the weights and activations already exceed is a ``ValueError``."""
@@ -67,8 +69,15 @@ def kv_bytes_for_utilization(total_bytes: int, weight_bytes: int, peak_activatio
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int,
-                 comm: Communicator = SINGLE_RANK, vocab_start: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        max_model_len: int,
+        comm: Communicator = SINGLE_RANK,
+        vocab_start: int = 0,
+    ):
         """``spec`` is the shape this rank computes (its shard's, under tensor parallelism)."""
         self.config = config
         self.spec = spec
@@ -80,31 +89,53 @@ class ModelRunner:
         self.device = torch.device(config.device)
         weights = {k: v.to(self.device) for k, v in weights.items()}
         self.ops = select_backend(config.kernel_backend, config.deterministic, config.device)
-        self.model = CausalLM(spec, weights, self.ops, max_positions=max_model_len, comm=comm, vocab_start=vocab_start)
+        self.model = CausalLM(
+            spec, weights, self.ops, max_positions=max_model_len, comm=comm, vocab_start=vocab_start
+        )
         log_tile_choices()  # what the CPU probes chose for this model's linear weights
         if self.ops.name == "torch":
-            exact_tile_rows(spec.head_dim, config.torch_dtype)  # the attention's probe, logged now, not mid-step
+            exact_tile_rows(
+                spec.head_dim, config.torch_dtype
+            )  # the attention's probe, logged now, not mid-step
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = comm.min_int(self._decide_num_blocks())
         dtype = config.torch_dtype
         # One tensor [layers, K/V, (cache layout of the backend)]: a block's KV across all layers
         # moves in one copy. ``_block`` indexes one block in it.
-        self.kv = torch.zeros(spec.num_layers, 2, *self._cache_shape(self.num_blocks), dtype=dtype, device=self.device)
-        self.kv_caches = [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(spec.num_layers)]
+        self.kv = torch.zeros(
+            spec.num_layers, 2, *self._cache_shape(self.num_blocks), dtype=dtype, device=self.device
+        )
+        self.kv_caches = [
+            (self.kv[layer, 0], self.kv[layer, 1]) for layer in range(spec.num_layers)
+        ]
         block_shape = tuple(self.kv[self._block(0)].shape[2:])
         self.host_kv: torch.Tensor | None = None
         self.num_host_blocks = (config.host_kv_cache_bytes or 0) // self.bytes_per_block
         if config.host_kv_cache_bytes is not None:
             if self.num_host_blocks < 1:
-                raise ValueError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block ({self.bytes_per_block} bytes)")
-            self.host_kv = torch.zeros(self.num_host_blocks, spec.num_layers, 2, *block_shape, dtype=dtype,
-                                       pin_memory=self.device.type == "cuda")
-            log.info("host KV tier: %d blocks (%.1f MiB)", self.num_host_blocks, self.num_host_blocks * self.bytes_per_block / 2**20)
+                raise ValueError(
+                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block ({self.bytes_per_block} bytes)"
+                )
+            self.host_kv = torch.zeros(
+                self.num_host_blocks,
+                spec.num_layers,
+                2,
+                *block_shape,
+                dtype=dtype,
+                pin_memory=self.device.type == "cuda",
+            )
+            log.info(
+                "host KV tier: %d blocks (%.1f MiB)",
+                self.num_host_blocks,
+                self.num_host_blocks * self.bytes_per_block / 2**20,
+            )
         self._load_s = 0.0
         self._pending_load_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
-            self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
         )
 
@@ -117,7 +148,11 @@ class ModelRunner:
     def _block(self, block_id: int) -> tuple:
         """Index of one block (all layers, K and V) in ``self.kv``, in the backend's layout."""
         every = slice(None)
-        return (every, every, every, block_id) if self.ops.head_major_cache else (every, every, block_id)
+        return (
+            (every, every, every, block_id)
+            if self.ops.head_major_cache
+            else (every, every, block_id)
+        )
 
     # -- host tier (worker/host_cache.py's KVMover) --------------------------------------------
     def save(self, block_id: int, slot: int) -> None:
@@ -159,7 +194,9 @@ class ModelRunner:
         if c.kv_cache_bytes is not None:
             blocks = c.kv_cache_bytes // self.bytes_per_block
             if blocks < 2:
-                raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of {self.bytes_per_block} bytes; need at least 2")
+                raise ValueError(
+                    f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of {self.bytes_per_block} bytes; need at least 2"
+                )
             return int(blocks)
         if c.gpu_memory_utilization is not None:
             budget = self._utilization_budget_bytes()
@@ -170,14 +207,18 @@ class ModelRunner:
             knob = f"kv_cache_memory_fraction={c.memory_fraction}"
         blocks = budget // self.bytes_per_block
         if blocks < 2:
-            raise ValueError(f"{knob} leaves {budget} bytes: under 2 KV blocks; raise it or set --num-kv-blocks")
+            raise ValueError(
+                f"{knob} leaves {budget} bytes: under 2 KV blocks; raise it or set --num-kv-blocks"
+            )
         # No use holding more than every running sequence could fill at full length, plus slack.
         return int(min(blocks, c.max_num_seqs * self.max_blocks_per_seq + 64))
 
     def _utilization_budget_bytes(self) -> int:
         """KV bytes for ``gpu_memory_utilization``: measures the weights and the profile run."""
         if self.device.type != "cuda":
-            raise ValueError("gpu_memory_utilization is for CUDA devices; on CPU use kv_cache_memory_fraction or kv_cache_bytes")
+            raise ValueError(
+                "gpu_memory_utilization is for CUDA devices; on CPU use kv_cache_memory_fraction or kv_cache_bytes"
+            )
         dev = self.device
         gc.collect()
         torch.cuda.synchronize(dev)
@@ -189,15 +230,22 @@ class ModelRunner:
         peak_activation_bytes = max(0, torch.cuda.max_memory_allocated(dev) - weight_bytes)
         torch.cuda.empty_cache()
         free_bytes, total_bytes = torch.cuda.mem_get_info(dev)
-        kv_bytes = kv_bytes_for_utilization(total_bytes, weight_bytes, peak_activation_bytes, self.config.gpu_memory_utilization)
+        kv_bytes = kv_bytes_for_utilization(
+            total_bytes, weight_bytes, peak_activation_bytes, self.config.gpu_memory_utilization
+        )
         if kv_bytes > free_bytes:
             raise ValueError(
                 f"gpu_memory_utilization={self.config.gpu_memory_utilization} asks for {kv_bytes / 2**30:.2f} GiB of KV "
                 f"but only {free_bytes / 2**30:.2f} GiB of {dev} is free (other processes hold the rest); lower it"
             )
-        log.info("gpu_memory_utilization=%s of %.2f GiB: weights %.2f GiB, activations %.2f GiB, KV %.2f GiB",
-                 self.config.gpu_memory_utilization, total_bytes / 2**30, weight_bytes / 2**30,
-                 peak_activation_bytes / 2**30, kv_bytes / 2**30)
+        log.info(
+            "gpu_memory_utilization=%s of %.2f GiB: weights %.2f GiB, activations %.2f GiB, KV %.2f GiB",
+            self.config.gpu_memory_utilization,
+            total_bytes / 2**30,
+            weight_bytes / 2**30,
+            peak_activation_bytes / 2**30,
+            kv_bytes / 2**30,
+        )
         return kv_bytes
 
     def _profile_run(self) -> None:
@@ -206,15 +254,27 @@ class ModelRunner:
         blocks = -(-n // self.block_size)
         shape = self._cache_shape(blocks)
         dev, dtype = self.device, self.config.torch_dtype
-        caches = [(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
-                  for _ in range(self.spec.num_layers)]
+        caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=dev),
+                torch.zeros(shape, dtype=dtype, device=dev),
+            )
+            for _ in range(self.spec.num_layers)
+        ]
         meta = self._metadata([list(range(blocks))], [0], [n])
-        self.model.forward(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta,
-                           torch.tensor([n - 1], device=dev))
+        self.model.forward(
+            torch.zeros(n, dtype=torch.long, device=dev),
+            torch.arange(n, device=dev),
+            caches,
+            meta,
+            torch.tensor([n - 1], device=dev),
+        )
         del caches
         gc.collect()
 
-    def _metadata(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> AttentionMetadata:
+    def _metadata(
+        self, tables: list[list[int]], starts: list[int], counts: list[int]
+    ) -> AttentionMetadata:
         bs = self.block_size
         qsl = [0]
         slots: list[int] = []
@@ -234,7 +294,9 @@ class ModelRunner:
             seq_lens_list=lens,
         )
 
-    def execute(self, batch: ScheduledBatch, extra_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def execute(
+        self, batch: ScheduledBatch, extra_rows: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """Runs the batch. Returns (logits [num_sampling + len(extra_rows), vocab], indices into
         batch.requests of the sampling rows). ``extra_rows``: rows of the flat batch whose logits
         follow the sampling rows' (prompt logprobs; one rank only, the step message has no room)."""
@@ -252,11 +314,18 @@ class ModelRunner:
         self.run_inputs(self._decoder.decode(message))
 
     def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
-        positions = [p for start, count in zip(inputs.starts, inputs.counts, strict=True) for p in range(start, start + count)]
+        positions = [
+            p
+            for start, count in zip(inputs.starts, inputs.counts, strict=True)
+            for p in range(start, start + count)
+        ]
         meta = self._metadata(inputs.tables, inputs.starts, inputs.counts)
         dev = self.device
         logits = self.model.forward(
-            torch.tensor(inputs.token_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches, meta, torch.tensor(inputs.sampling_rows, dtype=torch.long, device=dev),
+            torch.tensor(inputs.token_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+            torch.tensor(inputs.sampling_rows, dtype=torch.long, device=dev),
         )
         return logits

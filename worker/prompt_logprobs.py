@@ -58,13 +58,20 @@ def record_prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan]) -> Non
         block = torch.log_softmax(logits[row : row + span.num_rows].float(), dim=-1)
         row += span.num_rows
         start = span.first_position + 1
-        targets = torch.tensor(req.prompt_token_ids[start : start + span.num_rows], dtype=torch.long)
+        targets = torch.tensor(
+            req.prompt_token_ids[start : start + span.num_rows], dtype=torch.long
+        )
         chosen = block.gather(1, targets[:, None]).squeeze(1)
         ranks = (block > chosen[:, None]).sum(dim=1) + 1
         num_top = req.params.prompt_logprobs
         tops: list[list[tuple[int, float]]] = [[] for _ in range(span.num_rows)]
         if num_top:
             values, ids = torch.topk(block, num_top, dim=-1)
-            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-        for token, logprob, rank, top in zip(targets.tolist(), chosen.tolist(), ranks.tolist(), tops, strict=True):
+            tops = [
+                list(zip(i, v, strict=True))
+                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+        for token, logprob, rank, top in zip(
+            targets.tolist(), chosen.tolist(), ranks.tolist(), tops, strict=True
+        ):
             req.prompt_logprobs.append(TokenLogprob(token, logprob, top, rank))

@@ -65,7 +65,9 @@ class Request:
         self.max_total_tokens = max_total_tokens
         self.output_counts: Counter[int] = Counter()
         self.logprobs: list = []
-        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
+        self.prompt_logprobs: list | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None
+        )
         """Entries for the prompt's tokens so far (None for the first), when asked for; only
         output 0 of a group collects them, the prompt being the same for all."""
         self.finish_reason = None
@@ -78,7 +80,9 @@ class Request:
         self.grammar: GrammarMatcher | None = None
         """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
         self._salt = (model_id, cache_salt)
-        self.block_hashes: list[BlockHash] = hash_blocks(prompt_token_ids, block_size, model_id, cache_salt)
+        self.block_hashes: list[BlockHash] = hash_blocks(
+            prompt_token_ids, block_size, model_id, cache_salt
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +92,9 @@ class Request:
     def needs_prompt_logits(self) -> bool:
         """Prompt logprobs still to collect: the prompt must be computed, not taken from the
         prefix cache (whose hits carry no logits)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -127,4 +133,6 @@ class Request:
 
     def max_tokens_reached(self) -> bool:
         limit = self.params.max_tokens
-        return (limit is not None and len(self.output_token_ids) >= limit) or self.num_tokens >= self.max_total_tokens
+        return (
+            limit is not None and len(self.output_token_ids) >= limit
+        ) or self.num_tokens >= self.max_total_tokens

@@ -57,14 +57,22 @@ class Sampler:
         p = req.params
         if req.grammar is not None:
             return False
-        return (p.greedy and not p.needs_penalties and not p.logit_bias
-                and len(req.output_token_ids) >= p.min_tokens)
+        return (
+            p.greedy
+            and not p.needs_penalties
+            and not p.logit_bias
+            and len(req.output_token_ids) >= p.min_tokens
+        )
 
-    def _sample_row(self, row: torch.Tensor, req: Request, greedy_token: int | None = None) -> SampleResult:
+    def _sample_row(
+        self, row: torch.Tensor, req: Request, greedy_token: int | None = None
+    ) -> SampleResult:
         """``greedy_token``: the row's argmax, already taken with other plain greedy rows."""
         p = req.params
         token = self._choose(row, req) if greedy_token is None else greedy_token
-        return SampleResult(token, self._logprob(row, token, p.logprobs) if p.logprobs is not None else None)
+        return SampleResult(
+            token, self._logprob(row, token, p.logprobs) if p.logprobs is not None else None
+        )
 
     def _choose(self, row: torch.Tensor, req: Request) -> int:
         """The next token of one row: penalties, the min_tokens ban, then argmax or a draw."""
@@ -82,7 +90,9 @@ class Sampler:
         if req.grammar is not None:
             masked = req.grammar.mask_logits(row)
             if len(req.output_token_ids) < p.min_tokens and not torch.isfinite(masked).any():
-                masked = req.grammar.mask_logits(raw)  # min_tokens banned all it allows: the grammar wins
+                masked = req.grammar.mask_logits(
+                    raw
+                )  # min_tokens banned all it allows: the grammar wins
             row = masked
         return int(torch.argmax(row)) if p.greedy else self._random_choice(row, req)
 
@@ -92,7 +102,9 @@ class Sampler:
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if req.output_counts and (p.presence_penalty or p.frequency_penalty):
             ids = torch.tensor(list(req.output_counts.keys()), dtype=torch.long)
             counts = torch.tensor(list(req.output_counts.values()), dtype=row.dtype)
@@ -119,10 +131,14 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_probs, dim=-1)
             drop_sorted = (cum - sorted_probs) > p.top_p  # keep the smallest prefix reaching top_p
-            probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
+            probs = probs.masked_fill(
+                torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0
+            )
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        gen = torch.Generator().manual_seed(sampling_key(req.seed, req.index, len(req.output_token_ids)))
+        gen = torch.Generator().manual_seed(
+            sampling_key(req.seed, req.index, len(req.output_token_ids))
+        )
         race = torch.empty_like(probs).exponential_(generator=gen)
         return int(torch.argmax(probs / race))
 

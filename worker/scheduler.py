@@ -190,7 +190,9 @@ class Scheduler:
             before = req.num_computed_tokens // bs
             req.num_computed_tokens += num_new
             for i in range(before, min(req.num_computed_tokens // bs, len(req.block_hashes))):
-                self.pool.cache_block(req.blocks[i], req.block_hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
+                self.pool.cache_block(
+                    req.blocks[i], req.block_hashes[i], req.all_token_ids[i * bs : (i + 1) * bs]
+                )
 
     def finish(self, req: Request) -> None:
         if req.status == Status.RUNNING:

@@ -86,7 +86,9 @@ class StructuredOutputSpec:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
                 raise ValueError(f"{name}: choice must be a list of strings")
             object.__setattr__(self, "choice", tuple(self.choice))
-        kinds = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds = [
+            k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None
+        ]
         if self.json_object:
             kinds.append("json_object")
         if len(kinds) != 1:
@@ -102,10 +104,14 @@ class StructuredOutputSpec:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{name}: json schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"{name}: json schema must be a JSON object, got {type(schema).__name__}")
+                raise ValueError(
+                    f"{name}: json schema must be a JSON object, got {type(schema).__name__}"
+                )
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError(f"{name}: regex must be a non-empty string")
-        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+        if self.grammar is not None and (
+            not isinstance(self.grammar, str) or not self.grammar.strip()
+        ):
             raise ValueError(f"{name}: grammar must be a non-empty string")
         if self.choice is not None:
             if not self.choice or len(self.choice) > MAX_CHOICES:
@@ -154,7 +160,9 @@ def grammar_text(spec: StructuredOutputSpec) -> str:
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+        )
     from llguidance import grammar_from
 
     return grammar_from("grammar", spec.grammar)  # Lark, or GBNF (llama.cpp's) converted to Lark
@@ -177,7 +185,9 @@ def check_spec(spec: StructuredOutputSpec) -> None:
         raise ValueError(f"{spec.field_name}: invalid {spec.kind.replace('_', ' ')}: {e}") from None
     error = _check_grammar(spec.kind, grammar)
     if error:
-        raise ValueError(f"{spec.field_name}: invalid {spec.kind.replace('_', ' ')}: {_short(error)}")
+        raise ValueError(
+            f"{spec.field_name}: invalid {spec.kind.replace('_', ' ')}: {_short(error)}"
+        )
 
 
 def _short(message: str, limit: int = 300) -> str:
@@ -193,16 +203,26 @@ class SpecError(ValueError):
         self.field = field
 
 
-GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 """vLLM's older per-kind request fields, and the spec field each fills."""
-STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                           "json_object": "json_object"}
+STRUCTURED_OUTPUTS_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 """vLLM's ``structured_outputs`` object: its constraint keys and the spec field each fills."""
 
 
-def spec_from_request(*, response_format: dict | None = None, structured_outputs: dict | None = None,
-                      **guided) -> StructuredOutputSpec | None:
+def spec_from_request(
+    *, response_format: dict | None = None, structured_outputs: dict | None = None, **guided
+) -> StructuredOutputSpec | None:
     """The ``StructuredOutputSpec`` an OpenAI/vLLM request's fields ask for, or None.
 
     ``response_format`` is OpenAI's (``text``, ``json_object``, ``json_schema`` with
@@ -220,19 +240,28 @@ def spec_from_request(*, response_format: dict | None = None, structured_outputs
         elif kind == "json_schema":
             inner = response_format.get("json_schema")
             if not isinstance(inner, dict):
-                raise SpecError(name, "response_format.json_schema must be an object with a 'schema' when type is 'json_schema'")
+                raise SpecError(
+                    name,
+                    "response_format.json_schema must be an object with a 'schema' when type is 'json_schema'",
+                )
             schema = inner.get("schema", inner.get("json_schema"))
             if schema is None:
                 raise SpecError(name, "response_format.json_schema.schema is required")
             found.append((name, {"json_schema": schema}))
         elif kind != "text":
-            raise SpecError(name, f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+            raise SpecError(
+                name,
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            )
     if structured_outputs is not None:
         name = "structured_outputs"
         if "structural_tag" in structured_outputs:
             raise SpecError(name, "structured_outputs.structural_tag is not supported")
-        kwargs = {STRUCTURED_OUTPUTS_KEYS[k]: v for k, v in structured_outputs.items()
-                  if k in STRUCTURED_OUTPUTS_KEYS and v is not None and v is not False}
+        kwargs = {
+            STRUCTURED_OUTPUTS_KEYS[k]: v
+            for k, v in structured_outputs.items()
+            if k in STRUCTURED_OUTPUTS_KEYS and v is not None and v is not False
+        }
         if kwargs:
             found.append((name, kwargs))
     for name, value in guided.items():
@@ -244,7 +273,10 @@ def spec_from_request(*, response_format: dict | None = None, structured_outputs
         return None
     if len(found) > 1:
         names = [name for name, _ in found]
-        raise SpecError(names[1], f"{names[1]}: only one structured-output constraint per request, got {', '.join(names)}")
+        raise SpecError(
+            names[1],
+            f"{names[1]}: only one structured-output constraint per request, got {', '.join(names)}",
+        )
     name, kwargs = found[0]
     if "json_object" in kwargs:
         kwargs["json_object"] = kwargs["json_object"] is True
@@ -287,8 +319,10 @@ class GrammarCompiler:
             check_spec(spec)
             template = LLMatcher(self._ll_tokenizer(), grammar_text(spec), log_level=0)
             if template.is_error():
-                raise ValueError(f"{spec.field_name}: invalid {spec.kind.replace('_', ' ')}: "
-                                 f"{_short(template.get_error())}")
+                raise ValueError(
+                    f"{spec.field_name}: invalid {spec.kind.replace('_', ' ')}: "
+                    f"{_short(template.get_error())}"
+                )
             self._cache[key] = template
             if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
@@ -313,7 +347,9 @@ class GrammarMatcher:
     def allowed(self) -> np.ndarray:
         """Which tokens the grammar allows next: a bool array over the vocabulary."""
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(np.bool_)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(
+            np.bool_
+        )
 
     def mask_logits(self, row: torch.Tensor) -> torch.Tensor:
         """A copy of the logits ``row`` with every token the grammar forbids at -inf."""
@@ -323,7 +359,9 @@ class GrammarMatcher:
         if row.device.type == "cpu" and row.dtype == torch.float32 and row.is_contiguous():
             return torch.from_numpy(np.where(allowed, row.numpy(), np.float32(-np.inf)))
         keep = torch.from_numpy(allowed).to(row.device, non_blocking=True)
-        return torch.where(keep, row, torch.tensor(float("-inf"), dtype=row.dtype, device=row.device))
+        return torch.where(
+            keep, row, torch.tensor(float("-inf"), dtype=row.dtype, device=row.device)
+        )
 
     def advance(self, token_id: int) -> bool:
         """Takes the sequence's new token; True when the grammar is complete (nothing more
@@ -331,8 +369,11 @@ class GrammarMatcher:
         self.num_tokens += 1
         if not self._m.consume_token(token_id):
             if not self.failed:
-                log.error("structured output: token %d was outside the grammar (%s); ending the sequence",
-                          token_id, _short(self._m.get_error()))
+                log.error(
+                    "structured output: token %d was outside the grammar (%s); ending the sequence",
+                    token_id,
+                    _short(self._m.get_error()),
+                )
             self.failed = True
             return True
         return self._m.is_stopped()

@@ -23,9 +23,21 @@ from transformers import AutoTokenizer
 _REPLACEMENT_CHAR = "\ufffd"
 _PREFIX_WINDOW_TOKENS = 6
 """Tokens of left context decoded with the new ones, so merges at the boundary are right."""
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "add_generation_prompt", "tools", "tokenize",
-                                     "chat_template", "return_dict", "return_tensors", "documents",
-                                     "continue_final_message", "tokenizer_kwargs"})
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "add_generation_prompt",
+        "tools",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "documents",
+        "continue_final_message",
+        "tokenizer_kwargs",
+    }
+)
 """Arguments of transformers' ``apply_chat_template`` that ``chat_template_kwargs`` must not override."""
 
 
@@ -39,11 +51,15 @@ def read_chat_template(value: str) -> str:
             try:
                 text = json.loads(text)["chat_template"]
             except (ValueError, KeyError, TypeError):
-                raise ValueError(f"EngineConfig.chat_template: {value} is JSON without a 'chat_template' string") from None
+                raise ValueError(
+                    f"EngineConfig.chat_template: {value} is JSON without a 'chat_template' string"
+                ) from None
     elif is_inline:
         text = value
     else:
-        raise ValueError(f"EngineConfig.chat_template: {value!r} is neither a file nor a Jinja template")
+        raise ValueError(
+            f"EngineConfig.chat_template: {value!r} is neither a file nor a Jinja template"
+        )
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"EngineConfig.chat_template: {value!r} holds an empty template")
     import jinja2
@@ -51,7 +67,9 @@ def read_chat_template(value: str) -> str:
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"EngineConfig.chat_template: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+        raise ValueError(
+            f"EngineConfig.chat_template: not a valid Jinja template (line {exc.lineno}: {exc.message})"
+        ) from None
     return text
 
 
@@ -77,8 +95,13 @@ class Tokenizer:
     def token_to_str(self, token_id: int) -> str:
         return self._tok.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
         """Token ids of the rendered conversation; ``tools`` (OpenAI tool definitions) go to
         the template as transformers passes them (a template may ignore them), and so do
         ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``), except the names the
@@ -96,16 +119,27 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}].content must be a string")
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             tokenize=False, **extra)
+        text = self._tok.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            tokenize=False,
+            **extra,
+        )
         return self.encode(text)
 
 
 class IncrementalDetokenizer:
     """Text deltas for one output sequence, with stop strings checked across token edges."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str],
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         self._tok = tokenizer
         self._stop = list(stop)
         self._include_stop = include_stop_str_in_output
@@ -124,7 +158,9 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
+        prefix = self._tok.decode(
+            self._ids[self._prefix_offset : self._read_offset], self._skip_special
+        )
         full = self._tok.decode(self._ids[self._prefix_offset :], self._skip_special)
         if full.endswith(_REPLACEMENT_CHAR) or len(full) <= len(prefix):
             return  # an incomplete character (or nothing visible yet): wait for more bytes
@@ -144,7 +180,11 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out; keeps the possible start of a stop string unless finished."""
-        end = len(self.text) if finished or self.stop_reason else len(self.text) - self._holdback_chars
+        end = (
+            len(self.text)
+            if finished or self.stop_reason
+            else len(self.text) - self._holdback_chars
+        )
         if end <= self._emitted:
             return ""
         delta = self.text[self._emitted : end]

@@ -18,12 +18,20 @@ def test_outcomes_are_lost_errored_or_mismatched_against_the_fault_free_run():
         Outcome(1, t0 + 13, error="HTTP 503"),
         Outcome(0, t0 + 40, ttft_s=0.2, text="same", done=True),  # after recovery
     ]
-    res = summarize("replica_kill", outs, {0: "same", 1: "expected"}, fault_at_s=10.0,
-                    recovered_at_s=35.0, t0=t0)
+    res = summarize(
+        "replica_kill",
+        outs,
+        {0: "same", 1: "expected"},
+        fault_at_s=10.0,
+        recovered_at_s=35.0,
+        t0=t0,
+    )
     assert (res.requests, res.lost, res.errored, res.mismatched) == (5, 1, 1, 1)
     assert res.ttft_p99_during_s == 3.0 and res.ttft_p99_after_s == 0.2
     assert res.errors == ["HTTP 503"]
-    table = markdown({"date": "d", "cpu": "c", "cpus": 2, "load": "l", "command": "x"}, [res.__dict__])
+    table = markdown(
+        {"date": "d", "cpu": "c", "cpus": 2, "load": "l", "command": "x"}, [res.__dict__]
+    )
     assert "| replica_kill | 5 | 1 | 1 | 1 |" in table
 
 

@@ -61,8 +61,9 @@ def tool_tokenizer(tmp_path_factory, smollm2_path) -> Tokenizer:
 
 def render(tokenizer: Tokenizer, body: dict) -> str:
     request = parse_body(ChatCompletionRequest, json.dumps(body).encode())
-    ids = tokenizer.apply_chat_template(request.template_messages(), True,
-                                        chat_template_kwargs=request.chat_template_kwargs)
+    ids = tokenizer.apply_chat_template(
+        request.template_messages(), True, chat_template_kwargs=request.chat_template_kwargs
+    )
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
@@ -84,17 +85,30 @@ def test_tool_call_arguments_that_are_not_a_json_object_pass_through(tool_tokeni
 
 def test_chat_template_kwargs_reach_the_template(tool_tokenizer):
     messages = [{"role": "user", "content": "hi"}]
-    thinking_off = render(tool_tokenizer, {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    thinking_off = render(
+        tool_tokenizer, {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert thinking_off.endswith("<|assistant|><think></think>")
-    assert render(tool_tokenizer, {"messages": messages, "chat_template_kwargs": None}).endswith("<|assistant|>")
-    request = parse_body(ChatCompletionRequest, json.dumps(
-        {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}}).encode())
+    assert render(tool_tokenizer, {"messages": messages, "chat_template_kwargs": None}).endswith(
+        "<|assistant|>"
+    )
+    request = parse_body(
+        ChatCompletionRequest,
+        json.dumps(
+            {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}}
+        ).encode(),
+    )
     with pytest.raises(ValueError, match="^chat_template_kwargs may not set add_generation_prompt"):
-        tool_tokenizer.apply_chat_template(request.template_messages(), True,
-                                           chat_template_kwargs=request.chat_template_kwargs)
+        tool_tokenizer.apply_chat_template(
+            request.template_messages(), True, chat_template_kwargs=request.chat_template_kwargs
+        )
 
 
 def test_encode_adds_special_tokens_only_when_asked(tool_tokenizer):
     # The bundled tokenizer adds no BOS of its own; the flag must still reach transformers.
-    assert tool_tokenizer.encode("hello world", add_special_tokens=True) == tool_tokenizer._tok.encode("hello world")
-    assert tool_tokenizer.encode("hello world") == tool_tokenizer._tok.encode("hello world", add_special_tokens=False)
+    assert tool_tokenizer.encode(
+        "hello world", add_special_tokens=True
+    ) == tool_tokenizer._tok.encode("hello world")
+    assert tool_tokenizer.encode("hello world") == tool_tokenizer._tok.encode(
+        "hello world", add_special_tokens=False
+    )

@@ -212,11 +212,18 @@ def test_config_file_keys_match_flags_and_the_command_line_wins(tmp_path, monkey
     engine, cluster, router = configs_from_args(
         parse("--config", str(config), "--max-num-seqs", "4", "--port", "9002")
     )
-    assert (engine.model, engine.max_num_seqs, engine.max_model_len) == ("/models/from-file", 4, 512)
+    assert (engine.model, engine.max_num_seqs, engine.max_model_len) == (
+        "/models/from-file",
+        4,
+        512,
+    )
     assert engine.enable_prefix_caching is False and router.policy == "round_robin"
     assert (cluster.num_replicas, cluster.port, cluster.log_level) == (3, 9002, "debug")
     assert cluster.allowed_origins == ("http://a.example",)
-    assert parse("/models/positional", "--config", str(config))["engine"]["model"] == "/models/positional"
+    assert (
+        parse("/models/positional", "--config", str(config))["engine"]["model"]
+        == "/models/positional"
+    )
 
     for text, named in (
         ("max-num-seq: 8\n", "max-num-seq"),
@@ -292,7 +299,12 @@ def _engine_accepts_auto() -> bool:
         (
             {"max_ingress_replicas": 6, "ingress_target_ongoing_requests": 32},
             None,
-            {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6, "target_ongoing_requests": 32},
+            {
+                "min_replicas": 2,
+                "initial_replicas": 2,
+                "max_replicas": 6,
+                "target_ongoing_requests": 32,
+            },
         ),
     ],
 )
@@ -375,7 +387,9 @@ def test_router_snapshot_renders_as_router_series():
     router = RouterMetrics()
     from router.policy import RoutingReason
 
-    router.record_decision("prefix", RoutingReason.PREFIX, num_prompt_blocks=4, num_matched_blocks=3)
+    router.record_decision(
+        "prefix", RoutingReason.PREFIX, num_prompt_blocks=4, num_matched_blocks=3
+    )
     router.record_lookup(0.2)
     text = render_prometheus({}, router.snapshot()).decode()
     assert 'prefixserve:router_decisions_total{policy="prefix",reason="prefix"} 1.0' in text

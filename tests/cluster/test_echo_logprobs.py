@@ -28,9 +28,20 @@ def served(tiny_models):
     path = tiny_models["llama"]
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=128, block_size=8))
     ids = engine.tokenizer.encode(PROMPT)
-    body = parse_body(CompletionRequest, json.dumps(
-        {"prompt": PROMPT, "echo": True, "logprobs": NUM_TOP, "max_tokens": 3, "temperature": 0, "n": 2,
-         "prompt_logprobs": 1}).encode())
+    body = parse_body(
+        CompletionRequest,
+        json.dumps(
+            {
+                "prompt": PROMPT,
+                "echo": True,
+                "logprobs": NUM_TOP,
+                "max_tokens": 3,
+                "temperature": 0,
+                "n": 2,
+                "prompt_logprobs": 1,
+            }
+        ).encode(),
+    )
     engine.add_request("cmpl-1", ids, body.sampling_params(3))
     assembler = OutputAssembler()
     assembler.add("cmpl-1", ids)
@@ -47,8 +58,15 @@ def served(tiny_models):
 
 def make_builder(body, ids, tokenizer) -> ResponseBuilder:
     return ResponseBuilder(
-        chat=False, request_id="cmpl-1", model="m", n=body.n, num_prompts=1, want_logprobs=True,
-        token_to_str=tokenizer.token_to_str, echo_prompts=[(PROMPT, ids)], num_top_logprobs=NUM_TOP,
+        chat=False,
+        request_id="cmpl-1",
+        model="m",
+        n=body.n,
+        num_prompts=1,
+        want_logprobs=True,
+        token_to_str=tokenizer.token_to_str,
+        echo_prompts=[(PROMPT, ids)],
+        num_top_logprobs=NUM_TOP,
         want_prompt_logprobs=True,
     )
 
@@ -84,7 +102,9 @@ def test_echo_response_has_openai_shape_and_transformers_numbers(served):
             assert max(top.values()) == pytest.approx(float(ref[pos - 1].max()), abs=2e-4)
         # lm-eval's loglikelihood of a continuation: the sum over its tokens.
         continuation = sum(logprobs["token_logprobs"][3 : len(ids)])
-        assert continuation == pytest.approx(float(sum(ref[p - 1, ids[p]] for p in range(3, len(ids)))), abs=1e-3)
+        assert continuation == pytest.approx(
+            float(sum(ref[p - 1, ids[p]] for p in range(3, len(ids)))), abs=1e-3
+        )
     # Greedy: the first generated token's logprob is that of the prompt's last position.
     first = response["choices"][0]["logprobs"]["token_logprobs"][len(ids)]
     assert first == pytest.approx(float(ref[-1].max()), abs=2e-4)
@@ -109,7 +129,9 @@ def test_streamed_echo_leads_each_choice_once(served):
         for event in streamed.stream_events(0, item):
             choice = json.loads(event.removeprefix("data: "))["choices"][0]
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
-            tokens.setdefault(choice["index"], []).extend((choice["logprobs"] or {}).get("tokens", []))
+            tokens.setdefault(choice["index"], []).extend(
+                (choice["logprobs"] or {}).get("tokens", [])
+            )
     for index, choice in expected.items():
         assert texts[index] == choice["text"]
         assert tokens[index] == choice["logprobs"]["tokens"]

@@ -25,14 +25,19 @@ def model_with_generation_config(tmp_path_factory) -> str:
 
 
 def chat(body: dict) -> ChatCompletionRequest:
-    return parse_body(ChatCompletionRequest, json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode())
+    return parse_body(
+        ChatCompletionRequest,
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode(),
+    )
 
 
 def test_load_frontend_reads_the_models_defaults(model_with_generation_config):
     tok, defaults = load_frontend(EngineConfig(model=model_with_generation_config))
     assert tok.encode("hello")
     assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 64}
-    _, none = load_frontend(EngineConfig(model=model_with_generation_config, generation_config="vllm"))
+    _, none = load_frontend(
+        EngineConfig(model=model_with_generation_config, generation_config="vllm")
+    )
     assert none == {}
 
 
@@ -41,7 +46,11 @@ def test_unset_or_null_fields_take_the_models_default(model_with_generation_conf
     params = chat({"temperature": None}).sampling_params(32, defaults)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.6, 0.9, 20, 0.0)
     params = chat({"temperature": 0.0, "top_k": 5}).sampling_params(32, defaults)
-    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.9, 5)  # the request wins where it speaks
+    assert (params.temperature, params.top_p, params.top_k) == (
+        0.0,
+        0.9,
+        5,
+    )  # the request wins where it speaks
     completion = parse_body(CompletionRequest, json.dumps({"prompt": "hi", "top_p": 0.5}).encode())
     params = completion.sampling_params(16, defaults)
     assert (params.temperature, params.top_p) == (0.6, 0.5)

@@ -192,15 +192,34 @@ def test_unknown_routes_and_methods_get_openai_errors():
 
 def test_null_means_the_default_and_integral_floats_are_integers():
     nulls = dict.fromkeys(
-        ["n", "stream", "logprobs", "top_logprobs", "temperature", "stop", "max_tokens", "seed",
-         "stream_options", "ignore_eos", "min_tokens", "logit_bias", "chat_template_kwargs"]
+        [
+            "n",
+            "stream",
+            "logprobs",
+            "top_logprobs",
+            "temperature",
+            "stop",
+            "max_tokens",
+            "seed",
+            "stream_options",
+            "ignore_eos",
+            "min_tokens",
+            "logit_bias",
+            "chat_template_kwargs",
+        ]
     )
     request = parse_body(ChatCompletionRequest, chat(**nulls))
     assert (request.n, request.stream, request.logprobs, request.min_tokens) == (1, False, False, 0)
     params = request.sampling_params()
-    assert (params.n, params.logprobs, params.temperature, params.logit_bias) == (1, None, 1.0, None)
+    assert (params.n, params.logprobs, params.temperature, params.logit_bias) == (
+        1,
+        None,
+        1.0,
+        None,
+    )
     completion = parse_body(
-        CompletionRequest, json.dumps({"prompt": "x", "echo": None, "logprobs": None, "n": None}).encode()
+        CompletionRequest,
+        json.dumps({"prompt": "x", "echo": None, "logprobs": None, "n": None}).encode(),
     )
     assert (completion.echo, completion.logprobs, completion.n) == (False, None, 1)
     params = params_of(chat(n=2.0, max_tokens=5.0, seed=3.0))
@@ -263,11 +282,13 @@ def test_ignored_fields_are_exported_summed_over_ingress_replicas():
     from cluster.metrics import render_prometheus, sum_ingress_snapshots
 
     base = {"model_name": "m", "histograms": {}, "finished_reasons": {}, "router": None}
-    total = sum_ingress_snapshots([
-        {**base, "ignored_fields": {"foo": 2}},
-        {**base, "ignored_fields": {"foo": 1, "messages[].bar": 4}},
-        base,  # an ingress from before the field existed
-    ])
+    total = sum_ingress_snapshots(
+        [
+            {**base, "ignored_fields": {"foo": 2}},
+            {**base, "ignored_fields": {"foo": 1, "messages[].bar": 4}},
+            base,  # an ingress from before the field existed
+        ]
+    )
     text = render_prometheus({}, None, ingress_snapshot=total).decode()
     samples = {
         sample.labels["field"]: sample.value

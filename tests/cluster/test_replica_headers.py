@@ -16,7 +16,10 @@ def test_no_replica_headers_by_default():
 
 def test_headers_when_exposed():
     cluster = ClusterConfig(expose_replica_headers=True)
-    assert replica_headers(cluster, "r1,r2", "i1") == {REPLICA_HEADER: "r1,r2", INGRESS_HEADER: "i1"}
+    assert replica_headers(cluster, "r1,r2", "i1") == {
+        REPLICA_HEADER: "r1,r2",
+        INGRESS_HEADER: "i1",
+    }
 
 
 def test_flag_and_validation(capsys):

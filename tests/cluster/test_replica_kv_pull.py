@@ -38,13 +38,19 @@ class GonePeer:
     def __init__(self):
         async def fail(*args):
             raise ConnectionError("peer replica is gone")
+
         self.export_prefix = Remote(fail)
 
 
 def replica(config: EngineConfig, replica_id: str):
     self = object.__new__(EngineReplica.func_or_class)
     self.engine = AsyncEngine(config, replica_id, spawn=False)
-    self.replica_id, self.metrics, self._in_flight, self.stream_interval = replica_id, ReplicaMetrics(), set(), 1
+    self.replica_id, self.metrics, self._in_flight, self.stream_interval = (
+        replica_id,
+        ReplicaMetrics(),
+        set(),
+        1,
+    )
     return self
 
 
@@ -57,8 +63,11 @@ def test_a_replica_pulls_a_prefix_from_its_peer(tiny_models, test_seed):
         """(cached tokens, token ids, logprobs) of the streamed messages, which carry deltas."""
         messages = [m async for m in r.generate(rid, prompt, PARAMS)]
         choices = [c for m in messages for c in m["outputs"]]
-        return (messages[-1]["num_cached_tokens"], [t for c in choices for t in c["new_token_ids"]],
-                [lp for c in choices for lp in c["logprobs"] or ()])
+        return (
+            messages[-1]["num_cached_tokens"],
+            [t for c in choices for t in c["new_token_ids"]],
+            [lp for c in choices for lp in c["logprobs"] or ()],
+        )
 
     async def main():
         first = await last(a, "a0")
@@ -68,8 +77,14 @@ def test_a_replica_pulls_a_prefix_from_its_peer(tiny_models, test_seed):
         nothing = await b.pull_prefix(PeerHandle(a), hashes, [t + 1 for t in prompt])
         assert nothing["imported_blocks"] == 0 and nothing["error"] is None
         pulled = await b.pull_prefix(PeerHandle(a), hashes, prompt)
-        assert pulled["imported_blocks"] == 6 and pulled["pulled_tokens"] == 96 and pulled["error"] is None
-        assert pulled["payload_bytes"] == 96 * 2 * 2 * 2 * 32 * 4  # tokens x K/V x layers x kv heads x head_dim x fp32
+        assert (
+            pulled["imported_blocks"] == 6
+            and pulled["pulled_tokens"] == 96
+            and pulled["error"] is None
+        )
+        assert (
+            pulled["payload_bytes"] == 96 * 2 * 2 * 2 * 32 * 4
+        )  # tokens x K/V x layers x kv heads x head_dim x fp32
         second = await last(b, "b0")
         assert second[0] == 96 and first[0] == 0
         assert second[1:] == first[1:] and len(first[1]) == 6, "tokens and logprobs bitwise equal"

@@ -21,13 +21,19 @@ NUM_TOKENS = 10
 class StepEngine:
     """Yields one token per step for NUM_TOKENS steps, cumulative like the real engine."""
 
-    async def generate(self, request_id, prompt_token_ids, params, cache_salt=None, resume_token_ids=()):
+    async def generate(
+        self, request_id, prompt_token_ids, params, cache_salt=None, resume_token_ids=()
+    ):
         tokens: list[int] = []
         for step in range(NUM_TOKENS):
             tokens.append(100 + step)
             last = step == NUM_TOKENS - 1
             completion = CompletionOutput(
-                0, "".join(f"<{t}>" for t in tokens), list(tokens), f"<{tokens[-1]}>", [tokens[-1]],
+                0,
+                "".join(f"<{t}>" for t in tokens),
+                list(tokens),
+                f"<{tokens[-1]}>",
+                [tokens[-1]],
                 finish_reason=FinishReason.LENGTH if last else None,
             )
             yield RequestOutput(request_id, list(prompt_token_ids), [completion], finished=last)

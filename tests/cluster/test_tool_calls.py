@@ -62,9 +62,7 @@ LLAMA_TEXT = (
 
 
 def plan(tools=None, choice=None, parallel=None, parser=None, auto=False):
-    return plan_tool_calls(
-        tools, choice, parallel, parser=parser, enable_auto_tool_choice=auto
-    )
+    return plan_tool_calls(tools, choice, parallel, parser=parser, enable_auto_tool_choice=auto)
 
 
 def replay(stream, text: str, rng: random.Random):
@@ -122,7 +120,7 @@ def test_llama3_json_calls_and_plain_answers():
     [
         (HermesStream, HERMES_TEXT),
         (HermesStream, "No tools needed: 2 < 3 and <tool is not a tag."),
-        (HermesStream, 'Hi <tool_call>not json</tool_call> bye'),
+        (HermesStream, "Hi <tool_call>not json</tool_call> bye"),
         (HermesStream, 'x <tool_call>{"name": "get_weather", "arguments": {"city": "Pa'),
         (Llama3JsonStream, LLAMA_TEXT),
         (Llama3JsonStream, '{"name": "get_time", "arguments": {"zone": "CET"}}'),
@@ -184,8 +182,13 @@ def test_plan_follows_tool_choice_rules():
         (([{"type": "function", "function": {"name": "bad name"}}], "required"), "tools"),
         (([WEATHER, WEATHER], "required"), "tools"),
         # a schema the grammar library cannot compile is refused here, not in the engine
-        (([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-          "required"), "tools"),
+        (
+            (
+                [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+                "required",
+            ),
+            "tools",
+        ),
     ]:
         with pytest.raises(APIError) as err:
             plan(*bad)
@@ -200,8 +203,11 @@ def test_template_fallback_writes_tools_calls_and_results_into_messages():
             "role": "assistant",
             "content": "",
             "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
             ],
         },
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
@@ -313,8 +319,14 @@ def test_response_builder_streams_calls_and_reports_tool_calls(test_seed):
 
     def builder():
         return ResponseBuilder(
-            chat=True, request_id="chatcmpl-1", model="m", n=1, num_prompts=1,
-            want_logprobs=False, token_to_str=str, tool_plan=tool_plan,
+            chat=True,
+            request_id="chatcmpl-1",
+            model="m",
+            n=1,
+            num_prompts=1,
+            want_logprobs=False,
+            token_to_str=str,
+            tool_plan=tool_plan,
         )
 
     cuts = sorted(rng.sample(range(1, len(text)), 15))
@@ -323,14 +335,20 @@ def test_response_builder_streams_calls_and_reports_tool_calls(test_seed):
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         out = {
-            "num_prompt_tokens": 5, "num_cached_tokens": 0,
-            "outputs": [{
-                "index": 0, "new_text": piece, "new_token_ids": [1],
-                "finish_reason": "stop" if last else None, "text": text if last else None,
-            }],
+            "num_prompt_tokens": 5,
+            "num_cached_tokens": 0,
+            "outputs": [
+                {
+                    "index": 0,
+                    "new_text": piece,
+                    "new_token_ids": [1],
+                    "finish_reason": "stop" if last else None,
+                    "text": text if last else None,
+                }
+            ],
         }
         events += streaming.stream_events(0, out)
-    chunks = [json.loads(e[len("data: "):]) for e in events]
+    chunks = [json.loads(e[len("data: ") :]) for e in events]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert not any(d.get("content") for d in deltas[1:])
@@ -339,11 +357,26 @@ def test_response_builder_streams_calls_and_reports_tool_calls(test_seed):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
     whole = builder()
-    whole.add(0, {"num_prompt_tokens": 5, "num_cached_tokens": 0, "outputs": [{
-        "index": 0, "new_text": text, "new_token_ids": [1, 2], "finish_reason": "stop",
-        "text": text}]})
+    whole.add(
+        0,
+        {
+            "num_prompt_tokens": 5,
+            "num_cached_tokens": 0,
+            "outputs": [
+                {
+                    "index": 0,
+                    "new_text": text,
+                    "new_token_ids": [1, 2],
+                    "finish_reason": "stop",
+                    "text": text,
+                }
+            ],
+        },
+    )
     choice = whole.full_response()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
-    assert json.loads(choice["message"]["tool_calls"][1]["function"]["arguments"]) == {"zone": "UTC"}
+    assert json.loads(choice["message"]["tool_calls"][1]["function"]["arguments"]) == {
+        "zone": "UTC"
+    }

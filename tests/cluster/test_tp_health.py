@@ -30,24 +30,35 @@ def tp_server(tmp_path_factory):
     from worker.testing import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tp-tiny") / "llama", "llama")
-    engine = {"model": model, "num_kv_blocks": 256, "max_model_len": 1024, "num_threads": 1,
-              "tensor_parallel_size": 2}
+    engine = {
+        "model": model,
+        "num_kv_blocks": 256,
+        "max_model_len": 1024,
+        "num_threads": 1,
+        "tensor_parallel_size": 2,
+    }
     url, teardown = start_cluster(engine, {"num_replicas": 1, "expose_replica_headers": True}, "tp")
     yield url
     teardown()
 
 
 def complete(url: str, max_tokens: int = 4) -> httpx.Response:
-    response = httpx.post(f"{url}/v1/completions", timeout=60,
-                          json={"model": "llama", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
+    response = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": "llama", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0},
+    )
     return response
 
 
 def tp_workers() -> list[tuple[str, str]]:
     import ray
 
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(WORKER_NAME_PREFIX)]
+    return [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(WORKER_NAME_PREFIX)
+    ]
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> float:
@@ -80,8 +91,14 @@ def test_killed_worker_fails_the_replica_and_serve_replaces_it(tp_server):
     started = threading.Event()
 
     def stream() -> None:
-        body = {"model": "llama", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": "llama",
+            "prompt": PROMPT,
+            "max_tokens": 1000,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 stream_lines.append(line)
@@ -100,8 +117,14 @@ def test_killed_worker_fails_the_replica_and_serve_replaces_it(tp_server):
     assert errors, f"the in-flight stream ended without an error: {stream_lines[-3:]}"
     assert "rank" in json.loads(errors[0].removeprefix("data: "))["error"]["message"]
 
-    wait_for(lambda: health(url) != 200, UNHEALTHY_WITHIN_S - (time.monotonic() - killed_at), "/health failing")
-    wait_for(lambda: health(url) == 200, STARTUP_TIMEOUT_S, "a replacement replica becoming healthy")
+    wait_for(
+        lambda: health(url) != 200,
+        UNHEALTHY_WITHIN_S - (time.monotonic() - killed_at),
+        "/health failing",
+    )
+    wait_for(
+        lambda: health(url) == 200, STARTUP_TIMEOUT_S, "a replacement replica becoming healthy"
+    )
     again = complete(url)
     assert again.status_code == 200, again.text
     assert again.headers[REPLICA_HEADER] != old_replica, "Serve was meant to replace the replica"

@@ -65,7 +65,9 @@ def test_default_install_needs_no_rwx_storage_and_no_removed_kuberay_fields() ->
     for template in _pod_specs(docs).values():
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         assert "emptyDir" in volumes["model-cache"]
-    claim = chart.only(chart.render(values={"modelCache": {"enabled": True}}), "PersistentVolumeClaim")
+    claim = chart.only(
+        chart.render(values={"modelCache": {"enabled": True}}), "PersistentVolumeClaim"
+    )
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     spec = chart.only(docs, "RayService")["spec"]
     assert "deploymentUnhealthySecondThreshold" not in spec
@@ -84,7 +86,9 @@ def test_image_ray_version_equals_ray_version() -> None:
         text = (chart.REPO_ROOT / "deploy" / "docker" / name).read_text()
         (pinned,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", text, flags=re.M)
         assert pinned == values["rayVersion"], f"deploy/docker/{name} pins Ray {pinned}"
-        assert '"ray[serve]==${RAY_VERSION}"' in text, f"deploy/docker/{name} must install RAY_VERSION"
+        assert '"ray[serve]==${RAY_VERSION}"' in text, (
+            f"deploy/docker/{name} must install RAY_VERSION"
+        )
 
 
 def test_in_cluster_redis_has_a_password_from_a_secret_and_a_network_policy() -> None:
@@ -95,7 +99,10 @@ def test_in_cluster_redis_has_a_password_from_a_secret_and_a_network_policy() ->
     assert password not in str(chart.only(docs, "RayService"))
     (redis,) = chart.only(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
     assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
-    for name in ("REDIS_PASSWORD", "REDISCLI_AUTH"):  # REDISCLI_AUTH: the liveness probe's redis-cli
+    for name in (
+        "REDIS_PASSWORD",
+        "REDISCLI_AUTH",
+    ):  # REDISCLI_AUTH: the liveness probe's redis-cli
         ref = _env(redis)[name]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": secret["metadata"]["name"], "key": "redis-password"}
     for template in _pod_specs(docs).values():
@@ -112,12 +119,20 @@ def test_in_cluster_redis_has_a_password_from_a_secret_and_a_network_policy() ->
         assert _selects(peer["podSelector"], template["metadata"]["labels"]), component
     assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
     # An existing Secret is referenced, not created; auth off leaves no password anywhere.
-    docs = chart.render(values={"redis": {"auth": {"existingSecret": "my-redis", "secretKey": "pw"}}})
+    docs = chart.render(
+        values={"redis": {"auth": {"existingSecret": "my-redis", "secretKey": "pw"}}}
+    )
     assert not chart.by_kind(docs, "Secret")
     (redis,) = chart.only(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
-    assert _env(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "pw"}
+    assert _env(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "my-redis",
+        "key": "pw",
+    }
     docs = chart.render(values={"redis": {"auth": {"enabled": False}}})
-    assert "--requirepass" not in chart.only(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        "--requirepass"
+        not in chart.only(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     assert "PREFIXSERVE_REDIS_PASSWORD" not in str(chart.only(docs, "RayService"))
 
 
@@ -158,7 +173,10 @@ def test_incremental_upgrade_strategy_and_http_route() -> None:
     assert route["spec"]["parentRefs"] == [{"name": "llm-gateway", "namespace": "gateways"}]
     ((backend,),) = [rule["backendRefs"] for rule in route["spec"]["rules"]]
     serve_service = chart.only(docs, "RayService")["spec"]["serveService"]
-    assert backend == {"name": serve_service["metadata"]["name"], "port": serve_service["spec"]["ports"][0]["port"]}
+    assert backend == {
+        "name": serve_service["metadata"]["name"],
+        "port": serve_service["spec"]["ports"][0]["port"],
+    }
     assert not chart.by_kind(docs, "Ingress")
 
 
@@ -170,7 +188,10 @@ def test_ingress_reaches_the_serve_service() -> None:
     assert rule["host"] == "llm.example.com"
     (path,) = rule["http"]["paths"]
     serve_service = chart.only(docs, "RayService")["spec"]["serveService"]
-    assert path["backend"]["service"] == {"name": serve_service["metadata"]["name"], "port": {"name": "http"}}
+    assert path["backend"]["service"] == {
+        "name": serve_service["metadata"]["name"],
+        "port": {"name": "http"},
+    }
     assert {p["name"] for p in serve_service["spec"]["ports"]} == {"http"}
 
 
@@ -190,11 +211,17 @@ def test_hub_model_reaches_every_pod() -> None:
             # A ReadWriteOnce claim attaches on one node: the workers', never the head's.
             assert "emptyDir" in volumes["model-cache"]
         else:
-            assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+            assert (
+                volumes["model-cache"]["persistentVolumeClaim"]["claimName"]
+                == claim["metadata"]["name"]
+            )
         (init,) = spec["initContainers"]
         for container in [init, *spec["containers"]]:
             env = _env(container)
-            assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+            assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+                "name": "hf-token",
+                "key": "token",
+            }
             mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
             assert mounts["model-cache"] == "/models"
             assert download_dir.startswith(mounts["model-cache"])
@@ -223,8 +250,13 @@ def test_download_script_runs_and_calls_the_engines_downloader() -> None:
     env = {**os.environ, **{k: v["value"] for k, v in _env(init).items() if "value" in v}}
     assert env["PREFIXSERVE_MODEL"] == "smollm2"
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=chart.REPO_ROOT,
-        capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=chart.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "nothing to download" in proc.stdout
@@ -249,7 +281,9 @@ def test_extra_volumes_and_security_contexts_on_every_ray_container() -> None:
         assert {"name": "templates", "configMap": {"name": "chat-templates"}} in spec["volumes"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         for container in [*spec["initContainers"], *spec["containers"]]:
-            assert {"name": "templates", "mountPath": "/templates", "readOnly": True} in container["volumeMounts"]
+            assert {"name": "templates", "mountPath": "/templates", "readOnly": True} in container[
+                "volumeMounts"
+            ]
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
     redis_spec = chart.only(chart.render(), "StatefulSet")["spec"]["template"]["spec"]
     assert redis_spec["securityContext"]["runAsUser"] == 999
@@ -280,12 +314,16 @@ def test_cluster_options_of_the_ingress_reach_the_application() -> None:
 
 def test_keda_query_follows_the_metrics_prefix() -> None:
     for prefix, series in (("prefixserve:", "prefixserve:"), ("vllm", "vllm:")):
-        docs = chart.render([CI / "keda-values.yaml"], values={"cluster": {"metricsPrefix": prefix}})
+        docs = chart.render(
+            [CI / "keda-values.yaml"], values={"cluster": {"metricsPrefix": prefix}}
+        )
         (trigger,) = chart.only(docs, "ScaledObject")["spec"]["triggers"]
         assert trigger["metadata"]["query"].startswith(f"sum({series}num_requests_waiting{{")
 
 
-def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offline(tmp_path, monkeypatch) -> None:
+def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offline(
+    tmp_path, monkeypatch
+) -> None:
     """The chart's model path end to end, minus Kubernetes: the rendered initContainer program
     runs with the env the pod gets (HF_TOKEN as the Secret would give it) against a loopback
     hub that requires the token; the engine's own resolver then finds the model in the
@@ -298,24 +336,37 @@ def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offlin
     hub = FakeHub(token=token)
     try:
         hub.repos[repo_id] = repo = FakeRepo()
-        repo.add_revision("v1", folder_files(make_tiny_model(tmp_path / "tiny", "llama", num_layers=1)))
+        repo.add_revision(
+            "v1", folder_files(make_tiny_model(tmp_path / "tiny", "llama", num_layers=1))
+        )
         mount = tmp_path / "models"
-        docs = chart.render(values={
-            "engine": {"model": repo_id, "revision": "v1"},
-            "hfToken": {"existingSecret": "hf-token"},
-            "modelDownload": {"enabled": True},
-            "modelCache": {"mountPath": str(mount)},
-        })
+        docs = chart.render(
+            values={
+                "engine": {"model": repo_id, "revision": "v1"},
+                "hfToken": {"existingSecret": "hf-token"},
+                "modelDownload": {"enabled": True},
+                "modelCache": {"mountPath": str(mount)},
+            }
+        )
         pods = _pod_specs(docs)
         base_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
         for component in ("ray-head", "ray-worker-gpu"):
             (init,) = pods[component]["spec"]["initContainers"]
-            env = {**base_env, "HF_ENDPOINT": hub.url, "HF_TOKEN": token}  # HF_TOKEN: from the Secret
+            env = {
+                **base_env,
+                "HF_ENDPOINT": hub.url,
+                "HF_TOKEN": token,
+            }  # HF_TOKEN: from the Secret
             env.update({k: v["value"] for k, v in _env(init).items() if "value" in v})
             assert _env(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
             proc = subprocess.run(
-                [sys.executable, *init["command"][1:], *init["args"]], env=env, cwd=chart.REPO_ROOT,
-                capture_output=True, text=True, timeout=300, check=False,
+                [sys.executable, *init["command"][1:], *init["args"]],
+                env=env,
+                cwd=chart.REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
             )
             assert proc.returncode == 0, proc.stderr[-2000:]
             weights = [p for p in hub.downloaded() if p.endswith(".safetensors")]
@@ -328,8 +379,10 @@ def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offlin
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: offline for real
     resolved = resolve_model(
-        engine_args["model"], engine_args["cache_dir"],
-        revision=engine_args["revision"], download_dir=engine_args["download_dir"],
+        engine_args["model"],
+        engine_args["cache_dir"],
+        revision=engine_args["revision"],
+        download_dir=engine_args["download_dir"],
     )
     assert resolved.path.startswith(str(mount))
     assert any(p.suffix == ".safetensors" for p in Path(resolved.path).iterdir())
@@ -337,6 +390,8 @@ def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offlin
 
 def test_resource_names_fit_kuberays_limits() -> None:
     """KubeRay rejects a RayService name over 47 characters (DNS-1035, its RayCluster gets 6 more)."""
-    docs = chart.render(values={"fullnameOverride": "a-very-long-release-name-for-a-production-llm-service"})
+    docs = chart.render(
+        values={"fullnameOverride": "a-very-long-release-name-for-a-production-llm-service"}
+    )
     name = chart.only(docs, "RayService")["metadata"]["name"]
     assert len(name) <= 47 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name)

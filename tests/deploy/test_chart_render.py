@@ -63,7 +63,10 @@ def test_core_validation_rejects_a_misspelt_field() -> None:
         ({"gpuWorkers": {"gpu": 2}}, "gpu"),
         ({"redis": {"external": {"url": "http://redis:6379"}}}, "url"),
         # Removed: KubeRay ignores these since v1.1 (ray-project/kuberay#1685).
-        ({"serve": {"deploymentUnhealthySecondThreshold": 900}}, "deploymentUnhealthySecondThreshold"),
+        (
+            {"serve": {"deploymentUnhealthySecondThreshold": 900}},
+            "deploymentUnhealthySecondThreshold",
+        ),
         ({"serve": {"upgradeStrategy": {"type": "Rolling"}}}, "type"),
         ({"modelCache": {"accessModes": ["ReadWriteAll"]}}, "accessModes"),
         ({"extraArgs": {"engin": {}}}, "engin"),
@@ -97,7 +100,9 @@ def test_values_schema_rejects_typos_and_bad_values(values, message) -> None:
                     "upgradeStrategy": {
                         "type": "NewClusterWithIncrementalUpgrade",
                         "clusterUpgradeOptions": {
-                            "gatewayClassName": "istio", "stepSizePercent": 25, "intervalSeconds": 60,
+                            "gatewayClassName": "istio",
+                            "stepSizePercent": 25,
+                            "intervalSeconds": 60,
                         },
                     }
                 }
@@ -105,7 +110,13 @@ def test_values_schema_rejects_typos_and_bad_values(values, message) -> None:
             "autoscaling.enabled",
         ),
         ({"httpRoute": {"enabled": True}}, "parentRefs"),
-        ({"ingress": {"enabled": True}, "httpRoute": {"enabled": True, "parentRefs": [{"name": "g"}]}}, "only one"),
+        (
+            {
+                "ingress": {"enabled": True},
+                "httpRoute": {"enabled": True, "parentRefs": [{"name": "g"}]},
+            },
+            "only one",
+        ),
         ({"extraArgs": {"engine": {"maxModelLen": 4096}}}, "max_model_len"),
     ],
 )

@@ -36,7 +36,9 @@ def _env(container: dict) -> dict[str, dict]:
 
 def _api_key_secrets(docs) -> list[dict]:
     """The API-key Secrets (the in-cluster Redis's password Secret aside)."""
-    return [s for s in chart.by_kind(docs, "Secret") if not s["metadata"]["name"].endswith("-redis")]
+    return [
+        s for s in chart.by_kind(docs, "Secret") if not s["metadata"]["name"].endswith("-redis")
+    ]
 
 
 @pytest.mark.parametrize(("tp_size", "gpus_per_pod"), [(1, 1), (2, 2), (2, 4), (4, 8)])

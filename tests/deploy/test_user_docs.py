@@ -50,10 +50,13 @@ def test_quick_start_commands_stay_first() -> None:
 def test_openai_sdk_snippet_targets_the_default_server() -> None:
     from cluster.config import DEFAULT_PORT
 
-    (snippet,) = [b for b in _code_blocks(README.read_text(), "python") if "from openai import" in b]
+    (snippet,) = [
+        b for b in _code_blocks(README.read_text(), "python") if "from openai import" in b
+    ]
     tree = ast.parse(snippet)  # a syntax error fails here
     (call,) = [
-        node for node in ast.walk(tree)
+        node
+        for node in ast.walk(tree)
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "OpenAI"
     ]
     kwargs = {kw.arg: kw.value for kw in call.keywords}
@@ -67,7 +70,8 @@ def test_openai_sdk_snippet_targets_the_default_server() -> None:
 
 def _readme_cli_commands() -> list[str]:
     return [
-        c for c in _commands(README.read_text(), "prefixserve")
+        c
+        for c in _commands(README.read_text(), "prefixserve")
         if "..." not in c and "--help" not in c and "[" not in c
     ]
 

@@ -201,8 +201,10 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
                  "--host", "0.0.0.0", *serve_args],
                 env=job_env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S,
             )  # fmt: skip
-            if detached.returncode == 0 or "submitted successfully" in detached.stdout or (
-                attempt == SUBMIT_ATTEMPTS - 1
+            if (
+                detached.returncode == 0
+                or "submitted successfully" in detached.stdout
+                or (attempt == SUBMIT_ATTEMPTS - 1)
             ):
                 break
             time.sleep(SUBMIT_RETRY_S)
@@ -237,7 +239,9 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
                 if models["data"][0]["id"] == "blocking":
                     break
             assert head.poll() is None, f"ray head died:\n{head_log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"the blocking job's app never served: {job_status(address, serve_job)}"
+            assert time.monotonic() < deadline, (
+                f"the blocking job's app never served: {job_status(address, serve_job)}"
+            )
             time.sleep(1.0)
         assert chat(url)["model"] == "blocking"
         assert job_status(address, serve_job) == "RUNNING"

@@ -116,8 +116,13 @@ def test_prefixserve_serve_answers_and_stops_on_ctrl_c(tmp_path):
         }
         ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
         forced = client.chat.completions.create(
-            model=model, messages=ask, tools=[weather], tool_choice="required",
-            parallel_tool_calls=False, max_tokens=48, temperature=0,
+            model=model,
+            messages=ask,
+            tools=[weather],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=48,
+            temperature=0,
         )
         assert forced.choices[0].finish_reason == "tool_calls", forced
         (call,) = forced.choices[0].message.tool_calls
@@ -125,8 +130,13 @@ def test_prefixserve_serve_answers_and_stops_on_ctrl_c(tmp_path):
         assert "Paris" in json.loads(call.function.arguments)["city"], call
         arguments, names = "", []
         for chunk in client.chat.completions.create(
-            model=model, messages=ask, tools=[weather], max_tokens=48, temperature=0,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
+            model=model,
+            messages=ask,
+            tools=[weather],
+            max_tokens=48,
+            temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
         ):
             for choice in chunk.choices:
                 for delta_call in choice.delta.tool_calls or []:

@@ -53,8 +53,12 @@ def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int):
     tables = [t + [0] * (width - len(t)) for t in tables]
     lens = [c for c, _ in seqs]
     return AttentionMetadata(
-        torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-        torch.tensor(tables, dtype=torch.int32), torch.tensor(slots, dtype=torch.long), qsl, lens,
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(slots, dtype=torch.long),
+        qsl,
+        lens,
     )
 
 
@@ -68,8 +72,12 @@ def test_paged_attention_matches_reference(group, deterministic, block_size):
     shape = (64, block_size, num_kv, head_dim)
     k_cache, v_cache = torch.randn(shape), torch.randn(shape)
     q = torch.randn(meta.query_start_loc_list[-1], num_kv * group, head_dim)
-    out = paged_attention(q, head_major(k_cache), head_major(v_cache), meta, head_dim**-0.5, deterministic)
-    ref = paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, head_dim**-0.5)
+    out = paged_attention(
+        q, head_major(k_cache), head_major(v_cache), meta, head_dim**-0.5, deterministic
+    )
+    ref = paged_attention_ref(
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, head_dim**-0.5
+    )
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -82,10 +90,18 @@ def test_attention_is_batch_and_chunk_invariant():
     q = torch.randn(ctx, num_kv * group, head_dim)
     full = paged_attention(q, k_cache, v_cache, meta_full, 0.125, True)
     table = meta_full.block_tables
+
     def one(ctx_len, q_rows):
-        meta = AttentionMetadata(torch.tensor([0, len(q_rows)], dtype=torch.int32), torch.tensor([ctx_len], dtype=torch.int32),
-                                 table, torch.zeros(0, dtype=torch.long), [0, len(q_rows)], [ctx_len])
+        meta = AttentionMetadata(
+            torch.tensor([0, len(q_rows)], dtype=torch.int32),
+            torch.tensor([ctx_len], dtype=torch.int32),
+            table,
+            torch.zeros(0, dtype=torch.long),
+            [0, len(q_rows)],
+            [ctx_len],
+        )
         return paged_attention(q[q_rows], k_cache, v_cache, meta, 0.125, True)
+
     # Decode of the last token, prefill chunks of 1..129 tokens (their chunks' rows fill tiles of
     # every size the probe admits), and the same among other sequences.
     assert torch.equal(one(ctx, [ctx - 1])[0], full[ctx - 1])
@@ -115,8 +131,14 @@ def _shared_prefix_batch(num_decodes: int, bs: int, prefix_blocks: int):
         lens.append(ctx)
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-                             torch.tensor(padded, dtype=torch.int32), torch.zeros(0, dtype=torch.long), qsl, lens)
+    meta = AttentionMetadata(
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(padded, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.long),
+        qsl,
+        lens,
+    )
     return meta, next_block
 
 
@@ -125,22 +147,38 @@ def test_attention_over_shared_prefix_matches_reference_and_is_invariant():
     output must not change when its prefix chunks go from private to shared by 60 others."""
     num_kv, group, head_dim, bs = 3, 3, 64, 16
     meta, num_blocks = _shared_prefix_batch(60, bs, prefix_blocks=20)
-    k_cache, v_cache = torch.randn(num_blocks, bs, num_kv, head_dim), torch.randn(num_blocks, bs, num_kv, head_dim)
+    k_cache, v_cache = (
+        torch.randn(num_blocks, bs, num_kv, head_dim),
+        torch.randn(num_blocks, bs, num_kv, head_dim),
+    )
     kh, vh = head_major(k_cache), head_major(v_cache)
     q = torch.randn(meta.query_start_loc_list[-1], num_kv * group, head_dim)
     out = paged_attention(q, kh, vh, meta, 0.125, True)
-    ref = paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125)
+    ref = paged_attention_ref(
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125
+    )
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for s in (0, 59):
-        alone = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), meta.seq_lens[s : s + 1],
-                                  meta.block_tables[s : s + 1], torch.zeros(0, dtype=torch.long),
-                                  [0, 1], meta.seq_lens_list[s : s + 1])
+        alone = AttentionMetadata(
+            torch.tensor([0, 1], dtype=torch.int32),
+            meta.seq_lens[s : s + 1],
+            meta.block_tables[s : s + 1],
+            torch.zeros(0, dtype=torch.long),
+            [0, 1],
+            meta.seq_lens_list[s : s + 1],
+        )
         assert torch.equal(paged_attention(q[s : s + 1], kh, vh, alone, 0.125, True)[0], out[s])
 
 
 def _fresh(meta: AttentionMetadata) -> AttentionMetadata:
-    return AttentionMetadata(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
-                             meta.query_start_loc_list, meta.seq_lens_list)
+    return AttentionMetadata(
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.slot_mapping,
+        meta.query_start_loc_list,
+        meta.seq_lens_list,
+    )
 
 
 def test_every_probed_attention_tile_size_changes_no_bits(monkeypatch):
@@ -149,15 +187,23 @@ def test_every_probed_attention_tile_size_changes_no_bits(monkeypatch):
     from kernels import attention
 
     probed = attention.exact_tile_rows(64, torch.float32)
-    assert probed[-1] == attention.ATTN_TILE_ROWS and set(probed) <= {*attention.ATTN_TILE_LADDER_ROWS, attention.ATTN_TILE_ROWS}
+    assert probed[-1] == attention.ATTN_TILE_ROWS and set(probed) <= {
+        *attention.ATTN_TILE_LADDER_ROWS,
+        attention.ATTN_TILE_ROWS,
+    }
     num_kv, group, head_dim, bs = 3, 3, 64, 16
     meta, num_blocks = _shared_prefix_batch(40, bs, prefix_blocks=12)
-    kh, vh = torch.randn(num_kv, num_blocks, bs, head_dim), torch.randn(num_kv, num_blocks, bs, head_dim)
+    kh, vh = (
+        torch.randn(num_kv, num_blocks, bs, head_dim),
+        torch.randn(num_kv, num_blocks, bs, head_dim),
+    )
     q = torch.randn(meta.query_start_loc_list[-1], num_kv * group, head_dim)
     with_probed = paged_attention(q, kh, vh, meta, 0.125, True)
     plan = next(v for v in meta.plans.values() if hasattr(v, "tile_sets"))
     assert {ts.tile_rows for ts in plan.tile_sets} <= set(probed)
-    for allowed in [(size, attention.ATTN_TILE_ROWS) for size in probed[:-1]] + [(attention.ATTN_TILE_ROWS,)]:
+    for allowed in [(size, attention.ATTN_TILE_ROWS) for size in probed[:-1]] + [
+        (attention.ATTN_TILE_ROWS,)
+    ]:
         monkeypatch.setattr(attention, "exact_tile_rows", lambda d, t, allowed=allowed: allowed)
         fresh = _fresh(meta)
         assert torch.equal(paged_attention(q, kh, vh, fresh, 0.125, True), with_probed), allowed
@@ -182,15 +228,32 @@ def test_attention_decode_rows_alone_equal_rows_in_batch(group):
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     qsl = list(range(len(tables) + 1))
-    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), block_tables,
-                             torch.zeros(0, dtype=torch.long), qsl, lens)
-    kh, vh = torch.randn(num_kv, next_block, bs, head_dim), torch.randn(num_kv, next_block, bs, head_dim)
+    meta = AttentionMetadata(
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        block_tables,
+        torch.zeros(0, dtype=torch.long),
+        qsl,
+        lens,
+    )
+    kh, vh = (
+        torch.randn(num_kv, next_block, bs, head_dim),
+        torch.randn(num_kv, next_block, bs, head_dim),
+    )
     q = torch.randn(len(tables), num_kv * group, head_dim)
     batched = paged_attention(q, kh, vh, meta, 0.125, True)
     for s in range(len(tables)):
-        alone = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), meta.seq_lens[s : s + 1],
-                                  block_tables[s : s + 1], torch.zeros(0, dtype=torch.long), [0, 1], lens[s : s + 1])
-        assert torch.equal(paged_attention(q[s : s + 1], kh, vh, alone, 0.125, True)[0], batched[s]), s
+        alone = AttentionMetadata(
+            torch.tensor([0, 1], dtype=torch.int32),
+            meta.seq_lens[s : s + 1],
+            block_tables[s : s + 1],
+            torch.zeros(0, dtype=torch.long),
+            [0, 1],
+            lens[s : s + 1],
+        )
+        assert torch.equal(
+            paged_attention(q[s : s + 1], kh, vh, alone, 0.125, True)[0], batched[s]
+        ), s
 
 
 def test_attention_plan_tiles_only_with_allowed_sizes_and_covers_every_row():
@@ -207,8 +270,17 @@ def test_attention_plan_tiles_only_with_allowed_sizes_and_covers_every_row():
         seqs = [(random.randint(1, 300), 1) for _ in range(5)] + [(200, 130), (17, 17)]
         meta = make_meta(seqs, 16, 200)
         group, num_kv = 3, 2
-        plan = build_plan(meta.query_start_loc_list, meta.seq_lens_list, meta.block_tables.tolist(), 16, group, num_kv,
-                          16, 128, exact)
+        plan = build_plan(
+            meta.query_start_loc_list,
+            meta.seq_lens_list,
+            meta.block_tables.tolist(),
+            16,
+            group,
+            num_kv,
+            16,
+            128,
+            exact,
+        )
         assert {ts.tile_rows for ts in plan.tile_sets} <= set(exact)
         # The fold meets chunk c for exactly the rows whose position reaches it: a prefix of its order.
         for r in range(plan.num_rows):
@@ -261,13 +333,19 @@ def test_linear_is_batch_invariant_and_correct(packing, monkeypatch):
     bias = torch.randn(n) if random.random() < 0.5 else None
     weight = _packed_with(packing, w, monkeypatch)
     full = batch_invariant_linear(x, weight, bias)
-    torch.testing.assert_close(full, matmul_ref(x, w) + (0 if bias is None else bias), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        full, matmul_ref(x, w) + (0 if bias is None else bias), rtol=1e-4, atol=1e-4
+    )
     assert batch_invariant_linear(x[:0], weight, bias).shape == (0, n)
     for m in range(1, 130):
         start = random.randrange(0, 600 - m)
-        assert torch.equal(batch_invariant_linear(x[start : start + m], weight, bias), full[start : start + m]), m
+        assert torch.equal(
+            batch_invariant_linear(x[start : start + m], weight, bias), full[start : start + m]
+        ), m
     for row in random.sample(range(600), 8):
-        assert torch.equal(batch_invariant_linear(x[row : row + 1], weight, bias)[0], full[row]), row
+        assert torch.equal(batch_invariant_linear(x[row : row + 1], weight, bias)[0], full[row]), (
+            row
+        )
 
 
 def test_every_probed_linear_tile_size_gives_the_reference_bits():
@@ -291,8 +369,17 @@ def test_every_probed_linear_tile_size_gives_the_reference_bits():
             assert torch.equal(got, ref), (packing, rows)
 
 
-@pytest.mark.parametrize("tile_rows", [(32,), (4, 8, 16, 32, 64), (2, 4, 8, 16, 32, 64, 128, 256, 512),
-                                       (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (8, 32), (32, 64)])
+@pytest.mark.parametrize(
+    "tile_rows",
+    [
+        (32,),
+        (4, 8, 16, 32, 64),
+        (2, 4, 8, 16, 32, 64, 128, 256, 512),
+        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        (8, 32),
+        (32, 64),
+    ],
+)
 def test_tile_plan_uses_proven_sizes_covers_every_row_and_pads_least(tile_rows):
     """CPU-independent: the plan for M rows takes only the given sizes, covers M, costs least
     under the plan's cost model (checked against an exhaustive search), and among plans of
@@ -302,7 +389,10 @@ def test_tile_plan_uses_proven_sizes_covers_every_row_and_pads_least(tile_rows):
     limit = 700
     best = [(0, 0)] + [None] * limit  # best[n]: least (cost, rows covered) of any cover of n rows
     for num in range(1, limit + 1):
-        best[num] = min((best[max(0, num - t)][0] + _tile_cost(t), best[max(0, num - t)][1] + t) for t in tile_rows)
+        best[num] = min(
+            (best[max(0, num - t)][0] + _tile_cost(t), best[max(0, num - t)][1] + t)
+            for t in tile_rows
+        )
     assert tile_plan(0, tile_rows) == ()
     for num in range(1, limit + 1):
         plan = tile_plan(num, tile_rows)
@@ -325,7 +415,9 @@ def test_probe_choices_are_logged_once(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="kernels"):
         msg = linear.log_tile_choices()
         again = [pack_weight(torch.randn(*shape)) for shape in shapes]
-        assert linear.log_tile_choices() == msg  # the same outcome for the next model: not logged again
+        assert (
+            linear.log_tile_choices() == msg
+        )  # the same outcome for the next model: not logged again
         attention.exact_tile_rows.cache_clear()
         sizes = attention.exact_tile_rows(64, torch.float32)
         attention.exact_tile_rows(64, torch.float32)  # cached: probed and logged once
@@ -345,7 +437,9 @@ def test_weights_are_packed_where_this_torch_can():
 
     weight = pack_weight(torch.randn(96, 64))
     assert isinstance(weight, PackedWeight) == bool(linear._available_packings())
-    assert pack_weight(torch.randn(96, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16  # unpacked
+    assert (
+        pack_weight(torch.randn(96, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    )  # unpacked
 
 
 @pytest.mark.parametrize("packing", PACKINGS, ids=["unpacked", "onednn", "mkl"])
@@ -353,7 +447,9 @@ def test_weights_are_packed_where_this_torch_can():
 def test_fast_linear_is_correct_either_way(rows, packing, monkeypatch):
     w, x, bias = torch.randn(96, 64) * 0.05, torch.randn(rows, 64), torch.randn(96)
     weight = _packed_with(packing, w, monkeypatch)
-    torch.testing.assert_close(fast_linear(x, weight, bias), matmul_ref(x, w) + bias, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        fast_linear(x, weight, bias), matmul_ref(x, w) + bias, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_rms_norm_rows_are_invariant_and_correct():
@@ -366,8 +462,19 @@ def test_rms_norm_rows_are_invariant_and_correct():
         assert torch.equal(rms_norm(x[:m], w, 1e-5, res[:m])[0], out[:m])
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    ],
+)
 def test_rotary_matches_reference(scaling):
     cache = build_cos_sin_cache(64, 2048, 500000.0, scaling)
     pos = torch.randint(0, 2048, (33,))

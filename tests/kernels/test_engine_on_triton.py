@@ -25,7 +25,9 @@ keeps this end-to-end test to seconds."""
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_backend_matches_transformers(tmp_path, smollm2_path, arch):
     path = make_tiny_model(tmp_path / arch, arch, vocab_size=SMALL_VOCAB)
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, kernel_backend="triton", device=DEVICE))
+    engine = LLMEngine(
+        EngineConfig(model=path, num_kv_blocks=64, kernel_backend="triton", device=DEVICE)
+    )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [[5, 17, 300, 400, 12, 9, 77, 1, 3, 5, 8, 13, 21, 34, 55, 89, 144], [42, 43]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

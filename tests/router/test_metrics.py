@@ -36,20 +36,29 @@ def test_snapshot_counts_decisions_ratio_and_latency_buckets():
 
 def test_decisions_take_routing_reasons_and_reject_unknown_ones():
     metrics = RouterMetrics()
-    metrics.record_decision("pow2", RoutingReason.BASELINE, num_prompt_blocks=1, num_matched_blocks=0)
-    metrics.record_decision("prefix", RoutingReason.FALLBACK, num_prompt_blocks=1, num_matched_blocks=0)
+    metrics.record_decision(
+        "pow2", RoutingReason.BASELINE, num_prompt_blocks=1, num_matched_blocks=0
+    )
+    metrics.record_decision(
+        "prefix", RoutingReason.FALLBACK, num_prompt_blocks=1, num_matched_blocks=0
+    )
     with pytest.raises(ValueError):
         metrics.record_decision("prefix", "cache_hit", num_prompt_blocks=1, num_matched_blocks=0)
     with pytest.raises(ValueError):
         metrics.record_decision("prefix", "load", num_prompt_blocks=1, num_matched_blocks=0)
     rows = metrics.snapshot()["decisions"]
-    assert [(r["policy"], r["reason"]) for r in rows] == [("pow2", "baseline"), ("prefix", "fallback")]
+    assert [(r["policy"], r["reason"]) for r in rows] == [
+        ("pow2", "baseline"),
+        ("prefix", "fallback"),
+    ]
     assert all(type(r["reason"]) is str for r in rows)  # plain label strings, not enum members
     assert metrics.snapshot()["num_fallback_decisions"] == 1
 
 
 def test_routing_reasons_are_their_label_strings():
     assert RoutingReason("load_bound") is RoutingReason.LOAD_BOUND
-    assert str(RoutingReason.SHORTEST_QUEUE) == f"{RoutingReason.SHORTEST_QUEUE}" == "shortest_queue"
+    assert (
+        str(RoutingReason.SHORTEST_QUEUE) == f"{RoutingReason.SHORTEST_QUEUE}" == "shortest_queue"
+    )
     assert RoutingReason.PREFIX == "prefix"
     assert len({r.value for r in RoutingReason}) == len(RoutingReason)

@@ -30,20 +30,84 @@ def tls_redis(tmp_path_factory):
     if shutil.which(REDIS_BINARY) is None or shutil.which("openssl") is None:
         pytest.skip("needs Debian's redis-server and openssl")
     d = tmp_path_factory.mktemp("redis-tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-             "-keyout", "server.key", "-out", "server.csr", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=d,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "1", "-extfile", "san.ext", "-out", "server.pem", cwd=d)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+        cwd=d,
+    )
     port = free_port()
     proc = subprocess.Popen(
-        [REDIS_BINARY, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key"),
-         "--tls-ca-cert-file", str(d / "ca.pem"), "--tls-auth-clients", "no",
-         "--requirepass", PASSWORD, "--save", "", "--appendonly", "no", "--dir", str(d)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [
+            REDIS_BINARY,
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            str(d / "server.pem"),
+            "--tls-key-file",
+            str(d / "server.key"),
+            "--tls-ca-cert-file",
+            str(d / "ca.pem"),
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            PASSWORD,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={d / 'ca.pem'}"
     client = redis.Redis.from_url(url, password=PASSWORD, socket_timeout=SOCKET_TIMEOUT_S)
     deadline = time.monotonic() + 20
@@ -81,8 +145,12 @@ def test_password_from_the_environment_as_the_chart_passes_it(tls_redis, clock, 
 def test_wrong_password_or_plaintext_is_an_unavailable_index_not_a_crash(tls_redis, clock):
     wrong = tls_redis.replace("rediss://", "rediss://:not-the-password@")
     with pytest.raises(IndexUnavailableError, match="127.0.0.1") as failure:
-        RedisIndex(wrong, "tls-model", socket_timeout_s=SOCKET_TIMEOUT_S, clock=clock).match(chain(1))
+        RedisIndex(wrong, "tls-model", socket_timeout_s=SOCKET_TIMEOUT_S, clock=clock).match(
+            chain(1)
+        )
     assert "not-the-password" not in str(failure.value) and ":***@" in str(failure.value)
     plain = tls_redis.replace("rediss://", f"redis://:{PASSWORD}@").split("?")[0]
     with pytest.raises(IndexUnavailableError):
-        RedisIndex(plain, "tls-model", socket_timeout_s=SOCKET_TIMEOUT_S, clock=clock).match(chain(1))
+        RedisIndex(plain, "tls-model", socket_timeout_s=SOCKET_TIMEOUT_S, clock=clock).match(
+            chain(1)
+        )

@@ -83,7 +83,9 @@ def test_dead_replica_stops_attracting_its_prefix_at_once(make_router, clock):
     clock.advance(1.5)  # "a" is past its deadline; Serve still lists it
     decision = router.route(blocks, 256, views("a", "b"))
     assert decision.matched_blocks == 0 and decision.reason in (
-        RoutingReason.COLD, RoutingReason.SHORTEST_QUEUE, RoutingReason.LOAD_BOUND
+        RoutingReason.COLD,
+        RoutingReason.SHORTEST_QUEUE,
+        RoutingReason.LOAD_BOUND,
     )
 
 
@@ -143,7 +145,9 @@ def test_redis_down_routes_by_load_logs_once_and_recovers(redis_server, caplog):
     # Routed by the index again (nothing known: "cold", or "shortest_queue" once the load bound
     # has steered away from "b", which took the 5 fallback decisions, leaving "a" alone).
     assert router.route(blocks, 256, candidates).reason in (
-        RoutingReason.COLD, RoutingReason.SHORTEST_QUEUE, RoutingReason.LOAD_BOUND
+        RoutingReason.COLD,
+        RoutingReason.SHORTEST_QUEUE,
+        RoutingReason.LOAD_BOUND,
     )
     # Replicas heartbeat again; "a"'s next batch reveals the gap and it re-announces.
     for rid in ("a", "b"):

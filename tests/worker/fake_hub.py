@@ -43,7 +43,11 @@ class FakeRepo:
 
 def folder_files(folder: str | Path, extra: dict[str, bytes] | None = None) -> dict[str, bytes]:
     """A local model folder's files as a repo revision (plus ``extra`` paths)."""
-    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+    files = {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in Path(folder).rglob("*")
+        if p.is_file()
+    }
     files.update(extra or {})
     return files
 
@@ -68,7 +72,9 @@ class FakeHub:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="fake-hub", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -77,7 +83,11 @@ class FakeHub:
 
     def downloaded(self) -> list[str]:
         """Paths fetched with GET .../resolve/..., in order."""
-        return [p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p, _ in self.requests if m == "GET" and "/resolve/" in p]
+        return [
+            p.split("/resolve/", 1)[1].split("/", 1)[1]
+            for m, p, _ in self.requests
+            if m == "GET" and "/resolve/" in p
+        ]
 
     # -- routing ---------------------------------------------------------------------------
     def _handle(self, h: BaseHTTPRequestHandler, body: bool) -> None:
@@ -93,16 +103,34 @@ class FakeHub:
                 found = self._revision(h, repo, rest[1])
                 if found:
                     prefix = "/".join(rest[2:])
-                    listing = [{"type": "file", "path": p, "size": len(c), "oid": hashlib.sha1(c).hexdigest()}
-                               for p, c in sorted(found[1].items()) if p.startswith(prefix)]
+                    listing = [
+                        {
+                            "type": "file",
+                            "path": p,
+                            "size": len(c),
+                            "oid": hashlib.sha1(c).hexdigest(),
+                        }
+                        for p, c in sorted(found[1].items())
+                        if p.startswith(prefix)
+                    ]
                     self._json(h, 200, listing)
                 return
             rev = rest[1] if rest[:1] == ["revision"] and len(rest) >= 2 else "main"
             found = self._revision(h, repo, rev)
             if found:
                 sha, files = found
-                self._json(h, 200, {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
-                                    "gated": repo.gated and "manual", "siblings": [{"rfilename": p} for p in sorted(files)]})
+                self._json(
+                    h,
+                    200,
+                    {
+                        "id": repo_id,
+                        "modelId": repo_id,
+                        "sha": sha,
+                        "private": False,
+                        "gated": repo.gated and "manual",
+                        "siblings": [{"rfilename": p} for p in sorted(files)],
+                    },
+                )
             return
         if len(parts) >= 5 and parts[2] == "resolve":
             repo = self._repo(h, "/".join(parts[:2]))

@@ -48,9 +48,14 @@ def run(engine: LLMEngine, prompts: dict | None = None, *, check_invariants: boo
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def engine_prompt_logits(engine: LLMEngine, prompt_ids: list[int]) -> torch.Tensor:

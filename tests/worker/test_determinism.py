@@ -19,10 +19,12 @@ pytestmark = pytest.mark.slow
 
 LONG_PROMPT = (
     "You are a meticulous assistant. Read the following notes and answer briefly.\n"
-    + "".join(f"Note {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} marbles.\n" for i in range(22))
+    + "".join(
+        f"Note {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} marbles.\n"
+        for i in range(22)
+    )
     + "Question: which box holds the most marbles, and how many?"
 )
-
 
 
 def engine(**overrides) -> LLMEngine:
@@ -47,11 +49,15 @@ def test_lmdeploy_1719_prefix_cache_never_changes_greedy_output(cached_engine, p
     uncached = run(engine(enable_prefix_caching=False), {"off": (prompt_ids, greedy)})["off"]
     assert len(prompt_ids) > 2 * 128, "the prompt must span several attention KV chunks"
     assert outs[0].num_cached_tokens == 0
-    assert all(o.num_cached_tokens >= len(prompt_ids) - 16 for o in outs[1:]), [o.num_cached_tokens for o in outs]
+    assert all(o.num_cached_tokens >= len(prompt_ids) - 16 for o in outs[1:]), [
+        o.num_cached_tokens for o in outs
+    ]
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids == uncached.token_ids
 
 
-def test_one_distinct_output_under_load_chunking_and_preemption(smollm2_path, prompt_ids, test_seed):
+def test_one_distinct_output_under_load_chunking_and_preemption(
+    smollm2_path, prompt_ids, test_seed
+):
     # A 48-token step budget forces chunked prefill; 24 blocks for up to 32 running
     # sequences that each grow past a block boundary (40 + 12 tokens) forces preemption.
     eng = engine(num_kv_blocks=24, max_num_batched_tokens=48, max_num_seqs=32)
@@ -62,7 +68,10 @@ def test_one_distinct_output_under_load_chunking_and_preemption(smollm2_path, pr
     vocab = eng.spec.vocab_size
     for i in range(50):
         other = [rng.randrange(100, vocab) for _ in range(rng.randint(5, 120))]
-        prompts[f"other{i}"] = (other, SamplingParams(temperature=0, max_tokens=rng.randint(1, 6), ignore_eos=True))
+        prompts[f"other{i}"] = (
+            other,
+            SamplingParams(temperature=0, max_tokens=rng.randint(1, 6), ignore_eos=True),
+        )
     order = list(prompts.items())
     rng.shuffle(order)
     done = run(eng, dict(order))
@@ -78,8 +87,13 @@ def test_seeded_sampling_same_alone_and_in_batch_of_32(cached_engine, prompt_ids
     q = prompt_ids[-40:]
     alone = run(cached_engine, {"alone": (q, seeded)})["alone"]
     rng = random.Random(test_seed)
-    batch = {f"b{i}": ([rng.randrange(100, 40000) for _ in range(rng.randint(3, 40))],
-                       SamplingParams(temperature=1.0, max_tokens=rng.randint(2, 12), ignore_eos=True)) for i in range(31)}
+    batch = {
+        f"b{i}": (
+            [rng.randrange(100, 40000) for _ in range(rng.randint(3, 40))],
+            SamplingParams(temperature=1.0, max_tokens=rng.randint(2, 12), ignore_eos=True),
+        )
+        for i in range(31)
+    }
     batch["target"] = (q, seeded)
     together = run(cached_engine, batch)["target"]
     assert together.token_ids == alone.token_ids

@@ -16,7 +16,9 @@ from worker.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_models):
-    return LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=256))
+    return LLMEngine(
+        EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=256)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,10 @@ def test_shared_system_prompt_is_served_from_cache(smol_engine):
 def test_hash_collision_is_caught_not_served(tiny_models, monkeypatch):
     engine = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=64))
     # Every block of every prompt gets the same hash: a total collision.
-    monkeypatch.setattr("worker.request.hash_blocks",
-                        lambda toks, bs, *a, **k: [b"\x00" * 16] * (len(toks) // bs - k.get("start_block", 0)))
+    monkeypatch.setattr(
+        "worker.request.hash_blocks",
+        lambda toks, bs, *a, **k: [b"\x00" * 16] * (len(toks) // bs - k.get("start_block", 0)),
+    )
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a_ids, b_ids = list(range(100, 148)), list(range(300, 348))
     engine.add_request("a", a_ids, greedy)
@@ -80,9 +84,21 @@ def test_bad_input_is_rejected_and_others_keep_running(tiny_engine, prompt, para
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),
-     ("top_k", -2), ("min_p", 2.0), ("n", 0), ("n", 99), ("logprobs", 21), ("repetition_penalty", 0.0),
-     ("stop", ["x"] * 17), ("seed", "abc")],
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("n", 0),
+        ("n", 99),
+        ("logprobs", 21),
+        ("repetition_penalty", 0.0),
+        ("stop", ["x"] * 17),
+        ("seed", "abc"),
+    ],
 )
 def test_out_of_range_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -107,21 +123,45 @@ def test_stop_strings_tokens_and_lengths(tiny_engine):
     text = free.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
-        tiny_engine.add_request("stop", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+        tiny_engine.add_request(
+            "stop",
+            [11, 12, 13],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        )
         out = run(tiny_engine)["stop"].outputs[0]
         assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
         assert out.text == text[: text.index(stop)]
     tok = free.token_ids[5]
-    tiny_engine.add_request("stoptok", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[tok]))
+    tiny_engine.add_request(
+        "stoptok",
+        [11, 12, 13],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[tok]),
+    )
     out = run(tiny_engine)["stoptok"].outputs[0]
-    assert out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1] and out.stop_reason == tok
-    tiny_engine.add_request("min", [11, 12, 13], SamplingParams(temperature=0, max_tokens=24, min_tokens=10, stop_token_ids=[free.token_ids[0]], ignore_eos=True))
+    assert (
+        out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1] and out.stop_reason == tok
+    )
+    tiny_engine.add_request(
+        "min",
+        [11, 12, 13],
+        SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            min_tokens=10,
+            stop_token_ids=[free.token_ids[0]],
+            ignore_eos=True,
+        ),
+    )
     assert len(run(tiny_engine)["min"].token_ids) >= 10
 
 
 def test_n_outputs_share_the_prompt_blocks_and_logprobs(tiny_engine):
     prompt = list(range(1000, 1100))
-    tiny_engine.add_request("n3", prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=5, ignore_eos=True))
+    tiny_engine.add_request(
+        "n3",
+        prompt,
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=5, ignore_eos=True),
+    )
     out = run(tiny_engine)["n3"]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "independent samples should differ"
@@ -134,9 +174,20 @@ def test_n_outputs_share_the_prompt_blocks_and_logprobs(tiny_engine):
 
 def test_penalties_change_greedy_output(tiny_engine):
     prompt = [7] * 20
-    tiny_engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    tiny_engine.add_request("pen", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                                                          repetition_penalty=1.9, frequency_penalty=2.0))
+    tiny_engine.add_request(
+        "plain", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )
+    tiny_engine.add_request(
+        "pen",
+        prompt,
+        SamplingParams(
+            temperature=0,
+            max_tokens=16,
+            ignore_eos=True,
+            repetition_penalty=1.9,
+            frequency_penalty=2.0,
+        ),
+    )
     done = run(tiny_engine)
     plain, pen = done["plain"].token_ids, done["pen"].token_ids
     assert len(set(pen)) >= len(set(plain))

@@ -41,7 +41,9 @@ def test_auto_is_the_default_and_resolves_to_cpu_float32_here():
         _ = config.torch_dtype
     resolved = config.resolved()
     assert (resolved.device, resolved.dtype) == ("cpu", "float32")  # this machine has no GPU
-    assert EngineConfig(device="cpu", dtype="bfloat16").resolved().dtype == "bfloat16"  # explicit values stay
+    assert (
+        EngineConfig(device="cpu", dtype="bfloat16").resolved().dtype == "bfloat16"
+    )  # explicit values stay
 
 
 def test_cuda_rule_as_a_pure_function():
@@ -58,9 +60,13 @@ def test_cuda_rule_as_a_pure_function():
 
 def test_bad_device_and_dtype_name_the_field():
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"EngineConfig.device: 'cuda:1' but this process sees no CUDA device"):
+        with pytest.raises(
+            ValueError, match=r"EngineConfig.device: 'cuda:1' but this process sees no CUDA device"
+        ):
             EngineConfig(device="cuda:1").resolved()
-    with pytest.raises(ValueError, match=r"EngineConfig.device: must be 'auto', 'cpu' or 'cuda\[:N\]'"):
+    with pytest.raises(
+        ValueError, match=r"EngineConfig.device: must be 'auto', 'cpu' or 'cuda\[:N\]'"
+    ):
         EngineConfig(device="tpu")
     with pytest.raises(ValueError, match=r"EngineConfig.dtype: must be 'auto' or one of"):
         EngineConfig(dtype="fp8")
@@ -73,15 +79,22 @@ def test_kv_bytes_for_utilization_is_vllms_arithmetic():
     assert kv_bytes_for_utilization(80 * GIB, 16 * GIB, 2 * GIB, 1.0) == 62 * GIB
     # A lower utilization leaves less KV, byte for byte.
     assert kv_bytes_for_utilization(80 * GIB, 16 * GIB, 2 * GIB, 0.5) == 22 * GIB
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.2 allows 16.00 GiB .* weights take 16.00 GiB"):
+    with pytest.raises(
+        ValueError, match=r"gpu_memory_utilization=0.2 allows 16.00 GiB .* weights take 16.00 GiB"
+    ):
         kv_bytes_for_utilization(80 * GIB, 16 * GIB, 2 * GIB, 0.2)
 
 
 def test_gpu_memory_utilization_on_cpu_names_the_cpu_knobs(tiny_folder):
     with pytest.raises(ValueError, match=r"gpu_memory_utilization: .*kv_cache_memory_fraction"):
         EngineConfig(device="cpu", gpu_memory_utilization=0.9)
-    config = EngineConfig(model=tiny_folder, gpu_memory_utilization=0.9)  # device auto: decided where it runs
-    with pytest.raises(ValueError, match=r"on CPU size the KV cache with kv_cache_memory_fraction .*device 'auto' found no GPU"):
+    config = EngineConfig(
+        model=tiny_folder, gpu_memory_utilization=0.9
+    )  # device auto: decided where it runs
+    with pytest.raises(
+        ValueError,
+        match=r"on CPU size the KV cache with kv_cache_memory_fraction .*device 'auto' found no GPU",
+    ):
         LLMEngine(config)
     with pytest.raises(ValueError, match=r"set only one of .*gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=0.9, kv_cache_bytes=2**20)
@@ -98,24 +111,43 @@ def word_tokenizer(folder: Path) -> str:
     vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
     raw = RawTokenizer(WordLevel(vocab, unk_token="[UNK]"))
     raw.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="</s>").save_pretrained(str(folder))
+    PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="[UNK]", eos_token="</s>"
+    ).save_pretrained(str(folder))
     return str(folder)
 
 
 def test_tokenizer_override_folder_and_hub_id(tiny_folder, tmp_path, monkeypatch):
     folder = word_tokenizer(tmp_path / "words")
     assert load_tokenizer(EngineConfig(model=tiny_folder)).encode("hello world") != [2, 3]
-    assert load_tokenizer(EngineConfig(model=tiny_folder, tokenizer=folder)).encode("hello world") == [2, 3]
-    engine = LLMEngine(EngineConfig(model=tiny_folder, tokenizer=folder, num_kv_blocks=8, max_num_batched_tokens=32))
+    assert load_tokenizer(EngineConfig(model=tiny_folder, tokenizer=folder)).encode(
+        "hello world"
+    ) == [2, 3]
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_folder, tokenizer=folder, num_kv_blocks=8, max_num_batched_tokens=32
+        )
+    )
     assert engine.tokenizer.path == folder and engine.tokenizer.eos_token_ids == {1}
     # A tokenizer repo id (no config.json in it), from the hub cache offline.
     lay_out_cache(tmp_path / "cache", "org/words", folder)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tok = load_tokenizer(EngineConfig(model=tiny_folder, tokenizer="org/words", download_dir=str(tmp_path / "cache")))
+    tok = load_tokenizer(
+        EngineConfig(model=tiny_folder, tokenizer="org/words", download_dir=str(tmp_path / "cache"))
+    )
     assert tok.encode("world hello") == [3, 2]
-    with pytest.raises(ValueError, match=r"tokenizer 'org/absent': HF_HUB_OFFLINE=1 and org/absent is not in"):
-        load_tokenizer(EngineConfig(model=tiny_folder, tokenizer="org/absent", download_dir=str(tmp_path / "cache")))
-    with pytest.raises(ValueError, match=r"EngineConfig.tokenizer: 'no-such-folder' is neither a folder nor a hub repo id"):
+    with pytest.raises(
+        ValueError, match=r"tokenizer 'org/absent': HF_HUB_OFFLINE=1 and org/absent is not in"
+    ):
+        load_tokenizer(
+            EngineConfig(
+                model=tiny_folder, tokenizer="org/absent", download_dir=str(tmp_path / "cache")
+            )
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"EngineConfig.tokenizer: 'no-such-folder' is neither a folder nor a hub repo id",
+    ):
         load_tokenizer(EngineConfig(model=tiny_folder, tokenizer="no-such-folder"))
 
 
@@ -125,9 +157,13 @@ def rendered(config: EngineConfig) -> str:
 
 
 def test_chat_template_override_inline_and_file(tiny_folder, tmp_path):
-    assert "<|im_start|>user" in rendered(EngineConfig(model=tiny_folder))  # the model's own (SmolLM2's)
+    assert "<|im_start|>user" in rendered(
+        EngineConfig(model=tiny_folder)
+    )  # the model's own (SmolLM2's)
     inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
-    assert rendered(EngineConfig(model=tiny_folder, chat_template=inline)) == "[user] hi there\n[bot]"
+    assert (
+        rendered(EngineConfig(model=tiny_folder, chat_template=inline)) == "[user] hi there\n[bot]"
+    )
     jinja_file = tmp_path / "t.jinja"
     jinja_file.write_text("{{ messages[0].content | upper }}")
     assert rendered(EngineConfig(model=tiny_folder, chat_template=str(jinja_file))) == "HI THERE"
@@ -137,9 +173,14 @@ def test_chat_template_override_inline_and_file(tiny_folder, tmp_path):
 
 
 def test_bad_chat_templates_fail_at_start_naming_the_field(tmp_path):
-    with pytest.raises(ValueError, match=r"EngineConfig.chat_template: 'templates/missing.jinja' is neither a file nor"):
+    with pytest.raises(
+        ValueError,
+        match=r"EngineConfig.chat_template: 'templates/missing.jinja' is neither a file nor",
+    ):
         read_chat_template("templates/missing.jinja")
-    with pytest.raises(ValueError, match=r"EngineConfig.chat_template: not a valid Jinja template \(line 1"):
+    with pytest.raises(
+        ValueError, match=r"EngineConfig.chat_template: not a valid Jinja template \(line 1"
+    ):
         read_chat_template("{% for m in messages %}{{ m.content }}")
     bad_json = tmp_path / "t.json"
     bad_json.write_text(json.dumps({"template": "x"}))
@@ -155,17 +196,37 @@ def write_generation_config(folder: Path, data: dict) -> str:
 
 
 def test_generation_config_auto_vllm_and_folder(tmp_path):
-    model = write_generation_config(tmp_path / "model", {
-        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 128, "do_sample": True,
-        "bos_token_id": 1, "eos_token_id": [2, 3], "repetition_penalty": None})
+    model = write_generation_config(
+        tmp_path / "model",
+        {
+            "temperature": 0.6,
+            "top_p": 0.9,
+            "top_k": 20,
+            "max_new_tokens": 128,
+            "do_sample": True,
+            "bos_token_id": 1,
+            "eos_token_id": [2, 3],
+            "repetition_penalty": None,
+        },
+    )
     assert load_generation_defaults(EngineConfig(model=model), model) == {
-        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 128}
-    assert load_generation_defaults(EngineConfig(model=model, generation_config="vllm"), model) == {}
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_tokens": 128,
+    }
+    assert (
+        load_generation_defaults(EngineConfig(model=model, generation_config="vllm"), model) == {}
+    )
     other = write_generation_config(tmp_path / "other", {"min_p": 0.05, "repetition_penalty": 1.1})
     assert load_generation_defaults(EngineConfig(model=model, generation_config=other), model) == {
-        "min_p": 0.05, "repetition_penalty": 1.1}
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+    }
     assert read_generation_defaults(tmp_path / "no_file_here") == {}
-    with pytest.raises(ValueError, match=r"generation_config: 'nowhere' must be 'auto', 'vllm' or a folder"):
+    with pytest.raises(
+        ValueError, match=r"generation_config: 'nowhere' must be 'auto', 'vllm' or a folder"
+    ):
         load_generation_defaults(EngineConfig(model=model, generation_config="nowhere"), model)
 
 
@@ -196,8 +257,14 @@ def test_offline_llm_uses_the_models_defaults_and_chat_template(tmp_path):
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.max_tokens) == (0.0, 3)
     out = llm.chat(MESSAGES)
-    assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == "[user] hi there\n[bot]"
+    assert (
+        llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        == "[user] hi there\n[bot]"
+    )
     greedy = llm.generate([out.prompt_token_ids], SamplingParams(temperature=0.0, max_tokens=3))[0]
-    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids and len(greedy.outputs[0].token_ids) <= 3
+    assert (
+        out.outputs[0].token_ids == greedy.outputs[0].token_ids
+        and len(greedy.outputs[0].token_ids) <= 3
+    )
     unset = LLM(model=folder, generation_config="vllm", num_kv_blocks=16, max_num_batched_tokens=64)
     assert unset.get_default_sampling_params() == SamplingParams()

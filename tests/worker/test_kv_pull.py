@@ -34,12 +34,16 @@ def run(engine: LLMEngine, prompts: dict) -> dict:
 
 
 def export(engine: LLMEngine, prompt: list[int], cache_salt: str | None = None) -> KVPayload | None:
-    return engine.export_prefix(hash_blocks(prompt, engine.block_size, engine.model_id, cache_salt), prompt, cache_salt)
+    return engine.export_prefix(
+        hash_blocks(prompt, engine.block_size, engine.model_id, cache_salt), prompt, cache_salt
+    )
 
 
 def same_output(a, b) -> None:
     assert a.token_ids == b.token_ids
-    assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    assert [lp.logprob for lp in a.outputs[0].logprobs] == [
+        lp.logprob for lp in b.outputs[0].logprobs
+    ]
 
 
 def prompt_of(rng: random.Random, n: int) -> list[int]:
@@ -61,8 +65,13 @@ def test_pulled_prefix_is_bitwise_equal_to_local_hit_and_cold(tiny_models, test_
     payload = pickle.loads(pickle.dumps(payload))  # what Ray's object store or an actor reply does
     assert b.import_prefix(payload) == 6
     b.pool.check_invariants()
-    stored = [h for batch in b.drain_kv_events() for e in batch.events
-              if e.kind == EventKind.STORED and e.tier == Tier.DEVICE for h in e.hashes]
+    stored = [
+        h
+        for batch in b.drain_kv_events()
+        for e in batch.events
+        if e.kind == EventKind.STORED and e.tier == Tier.DEVICE
+        for h in e.hashes
+    ]
     assert stored == list(payload.block_hashes), "imported blocks are announced like computed ones"
     assert b.import_prefix(payload) == 0, "blocks held already are not copied again"
     pulled = run(b, {"b0": (prompt, PARAMS)})["b0"]
@@ -78,11 +87,15 @@ def test_pulled_prefix_is_bitwise_equal_to_local_hit_and_cold(tiny_models, test_
 def test_export_reads_both_tiers_and_stops_at_the_first_miss(tiny_models, test_seed):
     rng = random.Random(test_seed)
     prompt = prompt_of(rng, 100)
-    per_block = 2 * 2 * 2 * 16 * 32 * 4  # K/V x layers x kv heads x block x head_dim x fp32 (tiny llama)
+    per_block = (
+        2 * 2 * 2 * 16 * 32 * 4
+    )  # K/V x layers x kv heads x block x head_dim x fp32 (tiny llama)
     a = tiny(tiny_models, num_kv_blocks=12, host_kv_cache_bytes=64 * per_block)
     first = run(a, {"a0": (prompt, PARAMS)})["a0"]
     run(a, {f"f{i}": (prompt_of(rng, 120), SamplingParams(max_tokens=1)) for i in range(3)})
-    assert a.pool.host.counters.blocks_saved > 0, "the filler was meant to push the prompt to the host tier"
+    assert a.pool.host.counters.blocks_saved > 0, (
+        "the filler was meant to push the prompt to the host tier"
+    )
     payload = export(a, prompt)
     assert payload.num_blocks == 6
     b = tiny(tiny_models)
@@ -104,7 +117,9 @@ def test_salted_prefix_keeps_its_salt(tiny_models, test_seed):
     payload = export(a, prompt, cache_salt="tenant-a")
     assert b.import_prefix(payload) == 4
     b.add_request("unsalted", prompt, PARAMS)
-    assert run(b, {})["unsalted"].num_cached_tokens == 0, "a salted import serves only its own tenant"
+    assert run(b, {})["unsalted"].num_cached_tokens == 0, (
+        "a salted import serves only its own tenant"
+    )
     b.add_request("salted", prompt, PARAMS, cache_salt="tenant-a")
     pulled = run(b, {})["salted"]
     assert pulled.num_cached_tokens == 64
@@ -123,13 +138,17 @@ def test_payload_that_does_not_fit_is_refused_before_any_change(tiny_models, tes
         "model_id": dataclasses.replace(payload, model_id="someone-else"),
         "block_size": dataclasses.replace(payload, block_size=32),
         "dtype": dataclasses.replace(payload, dtype="bfloat16"),
-        "layout": dataclasses.replace(payload, layout="blocks,layers,kv,kv_heads,block_size,head_dim"),
+        "layout": dataclasses.replace(
+            payload, layout="blocks,layers,kv,kv_heads,block_size,head_dim"
+        ),
         "kv": dataclasses.replace(payload, kv=payload.kv[:, :1]),
         "token_ids": dataclasses.replace(payload, token_ids=tuple(flipped)),
         "cache_salt": dataclasses.replace(payload, cache_salt="tenant-b"),
     }
     for field, payload_bad in bad.items():
-        want = "token_ids" if field == "cache_salt" else field  # a salt that is not the chain's: tokens do not hash
+        want = (
+            "token_ids" if field == "cache_salt" else field
+        )  # a salt that is not the chain's: tokens do not hash
         with pytest.raises(KVPayloadMismatchError, match=f"payload.{want}"):
             b.import_prefix(payload_bad)
     with pytest.raises(KVPayloadMismatchError, match="payload.dtype"):
@@ -144,8 +163,9 @@ def test_payload_that_does_not_fit_is_refused_before_any_change(tiny_models, tes
 
 
 @pytest.mark.parametrize("num_kv_blocks,expect_imported", [(6, 0), (8, 2)])
-def test_import_into_a_full_pool_takes_what_fits_and_corrupts_nothing(tiny_models, test_seed, num_kv_blocks,
-                                                                      expect_imported):
+def test_import_into_a_full_pool_takes_what_fits_and_corrupts_nothing(
+    tiny_models, test_seed, num_kv_blocks, expect_imported
+):
     rng = random.Random(test_seed)
     prompt, busy = prompt_of(rng, 100), prompt_of(rng, 95)
     a = tiny(tiny_models)
@@ -164,7 +184,6 @@ def test_import_into_a_full_pool_takes_what_fits_and_corrupts_nothing(tiny_model
         pulled = run(b, {"b0": (prompt, PARAMS)})["b0"]
         assert pulled.num_cached_tokens == expect_imported * b.block_size
         same_output(pulled, first)
-
 
 
 def test_pull_between_async_engines_across_the_process_boundary(tiny_models, test_seed):
@@ -192,8 +211,13 @@ def test_pull_between_async_engines_across_the_process_boundary(tiny_models, tes
         pulled = await generate(b, "b0")
         assert pulled.num_cached_tokens == 96
         same_output(pulled, first)
-        stored = [h for batch in b.drain_kv_events() for e in batch.events
-                  if e.kind == EventKind.STORED and e.tier == Tier.DEVICE for h in e.hashes]
+        stored = [
+            h
+            for batch in b.drain_kv_events()
+            for e in batch.events
+            if e.kind == EventKind.STORED and e.tier == Tier.DEVICE
+            for h in e.hashes
+        ]
         assert stored[:6] == hashes, "the import's events reach the replica's publisher"
         assert await a.import_prefix(await b.export_prefix(hashes, prompt)) == 0  # A holds them all
         assert await a.export_prefix(hashes, [t + 1 for t in prompt]) is None

@@ -15,12 +15,17 @@ NUM_NEW_TOKENS = 32
 
 
 def _check_model(path: str, deterministic: bool, prompts=PROMPTS, max_new=NUM_NEW_TOKENS):
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=1024, deterministic=deterministic,
-                                    max_num_batched_tokens=2048))
+    engine = LLMEngine(
+        EngineConfig(
+            model=path, num_kv_blocks=1024, deterministic=deterministic, max_num_batched_tokens=2048
+        )
+    )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = [engine.tokenizer.encode(p) for p in prompts]
     for i, p in enumerate(ids):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+        )
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -28,7 +33,9 @@ def _check_model(path: str, deterministic: bool, prompts=PROMPTS, max_new=NUM_NE
                 done[out.request_id] = out.token_ids
     mismatches = [(i, done[f"r{i}"], hf_greedy(hf, p, max_new)) for i, p in enumerate(ids)]
     mismatches = [m for m in mismatches if m[1] != m[2]]
-    assert not mismatches, f"{len(mismatches)} prompts differ from transformers, first: {mismatches[0]}"
+    assert not mismatches, (
+        f"{len(mismatches)} prompts differ from transformers, first: {mismatches[0]}"
+    )
     for p in ids[:5]:
         ours = engine_prompt_logits(engine, p)
         with torch.no_grad():
@@ -53,6 +60,11 @@ def test_bundled_smollm2_matches_transformers(smollm2_path):
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="unsupported model architecture.*GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+    )
+    with pytest.raises(
+        ValueError,
+        match="unsupported model architecture.*GPT2LMHeadModel.*supported: LlamaForCausalLM",
+    ):
         LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=8))

@@ -18,17 +18,28 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    return LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=64))
+    return LLMEngine(
+        EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=64)
+    )
 
 
-def stream(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
-           resume: list[int] = (), others: int = 0) -> tuple[list[list[int]], list[str], object]:
+def stream(
+    engine: LLMEngine,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams,
+    resume: list[int] = (),
+    others: int = 0,
+) -> tuple[list[list[int]], list[str], object]:
     """Runs ``rid`` (beside ``others`` unrelated requests) to the end: its per-output new
     token ids and new texts, and its last output."""
     engine.add_request(rid, prompt, params, resume_token_ids=resume)
     for i in range(others):
-        engine.add_request(f"{rid}-other{i}", prompt[: 5 + 3 * i] + [7 + i] * 9,
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+        engine.add_request(
+            f"{rid}-other{i}",
+            prompt[: 5 + 3 * i] + [7 + i] * 9,
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        )
     ids, texts, last = [], [], None
     while engine.has_unfinished():
         for out in engine.step():
@@ -41,8 +52,15 @@ def stream(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParam
 
 PARAMS = {
     "greedy": SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-    "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=MAX_TOKENS,
-                             repetition_penalty=1.3, frequency_penalty=0.5, ignore_eos=True),
+    "seeded": SamplingParams(
+        temperature=0.9,
+        top_p=0.9,
+        seed=1234,
+        max_tokens=MAX_TOKENS,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        ignore_eos=True,
+    ),
 }
 
 
@@ -55,8 +73,9 @@ def test_resumed_stream_continues_like_the_uncut_one(engine, name, cut):
     tokens = [t for step_ids in ids for t in step_ids]
     assert len(tokens) == MAX_TOKENS
     sent_text = "".join(texts[:cut])  # one token per output when running alone
-    r_ids, r_texts, resumed = stream(engine, f"{name}-{cut}-resumed", prompt, params,
-                                     resume=tokens[:cut], others=3)
+    r_ids, r_texts, resumed = stream(
+        engine, f"{name}-{cut}-resumed", prompt, params, resume=tokens[:cut], others=3
+    )
     assert [t for step_ids in r_ids for t in step_ids] == tokens[cut:]
     assert sent_text + "".join(r_texts) == full.outputs[0].text
     assert resumed.outputs[0].text == full.outputs[0].text
@@ -69,7 +88,7 @@ def test_a_stop_string_that_spans_the_cut_still_stops(engine):
     free = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     _, texts, full = stream(engine, "stop-free", prompt, free)
     text = full.outputs[0].text
-    stop = text[len(texts[0]) + len(texts[1]) - 2:][:6]  # starts two characters before the cut
+    stop = text[len(texts[0]) + len(texts[1]) - 2 :][:6]  # starts two characters before the cut
     assert len(stop) >= 3, text
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
     ids, texts, uncut = stream(engine, "stop-uncut", prompt, params)

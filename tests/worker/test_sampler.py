@@ -12,9 +12,18 @@ EOS = 2
 
 
 def request(i: int, params: SamplingParams) -> Request:
-    return Request(request_id=f"r{i}", index=0, prompt_token_ids=[5, 6, 7, 5], params=params,
-                   seed=i, block_size=16, model_id="m", cache_salt=None, detokenizer=None,
-                   max_total_tokens=64)
+    return Request(
+        request_id=f"r{i}",
+        index=0,
+        prompt_token_ids=[5, 6, 7, 5],
+        params=params,
+        seed=i,
+        block_size=16,
+        model_id="m",
+        cache_salt=None,
+        detokenizer=None,
+        max_total_tokens=64,
+    )
 
 
 def test_batched_greedy_rows_equal_rows_sampled_alone():

@@ -30,26 +30,48 @@ def tokens(n: int) -> list[int]:
     return [next(_token_ids) for _ in range(n)]
 
 
-def make_scheduler(*, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16,
-                   enable_prefix_caching: bool = True) -> Scheduler:
-    config = EngineConfig(block_size=BS, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
-                          max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_num_seqs: int = 16,
+    enable_prefix_caching: bool = True,
+) -> Scheduler:
+    config = EngineConfig(
+        block_size=BS,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     return Scheduler(config, BlockPool(num_blocks, BS, enable_prefix_caching))
 
 
 def make_request(name: str, prompt: list[int], max_tokens: int = 4, index: int = 0) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(request_id=name, index=index, prompt_token_ids=list(prompt), params=params,
-                   seed=0, block_size=BS, model_id="test-model", cache_salt=None,
-                   detokenizer=None, max_total_tokens=10_000)
+    return Request(
+        request_id=name,
+        index=index,
+        prompt_token_ids=list(prompt),
+        params=params,
+        seed=0,
+        block_size=BS,
+        model_id="test-model",
+        cache_salt=None,
+        detokenizer=None,
+        max_total_tokens=10_000,
+    )
 
 
 def step(sched: Scheduler) -> ScheduledBatch:
     """One engine step with a made-up model: every request whose step reaches its last known
     token samples one new token; a request at ``max_tokens`` finishes (as in ``LLMEngine``)."""
     batch = sched.schedule()
-    sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
-                if r.num_computed_tokens + n == r.num_tokens]
+    sampling = [
+        r
+        for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+        if r.num_computed_tokens + n == r.num_tokens
+    ]
     sched.commit_computed(batch)
     for req in sampling:
         req.append_token(next(_token_ids))
@@ -71,7 +93,9 @@ def ids(requests) -> list[str]:
 def run_until_idle(sched: Scheduler, max_steps: int = 1000) -> list[ScheduledBatch]:
     batches = []
     while sched.num_unfinished:
-        assert len(batches) < max_steps, f"still {ids(sched.waiting)} waiting, {ids(sched.running)} running"
+        assert len(batches) < max_steps, (
+            f"still {ids(sched.waiting)} waiting, {ids(sched.running)} running"
+        )
         batches.append(step(sched))
     return batches
 
@@ -79,14 +103,22 @@ def run_until_idle(sched: Scheduler, max_steps: int = 1000) -> list[ScheduledBat
 # -- (1) first come, first served --------------------------------------------------------------
 def test_admits_in_arrival_order_and_chunks_the_one_the_budget_cuts():
     sched = make_scheduler(budget=48)
-    a, b, c = make_request("a", tokens(20)), make_request("b", tokens(20)), make_request("c", tokens(5))
+    a, b, c = (
+        make_request("a", tokens(20)),
+        make_request("b", tokens(20)),
+        make_request("c", tokens(5)),
+    )
     for r in (a, b, c):
         sched.add(r)
     assert plan(step(sched)) == [("a", 20), ("b", 20), ("c", 5)]
     assert ids(sched.running) == ["a", "b", "c"]
 
     sched = make_scheduler(budget=32)
-    a, b, c = make_request("a", tokens(20)), make_request("b", tokens(20)), make_request("c", tokens(5))
+    a, b, c = (
+        make_request("a", tokens(20)),
+        make_request("b", tokens(20)),
+        make_request("c", tokens(5)),
+    )
     for r in (a, b, c):
         sched.add(r)
     # b gets what is left of the budget; c, though short, does not jump ahead of it.
@@ -141,7 +173,9 @@ def test_out_of_blocks_in_decode_preempts_the_newest_running_request():
     assert plan(batch) == [("a", 1), ("b", 1)]
     assert c.status == Status.WAITING and c.blocks == [] and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and sched.counters.num_preemptions == 1
-    assert ids(sched.waiting) == ["c", "late"], "the preempted request goes back to the head of the queue"
+    assert ids(sched.waiting) == ["c", "late"], (
+        "the preempted request goes back to the head of the queue"
+    )
     assert sum(blk.ref_count for blk in sched.pool.blocks) == len(a.blocks) + len(b.blocks) == 6
     assert len(c.output_token_ids) == 2, "its sampled tokens are kept"
     assert sched.queued_prefill_tokens() == c.num_tokens + late.num_tokens
@@ -153,7 +187,9 @@ def test_out_of_blocks_in_decode_preempts_the_newest_running_request():
     assert ("c", 17) in plan(batch) and len(c.output_token_ids) == 3
     run_until_idle(sched)
     assert all(r.is_finished and len(r.output_token_ids) == 4 for r in (a, b, c, late))
-    assert sched.counters.prefix_cache_queries_tokens == 3 * 15 + 1, "a recompute is not a second query"
+    assert sched.counters.prefix_cache_queries_tokens == 3 * 15 + 1, (
+        "a recompute is not a second query"
+    )
     assert sched.pool.num_free_blocks == sched.pool.num_blocks
 
 
@@ -199,7 +235,10 @@ def test_chunked_prefill_then_decodes_share_the_budget():
     b = make_request("b", tokens(40))
     sched.add(b)
     assert [plan(step(sched)) for _ in range(3)] == [
-        [("a", 1), ("b", 15)], [("a", 1), ("b", 15)], [("a", 1), ("b", 10)]]
+        [("a", 1), ("b", 15)],
+        [("a", 1), ("b", 15)],
+        [("a", 1), ("b", 10)],
+    ]
     assert len(b.output_token_ids) == 1
 
 
@@ -220,8 +259,14 @@ def test_random_load_respects_budget_and_max_num_seqs(test_seed):
     budget, max_num_seqs = 24, 4
     sched = make_scheduler(num_blocks=20, budget=budget, max_num_seqs=max_num_seqs)
     shared = tokens(2 * BS)
-    pending = [make_request(f"r{i}", shared[: rng.choice([0, BS, 2 * BS])] + tokens(rng.randint(1, 60)),
-                            max_tokens=rng.randint(1, 10)) for i in range(40)]
+    pending = [
+        make_request(
+            f"r{i}",
+            shared[: rng.choice([0, BS, 2 * BS])] + tokens(rng.randint(1, 60)),
+            max_tokens=rng.randint(1, 10),
+        )
+        for i in range(40)
+    ]
     everyone, steps = list(pending), 0
     while pending or sched.num_unfinished:
         while pending and rng.random() < 0.3:
@@ -231,7 +276,9 @@ def test_random_load_respects_budget_and_max_num_seqs(test_seed):
         assert batch.total_tokens <= budget, f"seed {test_seed}: {plan(batch)}"
         assert len(sched.running) <= max_num_seqs
         assert all(n >= 1 for n in batch.num_new_tokens)
-        assert len(set(map(id, batch.requests))) == len(batch.requests), "a request twice in one step"
+        assert len(set(map(id, batch.requests))) == len(batch.requests), (
+            "a request twice in one step"
+        )
         assert steps < 3000, f"seed {test_seed}: requests left after {steps} steps"
     assert all(r.is_finished and len(r.output_token_ids) == r.params.max_tokens for r in everyone)
     assert sched.pool.num_free_blocks == sched.pool.num_blocks
@@ -262,8 +309,11 @@ def test_siblings_wait_for_the_prompt_in_flight_and_others_go_ahead():
     assert batch.num_new_tokens == [1, 1, 8, 2]
     assert s1.num_cached_tokens == s2.num_cached_tokens == 32
     shared_ids = [blk.block_id for blk in first.blocks[:4]]
-    assert [blk.block_id for blk in s1.blocks[:4]] == [blk.block_id for blk in s2.blocks[:4]] == shared_ids, (
-        "the shared prompt blocks are computed once")
+    assert (
+        [blk.block_id for blk in s1.blocks[:4]]
+        == [blk.block_id for blk in s2.blocks[:4]]
+        == shared_ids
+    ), "the shared prompt blocks are computed once"
 
 
 def test_sibling_of_a_finished_first_does_not_wait():
@@ -352,14 +402,19 @@ def test_no_hits_when_prefix_caching_is_off():
 def test_queued_prefill_tokens_counts_waiting_prompts_and_not_decodes():
     sched = make_scheduler(budget=16)
     assert sched.queued_prefill_tokens() == 0
-    a, b = make_request("a", tokens(40), max_tokens=20), make_request("b", tokens(10), max_tokens=20)
+    a, b = (
+        make_request("a", tokens(40), max_tokens=20),
+        make_request("b", tokens(10), max_tokens=20),
+    )
     sched.add(a)
     sched.add(b)
     assert sched.queued_prefill_tokens() == 50
     step(sched)
     before = sched.queued_prefill_tokens()
     assert plan(step(sched)) == [("a", 16)]
-    assert before - sched.queued_prefill_tokens() == 16, "a prefill chunk leaves the queue as it computes"
+    assert before - sched.queued_prefill_tokens() == 16, (
+        "a prefill chunk leaves the queue as it computes"
+    )
     while b.num_computed_tokens < len(b.prompt_token_ids):
         step(sched)
     assert a.output_token_ids and b.output_token_ids

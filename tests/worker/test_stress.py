@@ -19,9 +19,18 @@ from worker.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def engines(tiny_models):
-    tight = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=24, block_size=16,
-                                   max_num_seqs=6, max_num_batched_tokens=48))
-    roomy = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=2048, max_num_batched_tokens=2048))
+    tight = LLMEngine(
+        EngineConfig(
+            model=tiny_models["llama"],
+            num_kv_blocks=24,
+            block_size=16,
+            max_num_seqs=6,
+            max_num_batched_tokens=48,
+        )
+    )
+    roomy = LLMEngine(
+        EngineConfig(model=tiny_models["llama"], num_kv_blocks=2048, max_num_batched_tokens=2048)
+    )
     return tight, roomy
 
 
@@ -53,7 +62,9 @@ def test_random_load_with_eviction_and_preemption(engines, test_seed):
                     finished[out.request_id] = out.token_ids
         tight.pool.check_invariants()
         steps += 1
-    assert not live and not tight.has_unfinished(), f"seed {test_seed}: requests left after {steps} steps"
+    assert not live and not tight.has_unfinished(), (
+        f"seed {test_seed}: requests left after {steps} steps"
+    )
     assert set(finished) | aborted == set(specs)
     assert all(b.ref_count == 0 for b in tight.pool.blocks), f"seed {test_seed}: leaked references"
     assert tight.pool.num_free_blocks == tight.pool.num_blocks

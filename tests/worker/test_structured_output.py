@@ -64,7 +64,9 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    return LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=256))
+    return LLMEngine(
+        EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=256)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,9 @@ def prompt(engine):
 
 
 def params(spec, *, seed=0, temperature=1.0, max_tokens=120, **kw) -> SamplingParams:
-    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, structured_output=spec, **kw)
+    return SamplingParams(
+        temperature=temperature, seed=seed, max_tokens=max_tokens, structured_output=spec, **kw
+    )
 
 
 # -- the spec and the request fields (no engine) ------------------------------------------------
@@ -83,33 +87,50 @@ def test_spec_names_exactly_one_constraint_and_pickles():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputSpec(regex="a", choice=["a"])
     spec = StructuredOutputSpec(json_schema=json.dumps(PERSON), field_name="guided_json")
-    assert spec.key == StructuredOutputSpec(json_schema=PERSON).key, "the cache key is canonical JSON"
+    assert spec.key == StructuredOutputSpec(json_schema=PERSON).key, (
+        "the cache key is canonical JSON"
+    )
     assert pickle.loads(pickle.dumps(params(spec))).structured_output == spec
     with pytest.raises(ValueError, match="structured_output"):
         SamplingParams(structured_output={"regex": "a"})
 
 
-@pytest.mark.parametrize("fields, field, fragment", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"uniqueItems": True}}}},
-     "response_format", "uniqueItems"),
-    ({"response_format": {"type": "yaml"}}, "response_format", "'yaml'"),
-    ({"guided_regex": "(open"}, "guided_regex", "invalid regex"),
-    ({"guided_grammar": "start: @@"}, "guided_grammar", "invalid grammar"),
-    ({"guided_choice": []}, "guided_choice", "choice"),
-    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-    ({"structured_outputs": {"json": PERSON}, "guided_regex": "a"}, "guided_regex", "only one"),
-])
+@pytest.mark.parametrize(
+    "fields, field, fragment",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"uniqueItems": True}},
+                }
+            },
+            "response_format",
+            "uniqueItems",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format", "'yaml'"),
+        ({"guided_regex": "(open"}, "guided_regex", "invalid regex"),
+        ({"guided_grammar": "start: @@"}, "guided_grammar", "invalid grammar"),
+        ({"guided_choice": []}, "guided_choice", "choice"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"structured_outputs": {"json": PERSON}, "guided_regex": "a"}, "guided_regex", "only one"),
+    ],
+)
 def test_bad_request_fields_name_the_field(fields, field, fragment):
     with pytest.raises(SpecError) as info:
         spec_from_request(**{"response_format": None, "structured_outputs": None, **fields})
     assert info.value.field == field and fragment in str(info.value), str(info.value)
-    assert str(info.value).startswith(field), "the message leads with the field, like SamplingParams'"
+    assert str(info.value).startswith(field), (
+        "the message leads with the field, like SamplingParams'"
+    )
 
 
 def test_request_fields_map_to_specs():
     assert spec_from_request(response_format={"type": "text"}) is None
     assert spec_from_request(response_format={"type": "json_object"}).json_object
-    got = spec_from_request(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    got = spec_from_request(
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    )
     assert got.json_schema == PERSON and got.field_name == "response_format"
     assert spec_from_request(structured_outputs={"choice": CHOICES}).choice == tuple(CHOICES)
     assert spec_from_request(guided_grammar=GBNF).grammar == GBNF
@@ -120,8 +141,10 @@ def test_request_fields_map_to_specs():
 @pytest.mark.parametrize("name", list(SPECS))
 def test_random_weights_still_give_valid_output(engine, prompt, name, test_seed):
     spec = SPECS[name]
-    reqs = {f"{name}-{i}": (prompt, params(spec, seed=test_seed + i, temperature=t))
-            for i, t in enumerate([0.0, 0.7, 1.0, 1.5])}
+    reqs = {
+        f"{name}-{i}": (prompt, params(spec, seed=test_seed + i, temperature=t))
+        for i, t in enumerate([0.0, 0.7, 1.0, 1.5])
+    }
     done = run(engine, reqs)
     for rid, out in done.items():
         c = out.outputs[0]
@@ -133,7 +156,10 @@ def test_json_object_and_n_sequences_each_valid(engine, prompt, test_seed):
     # Any object allows strings of any length, which a random model rarely closes: an output
     # either completes (and parses) or is cut at max_tokens.
     spec = StructuredOutputSpec(json_object=True)
-    done = run(engine, {f"obj{i}": (prompt, params(spec, seed=test_seed + i, max_tokens=80)) for i in range(3)})
+    done = run(
+        engine,
+        {f"obj{i}": (prompt, params(spec, seed=test_seed + i, max_tokens=80)) for i in range(3)},
+    )
     for out in done.values():
         c = out.outputs[0]
         if c.finish_reason == "stop":
@@ -148,14 +174,18 @@ def test_json_object_and_n_sequences_each_valid(engine, prompt, test_seed):
 
 def test_grammar_completion_stops_even_with_ignore_eos_and_min_tokens(engine, prompt, test_seed):
     spec = StructuredOutputSpec(choice=["ok"])
-    out = run(engine, {"x": (prompt, params(spec, seed=test_seed, ignore_eos=True, min_tokens=5))})["x"]
+    out = run(engine, {"x": (prompt, params(spec, seed=test_seed, ignore_eos=True, min_tokens=5))})[
+        "x"
+    ]
     c = out.outputs[0]
     assert (c.text, c.finish_reason) == ("ok", "stop")
     assert len(c.token_ids) <= 2
 
 
 def test_max_tokens_cuts_a_constrained_output_with_length(engine, prompt):
-    out = run(engine, {"x": (prompt, params(SPECS["json_schema"], temperature=0.0, max_tokens=3))})["x"]
+    out = run(engine, {"x": (prompt, params(SPECS["json_schema"], temperature=0.0, max_tokens=3))})[
+        "x"
+    ]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3
 
 
@@ -171,7 +201,10 @@ def test_same_tokens_alone_in_a_mixed_batch_and_on_a_cache_hit(engine, prompt, t
     mine = params(spec, seed=test_seed)
     alone = run(engine, {"alone": (prompt, mine)})["alone"].outputs[0]
     others = {
-        "plain": (prompt, SamplingParams(temperature=1.0, seed=test_seed + 1, max_tokens=40, ignore_eos=True)),
+        "plain": (
+            prompt,
+            SamplingParams(temperature=1.0, seed=test_seed + 1, max_tokens=40, ignore_eos=True),
+        ),
         "greedy": (prompt[:3], SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)),
         "regex": (prompt, params(SPECS["regex"], seed=test_seed + 2)),
         "choice": (prompt[1:], params(SPECS["choice"], seed=test_seed + 3, temperature=0.0)),
@@ -181,7 +214,9 @@ def test_same_tokens_alone_in_a_mixed_batch_and_on_a_cache_hit(engine, prompt, t
     assert batch["mine"].num_cached_tokens > 0 or len(prompt) < engine.block_size
     assert batch["mine"].outputs[0].token_ids == alone.token_ids
     check_valid(spec, alone.text)
-    fresh = LLMEngine(EngineConfig(model=engine.model_path, num_kv_blocks=256, enable_prefix_caching=False))
+    fresh = LLMEngine(
+        EngineConfig(model=engine.model_path, num_kv_blocks=256, enable_prefix_caching=False)
+    )
     assert run(fresh, {"miss": (prompt, mine)})["miss"].outputs[0].token_ids == alone.token_ids
 
 
@@ -191,9 +226,14 @@ def test_preemption_by_recompute_keeps_the_grammar_state(tiny_models, test_seed)
     # must not take them again.
     roomy = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=256))
     tight = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=8, max_num_seqs=8))
-    prompt = tight.tokenizer.encode("Fill in the form below with a name, an age, pets and a kind, then stop. Form:")
+    prompt = tight.tokenizer.encode(
+        "Fill in the form below with a name, an age, pets and a kind, then stop. Form:"
+    )
     assert 16 < len(prompt) <= 32
-    reqs = {f"r{i}": (prompt, params(SPECS["json_schema"], seed=test_seed + i, max_tokens=50)) for i in range(6)}
+    reqs = {
+        f"r{i}": (prompt, params(SPECS["json_schema"], seed=test_seed + i, max_tokens=50))
+        for i in range(6)
+    }
     want = run(roomy, reqs)
     got = run(tight, reqs)
     assert tight.scheduler.counters.num_preemptions > 0, "the KV pool was meant to force preemption"

@@ -26,14 +26,18 @@ from worker.sampling_params import SamplingParams
 from worker.testing import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-LONG_PROMPT = "Read the notes and answer.\n" + "".join(f"Note {i}: box {i} holds {i * 7} marbles.\n" for i in range(30))
+LONG_PROMPT = "Read the notes and answer.\n" + "".join(
+    f"Note {i}: box {i} holds {i * 7} marbles.\n" for i in range(30)
+)
 # How long a dead worker may take to surface as an error: gloo sees the closed connection at
 # once; the bound only keeps a regression from hanging the suite.
 DEAD_WORKER_DEADLINE_S = 30.0
 
 
 def make_engine(model: str, tp: int, **overrides) -> LLMEngine:
-    options = dict(model=model, num_kv_blocks=256, max_num_batched_tokens=512, tensor_parallel_size=tp)
+    options = dict(
+        model=model, num_kv_blocks=256, max_num_batched_tokens=512, tensor_parallel_size=tp
+    )
     options.update(overrides)
     return LLMEngine(EngineConfig(**options))
 
@@ -52,7 +56,9 @@ def engines():
         eng.shutdown()
 
 
-def greedy_tokens(eng: LLMEngine, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
+def greedy_tokens(
+    eng: LLMEngine, prompts: list[str], params: SamplingParams = GREEDY
+) -> list[list[int]]:
     done = run(eng, {f"p{i}": (eng.tokenizer.encode(p), params) for i, p in enumerate(prompts)})
     return [done[f"p{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
@@ -68,8 +74,11 @@ def test_smollm2_tp3_matches_tp1(engines, smollm2_path):
     assert greedy_tokens(three, prompts, params) == one
 
 
-@pytest.mark.parametrize("arch,num_kv_heads", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 1)],
-                         ids=["llama", "qwen2", "qwen3", "llama-kv-replicated"])
+@pytest.mark.parametrize(
+    "arch,num_kv_heads",
+    [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 1)],
+    ids=["llama", "qwen2", "qwen3", "llama-kv-replicated"],
+)
 def test_tiny_models_tp2_match_tp1(engines, tmp_path, arch, num_kv_heads):
     model = make_tiny_model(tmp_path / arch, arch, seed=3, num_kv_heads=num_kv_heads)
     one, two = engines(model, 1), engines(model, 2)
@@ -85,7 +94,9 @@ def test_tiny_models_tp2_match_tp1(engines, tmp_path, arch, num_kv_heads):
 def test_determinism_at_tp2(engines, tiny_models):
     """Same tokens alone, after a prefix-cache hit, and in a crowded batch whose step budget
     moves the chunk boundaries and whose KV pool forces preemption and recompute."""
-    eng = engines(tiny_models["llama"], 2, num_kv_blocks=40, max_num_batched_tokens=64, max_num_seqs=16)
+    eng = engines(
+        tiny_models["llama"], 2, num_kv_blocks=40, max_num_batched_tokens=64, max_num_seqs=16
+    )
     prompt = eng.tokenizer.encode(LONG_PROMPT)
     assert len(prompt) > 4 * 64, "the prompt must be prefilled in several chunks"
     seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=16, ignore_eos=True)
@@ -93,9 +104,13 @@ def test_determinism_at_tp2(engines, tiny_models):
     again = run(eng, {"again": (prompt, GREEDY)})["again"]
     assert again.num_cached_tokens >= len(prompt) - eng.block_size
     rng = random.Random(5)
-    crowd = {f"other{i}": ([rng.randrange(100, 40000) for _ in range(rng.randint(20, 120))],
-                           SamplingParams(temperature=1.0, max_tokens=rng.randint(4, 24), ignore_eos=True))
-             for i in range(14)}
+    crowd = {
+        f"other{i}": (
+            [rng.randrange(100, 40000) for _ in range(rng.randint(20, 120))],
+            SamplingParams(temperature=1.0, max_tokens=rng.randint(4, 24), ignore_eos=True),
+        )
+        for i in range(14)
+    }
     crowd["target"] = (prompt, GREEDY)
     crowd["target-seeded"] = (prompt[-40:], seeded)
     together = run(eng, crowd)
@@ -103,7 +118,9 @@ def test_determinism_at_tp2(engines, tiny_models):
     expected = alone["alone"].outputs[0].token_ids
     assert again.outputs[0].token_ids == expected
     assert together["target"].outputs[0].token_ids == expected
-    assert together["target-seeded"].outputs[0].token_ids == alone["alone-seeded"].outputs[0].token_ids
+    assert (
+        together["target-seeded"].outputs[0].token_ids == alone["alone-seeded"].outputs[0].token_ids
+    )
 
 
 def test_sizes_that_do_not_divide_are_clear_errors(smollm2_path, tiny_models):
@@ -111,10 +128,18 @@ def test_sizes_that_do_not_divide_are_clear_errors(smollm2_path, tiny_models):
     with pytest.raises(ValueError, match="does not divide num_heads=9"):
         ShardPlan.make(spec, 0, 2)
     cases = {
-        "num_kv_heads=3": dataclasses.replace(spec, num_heads=12, num_kv_heads=3),  # 3 KV heads over 4 ranks
-        "num_kv_heads=6": dataclasses.replace(spec, num_heads=12, num_kv_heads=6),  # 6 KV heads over 4 ranks
-        "intermediate_size=1539": dataclasses.replace(spec, num_heads=12, num_kv_heads=6, intermediate_size=1539),
-        "vocab_size=49153": dataclasses.replace(spec, num_heads=12, num_kv_heads=6, vocab_size=49153),
+        "num_kv_heads=3": dataclasses.replace(
+            spec, num_heads=12, num_kv_heads=3
+        ),  # 3 KV heads over 4 ranks
+        "num_kv_heads=6": dataclasses.replace(
+            spec, num_heads=12, num_kv_heads=6
+        ),  # 6 KV heads over 4 ranks
+        "intermediate_size=1539": dataclasses.replace(
+            spec, num_heads=12, num_kv_heads=6, intermediate_size=1539
+        ),
+        "vocab_size=49153": dataclasses.replace(
+            spec, num_heads=12, num_kv_heads=6, vocab_size=49153
+        ),
     }
     for name, bad in cases.items():
         with pytest.raises(ValueError, match=name):
@@ -131,8 +156,15 @@ def test_sizes_that_do_not_divide_are_clear_errors(smollm2_path, tiny_models):
 
 def test_dead_worker_ends_in_flight_requests_with_a_clear_error(tiny_models):
     launcher = LocalProcessLauncher()
-    engine = AsyncEngine(EngineConfig(model=tiny_models["qwen3"], num_kv_blocks=256, tensor_parallel_size=2,
-                                      max_model_len=1024), launcher=launcher)
+    engine = AsyncEngine(
+        EngineConfig(
+            model=tiny_models["qwen3"],
+            num_kv_blocks=256,
+            tensor_parallel_size=2,
+            max_model_len=1024,
+        ),
+        launcher=launcher,
+    )
     long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
 
     async def scenario() -> tuple[int, BaseException | None]:
@@ -148,7 +180,9 @@ def test_dead_worker_ends_in_flight_requests_with_a_clear_error(tiny_models):
 
     try:
         num_outputs, error = asyncio.run(asyncio.wait_for(scenario(), DEAD_WORKER_DEADLINE_S))
-        assert error is not None, f"the request finished ({num_outputs} outputs) although a rank died"
+        assert error is not None, (
+            f"the request finished ({num_outputs} outputs) although a rank died"
+        )
         assert "failed" in str(error)
         assert not engine.is_alive()
         assert "rank(s) [1]" in engine.why_dead()

@@ -94,11 +94,19 @@ def test_unguarded_script_runs_and_exits_quietly(tmp_path, tiny_models):
     script = _write(tmp_path, "plain.py", PLAIN_SCRIPT.format(max_tokens=MAX_TOKENS, prompt=PROMPT))
     started = time.monotonic()
     env = {**os.environ, "PREFIXSERVE_LOG_LEVEL": "INFO"}  # workers say how they ended
-    proc = subprocess.run([sys.executable, str(script), model], capture_output=True, text=True,
-                          timeout=SCRIPT_TIMEOUT_S, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script), model],
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+        cwd=tmp_path,
+        env=env,
+    )
     elapsed_s = time.monotonic() - started
-    report = (f"exit {proc.returncode} after {elapsed_s:.1f}s\n"
-              f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    report = (
+        f"exit {proc.returncode} after {elapsed_s:.1f}s\n"
+        f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
     assert proc.returncode == 0, report
     expected = _reference_tokens(model)
     assert f"with-block: {expected}" in proc.stdout.splitlines(), report
@@ -135,11 +143,18 @@ def _gone(pid: int) -> bool:
 
 def test_worker_ends_when_its_parent_is_killed_while_it_starts(tmp_path, tiny_models):
     script = _write(tmp_path, "dying_parent.py", DYING_PARENT_SCRIPT)
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=SCRIPT_TIMEOUT_S),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        2,
+        True,
+        datetime.timedelta(seconds=SCRIPT_TIMEOUT_S),
+        wait_for_workers=False,
+    )
     command = [sys.executable, str(script), tiny_models["llama"], str(store.port)]
-    parent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=tmp_path)
+    parent = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     pid_line = parent.stdout.readline()
     assert parent.wait(SCRIPT_TIMEOUT_S) == -signal.SIGKILL, parent.stderr.read()
     worker_pid = int(pid_line)
@@ -147,8 +162,9 @@ def test_worker_ends_when_its_parent_is_killed_while_it_starts(tmp_path, tiny_mo
     while not _gone(worker_pid):
         if time.monotonic() > deadline:
             os.kill(worker_pid, signal.SIGKILL)
-            raise AssertionError(f"worker {worker_pid} outlived its parent by "
-                                 f"{WORKER_GONE_DEADLINE_S:.0f}s")
+            raise AssertionError(
+                f"worker {worker_pid} outlived its parent by {WORKER_GONE_DEADLINE_S:.0f}s"
+            )
         time.sleep(0.05)
     stderr = parent.stderr.read()  # the worker shared it; it is closed now
     assert "Traceback" not in stderr, stderr

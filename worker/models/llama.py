@@ -59,9 +59,16 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelSpec:
         archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        family = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
+        )
         if family is None:
-            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(cfg.get("model_type", ""))
+            family = {
+                "llama": "llama",
+                "mistral": "mistral",
+                "qwen2": "qwen2",
+                "qwen3": "qwen3",
+            }.get(cfg.get("model_type", ""))
         if family is None:
             raise ValueError(
                 f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
@@ -69,9 +76,15 @@ class ModelSpec:
             )
         rope = cfg.get("rope_parameters") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
         num_heads = cfg["num_attention_heads"]
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        window = (
+            cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", family == "mistral")
+            else None
+        )
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -100,18 +113,29 @@ class ModelSpec:
 class CausalLM:
     """Weights plus a forward pass over the paged cache. Not an nn.Module: nothing trains."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], ops: KernelBackend, max_positions: int,
-                 comm: Communicator = SINGLE_RANK, vocab_start: int = 0):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        ops: KernelBackend,
+        max_positions: int,
+        comm: Communicator = SINGLE_RANK,
+        vocab_start: int = 0,
+    ):
         """``spec`` is the shape this rank computes; ``vocab_start`` its first vocabulary row."""
         self.spec = spec
         self.ops = ops
         self.comm = comm
         self.vocab_start = vocab_start
         emb = weights["model.embed_tokens.weight"]
-        self.cos_sin = build_cos_sin_cache(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, emb.dtype).to(emb.device)
+        self.cos_sin = build_cos_sin_cache(
+            spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, emb.dtype
+        ).to(emb.device)
         self.scale = spec.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = ops.prepare_weight(self.embed if spec.tie_word_embeddings else weights["lm_head.weight"])
+        self.lm_head = ops.prepare_weight(
+            self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
+        )
         self.final_norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
 
@@ -125,12 +149,18 @@ class CausalLM:
         return {
             "input_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "qkv": self.ops.prepare_weight(self._cat(w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"])),
-            "qkv_bias": self._cat(w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias"), w.get(a + "v_proj.bias")),
+            "qkv": self.ops.prepare_weight(
+                self._cat(w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"])
+            ),
+            "qkv_bias": self._cat(
+                w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias"), w.get(a + "v_proj.bias")
+            ),
             "o": self.ops.prepare_weight(w[a + "o_proj.weight"]),
             "q_norm": w.get(a + "q_norm.weight"),
             "k_norm": w.get(a + "k_norm.weight"),
-            "gate_up": self.ops.prepare_weight(self._cat(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"])),
+            "gate_up": self.ops.prepare_weight(
+                self._cat(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"])
+            ),
             "down": self.ops.prepare_weight(w[p + "mlp.down_proj.weight"]),
         }
 
@@ -165,8 +195,12 @@ class CausalLM:
             k = qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
             if s.qk_norm:
-                q = ops.rms_norm(q.reshape(-1, s.head_dim), layer["q_norm"], s.rms_norm_eps)[0].view(n, s.num_heads, s.head_dim)
-                k = ops.rms_norm(k.reshape(-1, s.head_dim), layer["k_norm"], s.rms_norm_eps)[0].view(n, s.num_kv_heads, s.head_dim)
+                q = ops.rms_norm(q.reshape(-1, s.head_dim), layer["q_norm"], s.rms_norm_eps)[
+                    0
+                ].view(n, s.num_heads, s.head_dim)
+                k = ops.rms_norm(k.reshape(-1, s.head_dim), layer["k_norm"], s.rms_norm_eps)[
+                    0
+                ].view(n, s.num_kv_heads, s.head_dim)
             q, k = ops.rotary(q, k, positions, self.cos_sin)
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale)
@@ -174,6 +208,8 @@ class CausalLM:
             h, residual = ops.rms_norm(x, layer["post_norm"], s.rms_norm_eps, residual)
             gate_up = ops.linear(h, layer["gate_up"])
             inter = gate_up.shape[1] // 2
-            x = self.comm.all_reduce(ops.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"]))
+            x = self.comm.all_reduce(
+                ops.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
+            )
         h, _ = ops.rms_norm(x, self.final_norm, s.rms_norm_eps, residual)
         return self.comm.all_gather(ops.linear(h[logits_indices], self.lm_head)).float()

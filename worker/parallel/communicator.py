@@ -78,8 +78,15 @@ def _gloo(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> di
 
 
 class ProcessGroupCommunicator(Communicator):
-    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device, deterministic: bool,
-                 timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        deterministic: bool,
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -88,7 +95,9 @@ class ProcessGroupCommunicator(Communicator):
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = datetime.timedelta(seconds=timeout_s)
-            self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world_size, options)
+            self.data = dist.ProcessGroupNCCL(
+                dist.PrefixStore("data", store), rank, world_size, options
+            )
         else:
             self.data = self.control
         self._header = torch.zeros(1, dtype=torch.int64)

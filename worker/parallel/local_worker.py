@@ -81,8 +81,9 @@ def main() -> int:
     if frame is None:
         print("prefixserve TP worker: stdin ended before the worker spec arrived", file=sys.stderr)
         return EXIT_NO_SPEC
-    lifeline = threading.Thread(target=_hold_lifeline, args=(_STDIN_FD,), name="tp-lifeline",
-                                daemon=True)
+    lifeline = threading.Thread(
+        target=_hold_lifeline, args=(_STDIN_FD,), name="tp-lifeline", daemon=True
+    )
     lifeline.start()  # before the heavy imports below (torch, the model code)
     spec, rank = pickle.loads(frame)
     from worker.parallel.workers import run_worker

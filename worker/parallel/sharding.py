@@ -66,19 +66,36 @@ class ShardPlan:
             kv_head_start = rank * num_kv_heads
         else:  # fewer KV heads than ranks: each rank holds the one KV head its query heads read
             if world_size % spec.num_kv_heads:
-                raise ValueError(f"num_kv_heads={spec.num_kv_heads} does not divide tensor_parallel_size={world_size} "
-                                 "(KV heads are replicated when there are fewer than ranks)")
+                raise ValueError(
+                    f"num_kv_heads={spec.num_kv_heads} does not divide tensor_parallel_size={world_size} "
+                    "(KV heads are replicated when there are fewer than ranks)"
+                )
             num_kv_heads = 1
             kv_head_start = rank * spec.num_kv_heads // world_size
         inter = divides(spec.intermediate_size, "intermediate_size")
         vocab = divides(spec.vocab_size, "vocab_size")
-        return cls(rank, world_size, num_heads, rank * num_heads, num_kv_heads, kv_head_start,
-                   inter, rank * inter, vocab, rank * vocab)
+        return cls(
+            rank,
+            world_size,
+            num_heads,
+            rank * num_heads,
+            num_kv_heads,
+            kv_head_start,
+            inter,
+            rank * inter,
+            vocab,
+            rank * vocab,
+        )
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         """The shape this rank computes: its heads, its intermediate rows, its vocabulary rows."""
-        return dataclasses.replace(spec, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.intermediate_size, vocab_size=self.vocab_size)
+        return dataclasses.replace(
+            spec,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+        )
 
     def slice_of(self, name: str, head_dim: int) -> tuple[int, int, int] | None:
         """(dimension, start, stop) of ``name`` this rank holds, or None for replicated."""
@@ -88,8 +105,12 @@ class ShardPlan:
         kv = (self.kv_head_start * head_dim, (self.kv_head_start + self.num_kv_heads) * head_dim)
         inter = (self.intermediate_start, self.intermediate_start + self.intermediate_size)
         rules = {
-            "self_attn.q_proj": (0, *q), "self_attn.k_proj": (0, *kv), "self_attn.v_proj": (0, *kv),
-            "self_attn.o_proj": (1, *q), "mlp.gate_proj": (0, *inter), "mlp.up_proj": (0, *inter),
+            "self_attn.q_proj": (0, *q),
+            "self_attn.k_proj": (0, *kv),
+            "self_attn.v_proj": (0, *kv),
+            "self_attn.o_proj": (1, *q),
+            "mlp.gate_proj": (0, *inter),
+            "mlp.up_proj": (0, *inter),
             "mlp.down_proj": (1, *inter),
         }
         module, _, kind = name.rpartition(".")
@@ -105,7 +126,9 @@ def read_spec(folder: str) -> ModelSpec:
     return ModelSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
 
 
-def load_shard(folder: str, dtype: torch.dtype, rank: int, world_size: int) -> tuple[ModelSpec, ShardPlan, dict[str, torch.Tensor]]:
+def load_shard(
+    folder: str, dtype: torch.dtype, rank: int, world_size: int
+) -> tuple[ModelSpec, ShardPlan, dict[str, torch.Tensor]]:
     """The full model's spec, this rank's plan, and its weights (only its slices are read)."""
     from safetensors import safe_open
 

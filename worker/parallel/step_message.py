@@ -80,7 +80,9 @@ class StepEncoder:
         self._sent = {k: v for k, v in self._sent.items() if not v[0].is_finished}
         body: list[int] = []
         offset = 0
-        for req, start, num_new, table in zip(batch.requests, inputs.starts, inputs.counts, inputs.tables, strict=True):
+        for req, start, num_new, table in zip(
+            batch.requests, inputs.starts, inputs.counts, inputs.tables, strict=True
+        ):
             entry = self._sent.get(id(req))
             if entry is not None and table[: len(entry[2])] == entry[2]:
                 key, mode, block_ids = entry[1], TableMode.APPEND, table[len(entry[2]) :]
@@ -108,7 +110,9 @@ class StepDecoder:
         def take(n: int) -> list[int]:
             nonlocal pos
             if n < 0 or pos + n > len(words):
-                raise ValueError(f"malformed step message: wants {n} words at {pos} of {len(words)}")
+                raise ValueError(
+                    f"malformed step message: wants {n} words at {pos} of {len(words)}"
+                )
             pos += n
             return words[pos - n : pos]
 
@@ -121,7 +125,9 @@ class StepDecoder:
             if TableMode(mode) is TableMode.REPLACE:
                 self.tables[key] = block_ids
             elif key not in self.tables:
-                raise ValueError(f"malformed step message: sequence {key} appends to a table never sent")
+                raise ValueError(
+                    f"malformed step message: sequence {key} appends to a table never sent"
+                )
             else:
                 self.tables[key].extend(block_ids)
             inputs.token_ids.extend(take(num_new))

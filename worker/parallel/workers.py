@@ -108,8 +108,12 @@ def _ready_key(rank: int) -> str:
     return f"ready/{rank}"
 
 
-def make_communicator(spec: WorkerSpec, rank: int, store: dist.Store, device: str) -> ProcessGroupCommunicator:
-    return ProcessGroupCommunicator(store, rank, spec.world_size, torch.device(device), spec.config.deterministic)
+def make_communicator(
+    spec: WorkerSpec, rank: int, store: dist.Store, device: str
+) -> ProcessGroupCommunicator:
+    return ProcessGroupCommunicator(
+        store, rank, spec.world_size, torch.device(device), spec.config.deterministic
+    )
 
 
 def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
@@ -118,28 +122,53 @@ def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
     from worker.model_runner import ModelRunner
     from worker.parallel.sharding import load_shard
 
-    config = spec.config.resolved()  # a no-op when rank 0 resolved it; "auto" otherwise, decided here
+    config = (
+        spec.config.resolved()
+    )  # a no-op when rank 0 resolved it; "auto" otherwise, decided here
     device = device_of_rank(config, rank, local)
     if device == "cpu":
         configure_cpu_allocator()
         torch.set_num_threads(threads_per_rank(config))
     else:
         torch.cuda.set_device(torch.device(device))
-    store = dist.TCPStore(spec.host, spec.port, spec.world_size, False,
-                          datetime.timedelta(seconds=WORKER_START_TIMEOUT_S))
+    store = dist.TCPStore(
+        spec.host,
+        spec.port,
+        spec.world_size,
+        False,
+        datetime.timedelta(seconds=WORKER_START_TIMEOUT_S),
+    )
     store.set(_ready_key(rank), "1")
     comm = make_communicator(spec, rank, store, device)
-    model_spec, plan, weights = load_shard(spec.model_path, config.torch_dtype, rank, spec.world_size)
-    runner = ModelRunner(config.replace(device=device), plan.local_spec(model_spec), weights,
-                         spec.max_model_len, comm, plan.vocab_start)
-    log.info("TP worker %d/%d of %s ready (%d KV blocks)", rank, spec.world_size, spec.replica_id, runner.num_blocks)
+    model_spec, plan, weights = load_shard(
+        spec.model_path, config.torch_dtype, rank, spec.world_size
+    )
+    runner = ModelRunner(
+        config.replace(device=device),
+        plan.local_spec(model_spec),
+        weights,
+        spec.max_model_len,
+        comm,
+        plan.vocab_start,
+    )
+    log.info(
+        "TP worker %d/%d of %s ready (%d KV blocks)",
+        rank,
+        spec.world_size,
+        spec.replica_id,
+        runner.num_blocks,
+    )
     while True:
         try:
             message = comm.recv_step()
         except RuntimeError as exc:  # gloo: rank 0's connection closed, i.e. rank 0 is gone
             reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo's "[file:line] "
-            log.info("TP worker %d of %s: rank 0 is gone (%s); ending", rank, spec.replica_id,
-                     reason.split(". ", 1)[0][:200])
+            log.info(
+                "TP worker %d of %s: rank 0 is gone (%s); ending",
+                rank,
+                spec.replica_id,
+                reason.split(". ", 1)[0][:200],
+            )
             return
         if message is None:
             log.info("TP worker %d of %s: stopped by rank 0", rank, spec.replica_id)
@@ -170,8 +199,9 @@ class LocalProcessLauncher:
         env = child_env()
         for rank in range(1, spec.world_size):
             label = f"tp-{spec.replica_id}-rank{rank}"  # shows in ps; the worker ignores it
-            proc = subprocess.Popen([sys.executable, "-m", LOCAL_WORKER_MODULE, label],
-                                    stdin=subprocess.PIPE, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", LOCAL_WORKER_MODULE, label], stdin=subprocess.PIPE, env=env
+            )
             self._procs[rank] = proc
             with contextlib.suppress(BrokenPipeError):  # it died at once; dead_ranks says so
                 proc.stdin.write(encode_frame(spec, rank))
@@ -209,11 +239,23 @@ class TensorParallelGroup:
         self._stopped = False
 
     @classmethod
-    def start(cls, config: EngineConfig, model_path: str, max_model_len: int, launcher: WorkerLauncher,
-              replica_id: str) -> TensorParallelGroup:
+    def start(
+        cls,
+        config: EngineConfig,
+        model_path: str,
+        max_model_len: int,
+        launcher: WorkerLauncher,
+        replica_id: str,
+    ) -> TensorParallelGroup:
         host = launcher.host()
-        store = dist.TCPStore(host, 0, config.tensor_parallel_size, True,
-                              datetime.timedelta(seconds=WORKER_START_TIMEOUT_S), wait_for_workers=False)
+        store = dist.TCPStore(
+            host,
+            0,
+            config.tensor_parallel_size,
+            True,
+            datetime.timedelta(seconds=WORKER_START_TIMEOUT_S),
+            wait_for_workers=False,
+        )
         spec = WorkerSpec(config, model_path, max_model_len, host, store.port, replica_id)
         launcher.start(spec)
         group = None
@@ -221,7 +263,13 @@ class TensorParallelGroup:
             cls._wait_ready(store, launcher, config.tensor_parallel_size)
             comm = make_communicator(spec, 0, store, config.device)
             group = cls(comm, launcher, store)
-            log.info("tensor parallel group of %s: %d ranks at %s:%d", replica_id, spec.world_size, host, store.port)
+            log.info(
+                "tensor parallel group of %s: %d ranks at %s:%d",
+                replica_id,
+                spec.world_size,
+                host,
+                store.port,
+            )
             return group
         finally:
             if group is None:
@@ -234,9 +282,13 @@ class TensorParallelGroup:
         while not store.check(keys):
             dead = launcher.dead_ranks()
             if dead:
-                raise RuntimeError(f"tensor-parallel worker rank(s) {dead} ended while starting; see their logs")
+                raise RuntimeError(
+                    f"tensor-parallel worker rank(s) {dead} ended while starting; see their logs"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel workers did not start within {WORKER_START_TIMEOUT_S:.0f}s")
+                raise RuntimeError(
+                    f"tensor-parallel workers did not start within {WORKER_START_TIMEOUT_S:.0f}s"
+                )
             time.sleep(READY_POLL_S)
 
     def dead_ranks(self) -> list[int]:

@@ -7,14 +7,18 @@ from __future__ import annotations
 import httpx
 import pytest
 
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
-           [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
-           [30, 31, 32]]
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+    [30, 31, 32],
+]
 
 
 def complete(server, prompt, **fields) -> dict:
     body = {"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, **fields}
-    reply = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120)
+    reply = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()
 

@@ -23,17 +23,25 @@ REPLACEMENT_TIMEOUT_S = 180.0
 
 def stream_completion(server, *, on_chunk=None) -> tuple[str, list[dict], str]:
     """(text, every SSE event, serving replica) of one streamed greedy completion."""
-    body = {"model": server.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": server.model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events: list[dict] = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers,
-                      timeout=120) as reply:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120
+    ) as reply:
         assert reply.status_code == 200, reply.read()
         replica = reply.headers["x-prefixserve-replica"]
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            events.append(json.loads(line[len("data: "):]))
+            events.append(json.loads(line[len("data: ") :]))
             if on_chunk is not None:
                 on_chunk(len(events), replica)
     text = "".join(c["text"] for e in events for c in e.get("choices", ()))
@@ -43,8 +51,11 @@ def stream_completion(server, *, on_chunk=None) -> tuple[str, list[dict], str]:
 def kill_replica(replica_id: str) -> None:
     import ray
 
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if "EngineReplica" in a["name"] and a["name"].endswith(replica_id)]
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "EngineReplica" in a["name"] and a["name"].endswith(replica_id)
+    ]
     assert len(names) == 1, names
     ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
 
@@ -55,8 +66,12 @@ def wait_for_two_replicas() -> None:
     deadline = time.monotonic() + REPLACEMENT_TIMEOUT_S
     while time.monotonic() < deadline:
         apps = serve.status().applications.values()
-        running = [d.replica_states.get("RUNNING", 0) for app in apps
-                   for name, d in app.deployments.items() if name == "EngineReplica"]
+        running = [
+            d.replica_states.get("RUNNING", 0)
+            for app in apps
+            for name, d in app.deployments.items()
+            if name == "EngineReplica"
+        ]
         if running and all(n == 2 for n in running) and all(a.status == "RUNNING" for a in apps):
             return
         time.sleep(1.0)
@@ -87,7 +102,9 @@ def test_a_stream_survives_its_replica_being_killed(tiny_server):
         assert killed == [replica], "the stream ended before the kill"
         assert not [e for e in events if "error" in e], events
         assert text == expected
-        finishes = [c["finish_reason"] for e in events for c in e.get("choices", ()) if c["finish_reason"]]
+        finishes = [
+            c["finish_reason"] for e in events for c in e.get("choices", ()) if c["finish_reason"]
+        ]
         assert finishes == ["length"]
         usage = events[-1]["usage"]
         assert usage["completion_tokens"] == MAX_TOKENS

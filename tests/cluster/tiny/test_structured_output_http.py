@@ -44,7 +44,9 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0)
+    return openai.OpenAI(
+        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +55,44 @@ def model(client) -> str:
 
 
 def schema_format(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": schema, "strict": True},
+    }
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_response_format_json_schema_is_valid_streamed_or_not(client, model, seed):
-    kw = dict(model=model, messages=MESSAGES, response_format=schema_format(PERSON),
-              max_tokens=64, temperature=1.0, seed=seed)
+    kw = dict(
+        model=model,
+        messages=MESSAGES,
+        response_format=schema_format(PERSON),
+        max_tokens=64,
+        temperature=1.0,
+        seed=seed,
+    )
     whole = client.chat.completions.create(**kw)
     choice = whole.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), PERSON)
-    chunks = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    chunks = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kw)
+        if c.choices
+    ]
     assert "".join(chunks) == choice.message.content, "same seed, same tokens"
 
 
 def test_official_client_parse_returns_the_pydantic_model(client, model):
     for seed in (4, 5):
-        done = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=Person,
-                                             max_tokens=64, temperature=1.0, seed=seed)
+        done = client.chat.completions.parse(
+            model=model,
+            messages=MESSAGES,
+            response_format=Person,
+            max_tokens=64,
+            temperature=1.0,
+            seed=seed,
+        )
         parsed = done.choices[0].message.parsed
         assert isinstance(parsed, Person), done.choices[0].message.content
         jsonschema.validate(parsed.model_dump(), Person.model_json_schema())
@@ -80,22 +101,45 @@ def test_official_client_parse_returns_the_pydantic_model(client, model):
 def test_vllm_fields_on_completions(client, model):
     for seed in (1, 2):
         extra = {"guided_regex": r"[A-Z]{2}-[0-9]{2,4}"}
-        out = client.completions.create(model=model, prompt="Code:", max_tokens=16, temperature=1.0, seed=seed,
-                                         extra_body=extra)
-        assert re.fullmatch(extra["guided_regex"], out.choices[0].text) and out.choices[0].finish_reason == "stop"
-        out = client.completions.create(model=model, prompt="Answer:", max_tokens=8, seed=seed,
-                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        out = client.completions.create(
+            model=model, prompt="Code:", max_tokens=16, temperature=1.0, seed=seed, extra_body=extra
+        )
+        assert (
+            re.fullmatch(extra["guided_regex"], out.choices[0].text)
+            and out.choices[0].finish_reason == "stop"
+        )
+        out = client.completions.create(
+            model=model,
+            prompt="Answer:",
+            max_tokens=8,
+            seed=seed,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )
         assert out.choices[0].text in ("yes", "no")
-        out = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=64, seed=seed,
-                                             extra_body={"guided_json": PERSON})
+        out = client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=64,
+            seed=seed,
+            extra_body={"guided_json": PERSON},
+        )
         jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": schema_format({"type": "array", "uniqueItems": True})}, "response_format"),
-    ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
-    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}}, "guided_choice"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": schema_format({"type": "array", "uniqueItems": True})},
+            "response_format",
+        ),
+        ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}},
+            "guided_choice",
+        ),
+    ],
+)
 def test_bad_constraints_are_400_naming_the_field(client, model, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, **body)
@@ -106,7 +150,16 @@ def test_langchain_with_structured_output(tiny_server, model):
     from langchain_openai import ChatOpenAI
 
     for seed in (6, 7):
-        llm = ChatOpenAI(base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, model=model,
-                         max_tokens=64, temperature=1.0, seed=seed, max_retries=0)
-        person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
+        llm = ChatOpenAI(
+            base_url=f"{tiny_server.url}/v1",
+            api_key=tiny_server.api_key,
+            model=model,
+            max_tokens=64,
+            temperature=1.0,
+            seed=seed,
+            max_retries=0,
+        )
+        person = llm.with_structured_output(Person, method="json_schema").invoke(
+            "Describe a person."
+        )
         assert isinstance(person, Person)

@@ -93,8 +93,13 @@ def test_forced_calls_are_valid_every_time_streamed_or_not(client, model, tool_c
     choice = NAMED if tool_choice == "named" else "required"
     allowed = {"get_weather"} if tool_choice == "named" else set(SCHEMAS)
     kw = dict(
-        messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
-        max_tokens=96, temperature=1.0, seed=seed,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=1.0,
+        seed=seed,
     )
     whole = client.chat.completions.create(model=model, **kw)
     choice0 = whole.choices[0]
@@ -113,8 +118,13 @@ def test_forced_calls_are_valid_every_time_streamed_or_not(client, model, tool_c
 
 def test_parallel_required_calls_each_valid(client, model):
     response = client.chat.completions.create(
-        model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=256,
-        temperature=1.0, seed=7,
+        model=model,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=256,
+        temperature=1.0,
+        seed=7,
     )
     choice = response.choices[0]
     calls = choice.message.tool_calls
@@ -131,10 +141,13 @@ def test_auto_none_and_history_with_tool_results(client, model):
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{
-                "id": "call_abc", "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }],
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
         },
         {"role": "tool", "tool_call_id": "call_abc", "content": "Sunny, 24 C"},
     ]
@@ -164,14 +177,28 @@ def test_tool_errors_are_400s_naming_the_field(tiny_server, model):
         )
 
     cases = [
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
-        ({"tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}],
-          "tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ]
     for body, param in cases:
         response = post(**body)
@@ -183,8 +210,13 @@ def test_tool_errors_are_400s_naming_the_field(tiny_server, model):
 def test_langchain_bind_tools_named_and_streamed(tiny_server, model):
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(
-        model=model, base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key,
-        max_tokens=96, temperature=1.0, max_retries=0, seed=5,
+        model=model,
+        base_url=f"{tiny_server.url}/v1",
+        api_key=tiny_server.api_key,
+        max_tokens=96,
+        temperature=1.0,
+        max_retries=0,
+        seed=5,
     )
     bound = llm.bind_tools(TOOLS, tool_choice="get_weather")
     message = bound.invoke("What is the weather in Rome?")
