@@ -2,7 +2,8 @@
 
     python bench/run_sim.py                      # full run: 64/128/256 replicas, ~10 min on 2 cores
     python bench/run_sim.py --small              # a few seconds: 16 replicas, fewer requests
-    python bench/run_sim.py --replicas 128 --workloads llmd_shared_prefix_73 --policies prefix random
+    python bench/run_sim.py --replicas 128 --workloads llmd_shared_prefix_73 \
+        --policies prefix random
     python bench/run_sim.py --kv-pulls --tag 20261124_pulls   # replicas pull KV from peers
 
 Writes ``bench/results/sim_<date>.json`` (header: machine, date, command, rates) and

@@ -95,7 +95,8 @@ class RouterConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {redacted_url(self.redis_url)!r}"
+                "redis_url must start with redis://, rediss:// or unix://, "
+                f"got {redacted_url(self.redis_url)!r}"
             )
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool):
             raise ValueError(f"block_size must be an integer, got {self.block_size!r}")
@@ -116,11 +117,16 @@ class RouterConfig:
         if self.max_load_ratio is not None:
             _check_positive("max_load_ratio", self.max_load_ratio)
             if self.max_load_ratio < 1.0:
-                raise ValueError(f"max_load_ratio must be >= 1 or None, got {self.max_load_ratio!r}")
+                raise ValueError(
+                    f"max_load_ratio must be >= 1 or None, got {self.max_load_ratio!r}"
+                )
         _check_positive("load_window_per_replica", self.load_window_per_replica)
         if self.kv_pull_tokens_per_s is not None:
             _check_positive("kv_pull_tokens_per_s", self.kv_pull_tokens_per_s)
-        if not isinstance(self.miss_cost_factor, (int, float)) or not 1.0 <= self.miss_cost_factor <= 10.0:
+        if (
+            not isinstance(self.miss_cost_factor, (int, float))
+            or not 1.0 <= self.miss_cost_factor <= 10.0
+        ):
             raise ValueError(f"miss_cost_factor must be in [1, 10], got {self.miss_cost_factor!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -10,8 +10,8 @@ too). ``routing.Router`` combines a policy with an index; policies themselves do
 The TTFT model: ``queue_s + miss_cost_factor * miss_tokens / prefill_rate + host_tokens /
 host_rate + remote_tokens / pull_rate + (one decode step if the replica is busy)``, where
 ``remote_tokens`` are prompt tokens past the replica's own match that a peer holds and it
-would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses), and ``queue_s =
-queued_prefill_tokens / prefill_rate + (waiting + unreported in-flight) * step_s``: chunked
+would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses),
+and ``queue_s = queued_prefill_tokens / prefill_rate + (waiting + unreported in-flight) * step_s``: chunked
 prefill shares each step with the running decodes. Unmeasured rates fall back to the
 configured defaults. Every policy's ``choose`` raises ``ValueError`` on an empty candidate
 list or a negative prompt length.
@@ -121,10 +121,9 @@ class TTFTModel:
         decodes). Requests the router sent that the stats do not show yet count as waiting."""
         stats = view.stats
         num_ahead = stats.num_waiting + unreported(view)
-        return (
-            stats.num_queued_prefill_tokens / self.prefill_tokens_per_s(stats)
-            + num_ahead * self.decode_step_s(stats)
-        )
+        return stats.num_queued_prefill_tokens / self.prefill_tokens_per_s(
+            stats
+        ) + num_ahead * self.decode_step_s(stats)
 
     def predicted_ttft_s(
         self,

@@ -67,7 +67,9 @@ class _RouterBaseline:
             self._views = SimViews(sim)
             self._index_of = {r.replica_id: r.index for r in sim.replicas}
         views = self._views.all(sim)
-        decision = self._policy.choose(block_hashes(req.block_ids[:1]), req.num_prompt_tokens, views, {})
+        decision = self._policy.choose(
+            block_hashes(req.block_ids[:1]), req.num_prompt_tokens, views, {}
+        )
         return self._index_of[decision.replica_id]
 
 

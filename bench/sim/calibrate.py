@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     # The load average says how much the rates are to be trusted on a shared machine.
     note = (
         f"prefill {args.prompt_tokens}-token prompts; decode samples (batch, step_s): {samples}; "
-        f"command: python -m bench.sim.calibrate {' '.join(sys.argv[1:] if argv is None else argv)}; "
+        "command: python -m bench.sim.calibrate "
+        f"{' '.join(sys.argv[1:] if argv is None else argv)}; "
         f"load average (1/5/15 min) before {load_before}, after {os.getloadavg()}"
     )
     path = record_rates(rates, CALIBRATION_PATH, note=note)

@@ -7,8 +7,9 @@ what the cluster would:
 - ``matches``: the exact blocks each simulated replica holds (what its KV events report), plus
   *speculative* entries: like ``PrefixIndex.record_speculative``, a routing decision counts as
   the chosen replica holding the request's blocks for ``RouterConfig.speculative_ttl_s``
-  (simulated) seconds, sized to the calibrated prefill rate (``SPECULATIVE_TTL_QUEUE_TOKENS``). Same leading-run semantics as ``router.embedded_index``: device blocks
-  (speculative included) first, then host blocks. ``speculative=False`` turns that off.
+  (simulated) seconds, sized to the calibrated prefill rate (``SPECULATIVE_TTL_QUEUE_TOKENS``).
+  Same leading-run semantics as ``router.embedded_index``: device blocks (speculative
+  included) first, then host blocks. ``speculative=False`` turns that off.
 - ``ReplicaView``: ``ReplicaStats`` from the replica's simulated state (waiting and running
   requests, KV usage, the calibrated prefill/decode/host rates, prompt tokens queued for
   prefill) and the router's in-flight count. Views are rebuilt only when a replica changed

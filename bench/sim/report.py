@@ -98,7 +98,10 @@ def ours_summary(rows: Sequence[dict]) -> list[dict]:
 
 
 def summary_table(summary: Sequence[dict]) -> str:
-    lines = ["| workload | replicas | hit % of oracle | max/mean | p90 rank |", "|---|---|---|---|---|"]
+    lines = [
+        "| workload | replicas | hit % of oracle | max/mean | p90 rank |",
+        "|---|---|---|---|---|",
+    ]
     for s in summary:
         lines.append(
             f"| {s['workload']} | {s['replicas']} | {s['hit_of_oracle']:.1%} | "

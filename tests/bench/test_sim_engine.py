@@ -157,9 +157,13 @@ def test_simulated_baselines_are_the_routers_and_break_ties_alike():
         views, mismatches = SimViews(sim), []
         original = sim_policy.choose
 
-        def checked(s, req, original=original, deployed=deployed, views=views, mismatches=mismatches):
+        def checked(
+            s, req, original=original, deployed=deployed, views=views, mismatches=mismatches
+        ):
             chosen = original(s, req)
-            expected = deployed.choose(block_hashes(req.block_ids[:1]), req.num_prompt_tokens, views.all(s), {})
+            expected = deployed.choose(
+                block_hashes(req.block_ids[:1]), req.num_prompt_tokens, views.all(s), {}
+            )
             if s.replicas[chosen].replica_id != expected.replica_id:
                 mismatches.append(req.request_id)
             return chosen

@@ -103,7 +103,10 @@ def test_a_request_waits_for_the_peer_computing_its_prefix_then_pulls_it():
 @pytest.mark.parametrize("make_policy", [RandomPolicy, OursPolicy])
 def test_pools_end_with_no_pins_and_no_reservations(make_policy):
     scale = WorkloadScale(
-        num_replicas=4, capacity_blocks=96, requests_per_replica=12, offered_load=1.0,
+        num_replicas=4,
+        capacity_blocks=96,
+        requests_per_replica=12,
+        offered_load=1.0,
         prefill_tokens_per_s=RATES.prefill_tokens_per_s,
     )
     workload = llmd_shared_prefix(scale)
@@ -122,9 +125,14 @@ def test_calibration_kv_pull_section_is_loaded_and_kept_by_record_rates(tmp_path
     assert shipped is not None and shipped.pull_tokens_per_s > 0 and shipped.source
     path = tmp_path / "calibration.json"
     assert load_pull_rates(path) is None
-    path.write_text(json.dumps({"rates": {}, "kv_pull": {"kv_bytes_per_token": 8.0,
-                                                         "pull_bytes_per_s": 80.0,
-                                                         "source": "t"}}))
+    path.write_text(
+        json.dumps(
+            {
+                "rates": {},
+                "kv_pull": {"kv_bytes_per_token": 8.0, "pull_bytes_per_s": 80.0, "source": "t"},
+            }
+        )
+    )
     record_rates(RATES, path)
     assert load_pull_rates(path) == PullRates(8.0, 80.0, "t")
     path.write_text(json.dumps({"kv_pull": {"kv_bytes_per_token": 8.0}}))
@@ -134,11 +142,23 @@ def test_calibration_kv_pull_section_is_loaded_and_kept_by_record_rates(tmp_path
 
 def test_summary_ranks_ours_p90_with_ties_within_one_percent():
     def row(policy, p90, workload="w"):
-        return {"workload": workload, "replicas": 8, "policy": policy, "ttft_p90_s": p90,
-                "hit_rate": 0.45, "oracle_hit_rate": 0.5, "max_mean_load": 1.1}
+        return {
+            "workload": workload,
+            "replicas": 8,
+            "policy": policy,
+            "ttft_p90_s": p90,
+            "hit_rate": 0.45,
+            "oracle_hit_rate": 0.5,
+            "max_mean_load": 1.1,
+        }
 
-    rows = [row("a", 1.0), row("b", 2.0), row("prefix", 1.005),
-            row("a", 1.0, "v"), row("prefix", 1.5, "v")]
+    rows = [
+        row("a", 1.0),
+        row("b", 2.0),
+        row("prefix", 1.005),
+        row("a", 1.0, "v"),
+        row("prefix", 1.5, "v"),
+    ]
     summary = {s["workload"]: s for s in report.ours_summary(rows)}
     assert summary["w"]["p90_rank"] == 1 and summary["w"]["num_policies"] == 3
     assert summary["v"]["p90_rank"] == 2

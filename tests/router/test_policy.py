@@ -175,7 +175,11 @@ def test_baselines_behind_the_same_interface():
     assert picks == ["a", "b", "c", "a", "b", "c"]
     least = make_policy(RouterConfig(policy="least_loaded"))
     decision = least.choose(blocks, 128, replicas, {"b": Match(3)})
-    assert (decision.replica_id, decision.matched_blocks, decision.reason) == ("b", 3, RoutingReason.BASELINE)
+    assert (decision.replica_id, decision.matched_blocks, decision.reason) == (
+        "b",
+        3,
+        RoutingReason.BASELINE,
+    )
     pow2_a = make_policy(RouterConfig(policy="pow2", seed=7))
     pow2_b = make_policy(RouterConfig(policy="pow2", seed=7))
     seq_a = [pow2_a.choose(blocks, 128, replicas, {}).replica_id for _ in range(30)]
@@ -218,7 +222,9 @@ def test_load_bound_spreads_a_hot_prefix_within_the_ratio():
     assert len(holders) == 4  # replicated, not pinned to r0
     assert reasons[RoutingReason.LOAD_BOUND] > 0  # the spills are labelled as the bound's
     unbounded = make_policy(dataclasses.replace(CONFIG, max_load_ratio=None))
-    picks = {unbounded.choose(blocks, 1024, replicas, {"r0": Match(64)}).replica_id for _ in range(50)}
+    picks = {
+        unbounded.choose(blocks, 1024, replicas, {"r0": Match(64)}).replica_id for _ in range(50)
+    }
     assert picks == {"r0"}  # without the bound the price alone keeps it on the holder
 
 
