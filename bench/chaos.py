@@ -479,7 +479,8 @@ def run_fault(
         elif fault == "redis_slow":
             proxy.slow(True)
             state["note"] = (
-                f"+{REDIS_SLOW_DELAY_S * 1000:.0f} ms per chunk each way for {DURING_WINDOW_S:.0f} s"
+                f"+{REDIS_SLOW_DELAY_S * 1000:.0f} ms per chunk each way "
+                f"for {DURING_WINDOW_S:.0f} s"
             )
             asyncio.get_running_loop().call_later(DURING_WINDOW_S, proxy.slow, False)
         asyncio.get_running_loop().run_in_executor(None, wait_recovery, url, probe, state)

@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     runner.run_inputs = original
     inputs = captured[-1]
     print(
-        f"decode step: {len(inputs.counts)} sequences, context {min(inputs.starts) + 1}-{max(inputs.starts) + 1} tokens"
+        f"decode step: {len(inputs.counts)} sequences, context "
+        f"{min(inputs.starts) + 1}-{max(inputs.starts) + 1} tokens"
     )
 
     times_ms, cpu_ms = [], []

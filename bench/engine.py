@@ -11,7 +11,8 @@ that request's batch (recorded by a logits processor), counted from t=0.
 
     python -m bench.engine                 # full run, writes bench/results/engine_<date>.json/.png
     python -m bench.engine --quick         # 16 requests, 16 tokens: a smoke run
-    python -m bench.engine --only deterministic --max-num-seqs 8 --threads 2   # one system, small batches
+    # one system, small batches:
+    python -m bench.engine --only deterministic --max-num-seqs 8 --threads 2
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def make_workload(tokenizer, num_requests: int, seed: int = 0) -> list[list[int]
     prompts = []
     for r in range(num_requests):
         question = tokenizer.encode(
-            f"\nUser {r} asks: what should I do about case number {rng.randint(1000, 9999)}?\nAssistant:"
+            f"\nUser {r} asks: what should I do about case number "
+            f"{rng.randint(1000, 9999)}?\nAssistant:"
         )
         prompts.append(systems[r % len(systems)] + question)
     return prompts
@@ -244,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model("smollm2").path
     prompts = make_workload(Tokenizer(path), args.num_requests)
     print(
-        f"workload: {len(prompts)} requests, prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
+        f"workload: {len(prompts)} requests, prompt tokens "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))}, "
         f"{args.max_tokens} output tokens, torch threads {torch.get_num_threads()}",
         flush=True,
     )

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         t, toks_host, cached = timed_ttft(engine, prefix + q, f"host{rep}")
         if engine.pool.host.counters.blocks_loaded == loaded_before:
             raise RuntimeError(
-                "the prefix did not come back from the host tier: raise --prefix-tokens or shrink the pool"
+                "the prefix did not come back from the host tier: raise --prefix-tokens or shrink "
+                "the pool"
             )
         rows["host_hit"].append((t, cached))
         t, toks_re, _ = timed_ttft(recompute_engine, prefix + q, f"re{rep}")
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in table.items():
         print(f"{k:12s} {v['ttft_s_median']:14.3f} {v['cached_tokens']:14d}")
     print(
-        f"host hit / recompute = {ratio:.2f} (target on H100/H200: <= 0.30); outputs equal: {all(outputs.values())}"
+        f"host hit / recompute = {ratio:.2f} (target on H100/H200: <= 0.30); "
+        f"outputs equal: {all(outputs.values())}"
     )
     result = {
         **result_header("host_tier", "bench.host_tier", argv, args.device),

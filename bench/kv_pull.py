@@ -146,20 +146,25 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(
             f"rep {rep}: {r['pulled_tokens']} tokens, {r['pickled_bytes'] / 1e6:.1f} MB pickled; "
-            f"prefill {r['prefill_s']:.3f} s, pull {r['pull_s']:.4f} s (export {r['export_s']:.4f}, "
-            f"pickle {r['pickle_s']:.4f}, unpickle {r['unpickle_s']:.4f}, import {r['import_s']:.4f}); "
-            f"TTFT after pull {r['ttft_after_pull_s']:.3f} s vs local hit {r['ttft_local_hit_s']:.3f} s; "
+            f"prefill {r['prefill_s']:.3f} s, pull {r['pull_s']:.4f} s "
+            f"(export {r['export_s']:.4f}, "
+            f"pickle {r['pickle_s']:.4f}, unpickle {r['unpickle_s']:.4f}, "
+            f"import {r['import_s']:.4f}); "
+            f"TTFT after pull {r['ttft_after_pull_s']:.3f} s "
+            f"vs local hit {r['ttft_local_hit_s']:.3f} s; "
             f"outputs equal: {r['outputs_equal']}"
         )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "outputs_equal"}
     prefill_tokens_per_s = args.prefix_tokens / med["prefill_s"]
     print(
-        f"median: pull {med['transfer_tokens_per_s']:.0f} tokens/s vs prefill {prefill_tokens_per_s:.0f} tokens/s "
+        f"median: pull {med['transfer_tokens_per_s']:.0f} tokens/s "
+        f"vs prefill {prefill_tokens_per_s:.0f} tokens/s "
         f"({med['prefill_s'] / med['pull_s']:.0f}x)"
     )
     result = {
         **result_header("kv_pull", "bench.kv_pull", argv, args.device),
-        "note": "machine shared with other work while this ran; load averages below; numbers indicative only",
+        "note": "machine shared with other work while this ran; load averages below; "
+        "numbers indicative only",
         "load_average_1_5_15_start": [round(x, 2) for x in load_start],
         "load_average_1_5_15_end": [round(x, 2) for x in os.getloadavg()],
         "cpu_count": os.cpu_count(),

@@ -2,7 +2,8 @@
 
     python bench/serve_compare.py                     # 3 CPU replicas, bundled SmolLM2
     python bench/serve_compare.py --replicas 2 --policies prefix round_robin \\
-        --launch "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} --expose-replica-headers"
+        --launch "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} \\
+        --expose-replica-headers"
 
 For each policy it starts the cluster with ``--launch`` (``{replicas}``, ``{policy}``,
 ``{port}`` filled in; the port is a free one derived per run), waits for ``GET /health`` to
@@ -41,7 +42,10 @@ from bench.loadgen import cli as loadgen_cli
 from bench.sim.report import machine_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_LAUNCH = "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} --expose-replica-headers"
+DEFAULT_LAUNCH = (
+    "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} "
+    "--expose-replica-headers"
+)
 SUMMARY_KEYS = (
     "completed",
     "failed",

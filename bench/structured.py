@@ -163,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(
-                f"batch {batch:3d} {'schema' if constrained else 'plain ':6s} {best['tokens_per_s']:8.1f} tok/s"
-                f"  mask {best['mask_us_per_row']:6.0f} us/row  advance {best['advance_us_per_row']:4.0f} us/row"
+                f"batch {batch:3d} {'schema' if constrained else 'plain ':6s} "
+                f"{best['tokens_per_s']:8.1f} tok/s"
+                f"  mask {best['mask_us_per_row']:6.0f} us/row  "
+                f"advance {best['advance_us_per_row']:4.0f} us/row"
                 f"  grammar {100 * best['grammar_share']:4.1f}% of the time",
                 flush=True,
             )
@@ -215,7 +217,8 @@ def plot(result: dict, path) -> None:
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("output tokens/s")
     ax.set_title(
-        f"Structured outputs: {result['model']}, {result['max_tokens']} tokens/request ({result['device']})",
+        f"Structured outputs: {result['model']}, {result['max_tokens']} tokens/request "
+        f"({result['device']})",
         fontsize=9,
     )
     ax.legend(fontsize=8)

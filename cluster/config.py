@@ -230,7 +230,8 @@ class ClusterConfig:
                 or (self.root_path.startswith("/") and not self.root_path.endswith("/"))
             ),
             "root_path",
-            f"must be empty or a path like /api (leading '/', no trailing '/'), got {self.root_path!r}",
+            "must be empty or a path like /api (leading '/', no trailing '/'), "
+            f"got {self.root_path!r}",
         )
         need(
             isinstance(self.expose_replica_headers, bool),

@@ -1,4 +1,5 @@
-"""All Prometheus export: vLLM's series names under a prefix (``prefixserve:`` or ``--metrics-prefix``).
+"""All Prometheus export: vLLM's series names under a prefix (``prefixserve:`` or
+``--metrics-prefix``).
 
 Two kinds of process count, and both push plain snapshots every ``METRICS_PUSH_PERIOD_S``
 to the one ``MetricsHub`` deployment of the application:

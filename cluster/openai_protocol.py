@@ -213,7 +213,8 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     response_format: dict | None = None
-    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``."""
+    """OpenAI's
+    ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``."""
     structured_outputs: dict | None = None
     """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar``, ``json_object``."""
     guided_json: dict | str | None = None

@@ -5,9 +5,10 @@ ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (has
 the ingress) and prompt length from the call's arguments, builds one
 ``router.policy.ReplicaView`` per candidate from the replica's Serve routing stats
 (``EngineReplica.record_routing_stats``) plus this router's own count of requests it sent
-that have not finished (counted from the decision on), and lets ``Router.route`` decide: one index lookup, the configured
-policy (``prefix`` by default, or ``round_robin``/``least_loaded``/``pow2``), a speculative
-entry for the chosen replica. Other calls (``describe``) carry no blocks and go by load.
+that have not finished (counted from the decision on), and lets ``Router.route`` decide: one
+index lookup, the configured policy (``prefix`` by default, or
+``round_robin``/``least_loaded``/``pow2``), a speculative entry for the chosen replica. Other
+calls (``describe``) carry no blocks and go by load.
 
 The chosen replica is returned as the first rank and every other candidate as the second,
 so Serve falls through to the least loaded of the others when the chosen one is full.

@@ -225,7 +225,8 @@ class ResponseBuilder:
         return prompt_text + text, logprobs
 
     def vllm_prompt_logprobs(self, prompt_index: int) -> list | None:
-        """vLLM's ``prompt_logprobs``: per prompt token None or {id: {logprob, rank, decoded_token}}."""
+        """vLLM's ``prompt_logprobs``: per prompt token None or
+        {id: {logprob, rank, decoded_token}}."""
         entries = self.prompt_logprobs[prompt_index]
         if entries is None:
             return None

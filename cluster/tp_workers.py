@@ -57,13 +57,15 @@ class RayWorkerLauncher:
         group = self._placement_group
         if group is None:
             raise ValueError(
-                f"tensor_parallel_size={spec.world_size} needs the replica to run in a placement group "
+                f"tensor_parallel_size={spec.world_size} needs the replica to run in a "
+                "placement group "
                 "of that many bundles (placement_group_bundles in the deployment's options)"
             )
         bundles = group.bundle_specs
         if len(bundles) < spec.world_size:
             raise ValueError(
-                f"tensor_parallel_size={spec.world_size} needs {spec.world_size} placement-group bundles; "
+                f"tensor_parallel_size={spec.world_size} needs {spec.world_size} "
+                "placement-group bundles; "
                 f"the replica's group has {len(bundles)}"
             )
         for rank in range(1, spec.world_size):

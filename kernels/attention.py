@@ -170,7 +170,8 @@ def exact_tile_rows(head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
                     exact.discard(rows)
     chosen = tuple(sorted(exact | {full}))
     log.info(
-        "attention tiles: probe on %s found row tiles %s exact (head_dim %d, %s); reference %d rows",
+        "attention tiles: probe on %s found row tiles %s exact (head_dim %d, %s); "
+        "reference %d rows",
         cpu_description(),
         list(chosen),
         head_dim,

@@ -65,7 +65,8 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
 
     if not triton_ops.triton_available():
         raise ValueError(
-            "kernel backend 'triton' needs the triton package and a CUDA device (or TRITON_INTERPRET=1)"
+            "kernel backend 'triton' needs the triton package and a CUDA device "
+            "(or TRITON_INTERPRET=1)"
         )
     triton_ops.patch_interpreter()
 

@@ -18,7 +18,8 @@ def inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) 
     kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if kind not in _SUPPORTED_SCALING:
         raise ValueError(
-            f"rope_scaling type {kind!r} is not supported (supported: {', '.join(_SUPPORTED_SCALING)})"
+            f"rope_scaling type {kind!r} is not supported "
+            f"(supported: {', '.join(_SUPPORTED_SCALING)})"
         )
     if kind == "linear":
         inv_freq = inv_freq / float(rope_scaling["factor"])

@@ -3,10 +3,11 @@
 Owns what the router counts: decisions by policy and reason (a ``router.policy.RoutingReason``,
 counted under its string value), matched blocks against prompt
 blocks (the matched-block ratio), index lookup latency, index errors, fallback decisions
-and dropped speculative entries. No Prometheus dependency here: ``snapshot()`` returns plain numbers and the
-cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus series). Recording
-never blocks for longer than one uncontended lock and never raises, except ``ValueError`` for
-a decision reason that is not a ``RoutingReason`` (a programming error, not a runtime one).
+and dropped speculative entries. No Prometheus dependency here: ``snapshot()`` returns plain
+numbers and the cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus
+series). Recording never blocks for longer than one uncontended lock and never raises, except
+``ValueError`` for a decision reason that is not a ``RoutingReason`` (a programming error, not a
+runtime one).
 """
 
 from __future__ import annotations

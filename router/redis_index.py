@@ -23,8 +23,9 @@ so this needs a standalone Redis (not Redis Cluster).
 
 How it fails: lookups use a short socket timeout (writes a longer one) and no retries but
 one immediate reconnect; an unreachable or stalled Redis raises ``IndexUnavailableError``
-(wrap in ``index.FallbackIndex`` to route by load meanwhile). Liveness deadlines use the callers' clocks, so routers and replicas
-should agree on wall time to well under ``heartbeat_timeout_s``.
+(wrap in ``index.FallbackIndex`` to route by load meanwhile). Liveness deadlines use the
+callers' clocks, so routers and replicas should agree on wall time to well under
+``heartbeat_timeout_s``.
 """
 
 from __future__ import annotations

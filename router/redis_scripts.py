@@ -160,7 +160,8 @@ APPLY_LUA = (
     _HELPERS
     + """
 local rid, epoch, seq = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
-local skey, dkey, hkey = prefix .. 'stream:' .. rid, prefix .. 'dev:' .. rid, prefix .. 'host:' .. rid
+local skey, dkey, hkey = prefix .. 'stream:' .. rid, prefix .. 'dev:' .. rid,
+  prefix .. 'host:' .. rid
 local st = redis.call('HMGET', skey, 'epoch', 'seq', 'stale')
 local known, s_epoch, s_seq, s_stale = st[1], tonumber(st[1]), tonumber(st[2]), st[3] == '1'
 if known and epoch < s_epoch then return 'ignored' end

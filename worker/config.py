@@ -181,7 +181,8 @@ class EngineConfig:
         need(
             len(knobs) <= 1,
             "num_kv_blocks",
-            f"set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction, gpu_memory_utilization (got {', '.join(knobs)})",
+            "set only one of num_kv_blocks, kv_cache_bytes, kv_cache_memory_fraction, "
+            f"gpu_memory_utilization (got {', '.join(knobs)})",
         )
         need(
             self.num_kv_blocks is None or self.num_kv_blocks >= 2,
@@ -268,7 +269,8 @@ class EngineConfig:
         dtype = resolve_dtype(self.dtype, device, capability)
         if device == "cpu" and self.gpu_memory_utilization is not None:
             raise ValueError(
-                f"EngineConfig.gpu_memory_utilization: {_CPU_GMU_MESSAGE} (device 'auto' found no GPU)"
+                f"EngineConfig.gpu_memory_utilization: {_CPU_GMU_MESSAGE} "
+                "(device 'auto' found no GPU)"
             )
         if (device, dtype) != (self.device, self.dtype):
             log.info(

@@ -75,7 +75,8 @@ def check_resume(
         )
     if params.max_tokens is not None and len(resume_token_ids) >= params.max_tokens:
         raise ValueError(
-            f"resume_token_ids: {len(resume_token_ids)} tokens already reach max_tokens={params.max_tokens}"
+            f"resume_token_ids: {len(resume_token_ids)} tokens already reach "
+            f"max_tokens={params.max_tokens}"
         )
     if len(prompt_token_ids) + len(resume_token_ids) >= max_model_len:
         raise ValueError(
@@ -114,7 +115,8 @@ class LLMEngine:
         )
         if config.max_model_len and config.max_model_len > resolved.max_model_len:
             raise ValueError(
-                f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context ({resolved.max_model_len})"
+                f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's context "
+                f"({resolved.max_model_len})"
             )
         self.model_path = resolved.path
         self.tokenizer = load_tokenizer(config, model_path=resolved.path, chat_template=False)
@@ -209,7 +211,8 @@ class LLMEngine:
         )
         if self.tp is not None and params.prompt_logprobs is not None:
             raise ValueError(
-                "prompt_logprobs is not supported with tensor parallelism (tensor_parallel_size > 1)"
+                "prompt_logprobs is not supported with tensor parallelism "
+                "(tensor_parallel_size > 1)"
             )
 
     def add_request(
@@ -235,7 +238,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) + params.n > self.config.max_waiting_requests:
             raise EngineOverloadedError(
-                f"{len(self.scheduler.waiting)} requests waiting (limit {self.config.max_waiting_requests})"
+                f"{len(self.scheduler.waiting)} requests waiting "
+                f"(limit {self.config.max_waiting_requests})"
             )
         seed = (
             params.seed
@@ -520,7 +524,8 @@ def validate_request(
     n = len(prompt_token_ids)
     if n >= max_model_len:
         raise ValueError(
-            f"prompt has {n} tokens; this model's context is {max_model_len} tokens (prompt plus output)"
+            f"prompt has {n} tokens; this model's context is {max_model_len} tokens "
+            "(prompt plus output)"
         )
     if params.max_tokens is not None and n + params.max_tokens > max_model_len:
         raise ValueError(

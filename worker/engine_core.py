@@ -32,7 +32,8 @@ IDLE_POLL_S = 0.05
 """How long the idle thread loop waits for a command before checking again."""
 
 ENGINE_CALLS = frozenset({"export_prefix", "import_prefix"})
-"""``LLMEngine`` methods a ``("call", ...)`` command may run between steps (KV pulled from a peer)."""
+"""``LLMEngine`` methods a ``("call", ...)`` command may run between steps (KV pulled
+from a peer)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class StepResult:
     adds_handled: int
     """Adds the engine has taken off its command queue so far (accepted or refused)."""
     replies: list[tuple[int, object]] = field(default_factory=list)
-    """Answers to ``("call", ...)`` commands: (call id, the method's result or the exception it raised)."""
+    """Answers to ``("call", ...)`` commands: (call id, the method's result or the exception
+    it raised)."""
 
 
 class EngineCore:
@@ -77,8 +79,9 @@ class EngineCore:
         raise NotImplementedError
 
     def submit(self, command: tuple) -> None:
-        """``("add", id, prompt ids, params, salt, resume token ids)``, ``("abort", id)``, ``("stop",)``
-        or ``("call", call id, method, args)`` (one of ``ENGINE_CALLS``, answered in ``StepResult.replies``)."""
+        """``("add", id, prompt ids, params, salt, resume token ids)``, ``("abort", id)``,
+        ``("stop",)`` or ``("call", call id, method, args)`` (one of ``ENGINE_CALLS``, answered in
+        ``StepResult.replies``)."""
         raise NotImplementedError
 
     def is_alive(self) -> bool:
@@ -138,7 +141,8 @@ class EngineLoop:
         return True
 
     def _call(self, method: str, args: tuple) -> object:
-        """Runs an ``ENGINE_CALLS`` method; what it raises is the caller's answer, never the loop's end."""
+        """Runs an ``ENGINE_CALLS`` method; what it raises is the caller's answer, never the
+        loop's end."""
         if method not in ENGINE_CALLS:
             return ValueError(f"method: {method!r} is not one of {sorted(ENGINE_CALLS)}")
         try:

@@ -7,7 +7,8 @@ process. Sharing one GIL with them, the engine loop waited for the GIL after eve
 
 Protocol, over one ``socket.socketpair`` wrapped in ``multiprocessing.connection``:
     parent -> child: ``("init", EngineConfig, replica_id)``, then commands (``("add", ...)``,
-    ``("abort", id)``, ``("stop",)``, ``("call", id, method, args)`` answered in the step's replies).
+    ``("abort", id)``, ``("stop",)``, ``("call", id, method, args)`` answered in the step's
+    replies).
     child -> parent: ``("ready", EngineInfo)`` or ``("failed", message)`` once, then one
     ``("step", PackedStep)`` per engine step that produced anything, and ``("error",
     message)`` if the loop dies. Outputs travel as deltas (new token ids, new text, new

@@ -85,7 +85,8 @@ def load_generation_defaults(config: EngineConfig, model_path: str) -> dict[str,
         folder = Path(source)
         if not (folder / GENERATION_CONFIG_FILE).is_file():
             raise ValueError(
-                f"EngineConfig.generation_config: {source!r} must be 'auto', 'vllm' or a folder holding "
+                f"EngineConfig.generation_config: {source!r} must be 'auto', 'vllm' or a "
+                "folder holding "
                 f"{GENERATION_CONFIG_FILE}"
             )
     defaults = read_generation_defaults(folder)

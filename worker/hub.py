@@ -1,4 +1,5 @@
-"""Models by hub id: ``--model org/name`` downloaded (or found in the cache) through ``huggingface_hub``.
+"""Models by hub id: ``--model org/name`` downloaded (or found in the cache) through
+``huggingface_hub``.
 
 ``download_repo(repo_id, revision=, download_dir=, weights=)`` returns a snapshot folder laid
 out like any local model folder, as vLLM does:
@@ -215,7 +216,8 @@ def _check_snapshot(folder: Path, what: str, weights: bool, need_config: bool) -
         raise ValueError(f"{what}: the snapshot {folder} has no config.json")
     if weights and not any(folder.glob("*.safetensors")):
         raise ValueError(
-            f"{what}: the snapshot {folder} has no *.safetensors weights (a tokenizer-only download? "
+            f"{what}: the snapshot {folder} has no *.safetensors weights "
+            "(a tokenizer-only download? "
             "fetch the model once online)"
         )
 

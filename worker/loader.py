@@ -136,7 +136,8 @@ def resolve_model(
         folder = Path(model)
         if not (folder / "config.json").is_file():
             raise ValueError(
-                f"model {model!r} is neither a bundled alias ({', '.join(BUNDLED_ALIASES)}), a .gguf file, "
+                f"model {model!r} is neither a bundled alias ({', '.join(BUNDLED_ALIASES)}), "
+                "a .gguf file, "
                 "a folder with config.json, nor a hub repo id (org/name)"
             )
         model_id = folder.name
@@ -195,7 +196,8 @@ def tokenizer_path(config: EngineConfig, model_path: str | None = None) -> str:
                 config.tokenizer, download_dir=config.download_dir, weights=False, need_config=False
             )
         raise ValueError(
-            f"EngineConfig.tokenizer: {config.tokenizer!r} is neither a folder nor a hub repo id (org/name)"
+            f"EngineConfig.tokenizer: {config.tokenizer!r} is neither a folder nor a hub repo id "
+            "(org/name)"
         )
     return model_path or resolve_engine_model(config, weights=False).path
 

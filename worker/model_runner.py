@@ -60,8 +60,10 @@ def kv_bytes_for_utilization(
     if kv_bytes <= 0:
         gib = 2**30
         raise ValueError(
-            f"gpu_memory_utilization={utilization} allows {budget_bytes / gib:.2f} GiB of the device's "
-            f"{total_bytes / gib:.2f} GiB, but the weights take {weight_bytes / gib:.2f} GiB and the profile run's "
+            f"gpu_memory_utilization={utilization} allows {budget_bytes / gib:.2f} GiB "
+            "of the device's "
+            f"{total_bytes / gib:.2f} GiB, but the weights take {weight_bytes / gib:.2f} GiB "
+            "and the profile run's "
             f"activations {peak_activation_bytes / gib:.2f} GiB: no room for the KV cache; raise "
             "gpu_memory_utilization, or lower max_num_batched_tokens"
         )
@@ -114,7 +116,8 @@ class ModelRunner:
         if config.host_kv_cache_bytes is not None:
             if self.num_host_blocks < 1:
                 raise ValueError(
-                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block ({self.bytes_per_block} bytes)"
+                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block "
+                    f"({self.bytes_per_block} bytes)"
                 )
             self.host_kv = torch.zeros(
                 self.num_host_blocks,
@@ -195,7 +198,8 @@ class ModelRunner:
             blocks = c.kv_cache_bytes // self.bytes_per_block
             if blocks < 2:
                 raise ValueError(
-                    f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of {self.bytes_per_block} bytes; need at least 2"
+                    f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of "
+                    f"{self.bytes_per_block} bytes; need at least 2"
                 )
             return int(blocks)
         if c.gpu_memory_utilization is not None:
@@ -217,7 +221,8 @@ class ModelRunner:
         """KV bytes for ``gpu_memory_utilization``: measures the weights and the profile run."""
         if self.device.type != "cuda":
             raise ValueError(
-                "gpu_memory_utilization is for CUDA devices; on CPU use kv_cache_memory_fraction or kv_cache_bytes"
+                "gpu_memory_utilization is for CUDA devices; on CPU use kv_cache_memory_fraction "
+                "or kv_cache_bytes"
             )
         dev = self.device
         gc.collect()
@@ -235,11 +240,14 @@ class ModelRunner:
         )
         if kv_bytes > free_bytes:
             raise ValueError(
-                f"gpu_memory_utilization={self.config.gpu_memory_utilization} asks for {kv_bytes / 2**30:.2f} GiB of KV "
-                f"but only {free_bytes / 2**30:.2f} GiB of {dev} is free (other processes hold the rest); lower it"
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} asks for "
+                f"{kv_bytes / 2**30:.2f} GiB of KV "
+                f"but only {free_bytes / 2**30:.2f} GiB of {dev} is free "
+                "(other processes hold the rest); lower it"
             )
         log.info(
-            "gpu_memory_utilization=%s of %.2f GiB: weights %.2f GiB, activations %.2f GiB, KV %.2f GiB",
+            "gpu_memory_utilization=%s of %.2f GiB: weights %.2f GiB, activations %.2f GiB, "
+            "KV %.2f GiB",
             self.config.gpu_memory_utilization,
             total_bytes / 2**30,
             weight_bytes / 2**30,

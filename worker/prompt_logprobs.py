@@ -25,7 +25,8 @@ from worker.scheduler import ScheduledBatch
 
 @dataclass(frozen=True)
 class PromptSpan:
-    """``num_rows`` consecutive logits rows of ``request``, from prompt position ``first_position``."""
+    """``num_rows`` consecutive logits rows of ``request``, from prompt position
+    ``first_position``."""
 
     request: Request
     first_position: int

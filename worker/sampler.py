@@ -1,7 +1,7 @@
 """``Sampler``: picks each sequence's next token from its logits row.
 
-Every row is processed on its own (penalties, logit_bias, temperature, top-k, top-p, min-p), so a row's
-result never depends on the rest of the batch. Random choices come from a counter-based
+Every row is processed on its own (penalties, logit_bias, temperature, top-k, top-p, min-p), so a
+row's result never depends on the rest of the batch. Random choices come from a counter-based
 stream: a fresh generator keyed by ``(request seed, output index, output position)``, and the
 Gumbel-style race ``argmax(p / E)`` with ``E ~ Exp(1)``. A seeded request therefore gets the
 same tokens alone, in any batch, after any preemption, on any replica.

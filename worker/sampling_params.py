@@ -46,7 +46,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutputSpec | None = None
-    """Constrained decoding: the output must match this grammar (see worker/structured_output.py)."""
+    """Constrained decoding: the output must match this grammar (see
+    worker/structured_output.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -69,8 +69,9 @@ class StructuredOutputSpec:
     ``json_schema``: a JSON schema (dict, or its JSON text); ``json_object``: any JSON object;
     ``regex``: the whole output matches it; ``choice``: the output is exactly one of these
     strings; ``grammar``: a Lark grammar (llguidance's dialect, which may embed
-    ``%json {...}``) or a GBNF one (llama.cpp's, converted). ``field_name`` is what error messages call the request field the spec
-    came from (``response_format``, ``guided_json``, ``tool_choice``...).
+    ``%json {...}``) or a GBNF one (llama.cpp's, converted). ``field_name`` is what error
+    messages call the request field the spec came from (``response_format``, ``guided_json``,
+    ``tool_choice``...).
     """
 
     json_schema: dict | str | None = None
@@ -242,7 +243,8 @@ def spec_from_request(
             if not isinstance(inner, dict):
                 raise SpecError(
                     name,
-                    "response_format.json_schema must be an object with a 'schema' when type is 'json_schema'",
+                    "response_format.json_schema must be an object with a 'schema' when type is "
+                    "'json_schema'",
                 )
             schema = inner.get("schema", inner.get("json_schema"))
             if schema is None:
@@ -251,7 +253,8 @@ def spec_from_request(
         elif kind != "text":
             raise SpecError(
                 name,
-                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                "response_format type must be 'text', 'json_object' or 'json_schema', "
+                f"got {kind!r}",
             )
     if structured_outputs is not None:
         name = "structured_outputs"
@@ -275,7 +278,8 @@ def spec_from_request(
         names = [name for name, _ in found]
         raise SpecError(
             names[1],
-            f"{names[1]}: only one structured-output constraint per request, got {', '.join(names)}",
+            f"{names[1]}: only one structured-output constraint per request, "
+            f"got {', '.join(names)}",
         )
     name, kwargs = found[0]
     if "json_object" in kwargs:

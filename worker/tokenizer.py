@@ -38,7 +38,8 @@ _RESERVED_TEMPLATE_ARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
-"""Arguments of transformers' ``apply_chat_template`` that ``chat_template_kwargs`` must not override."""
+"""Arguments of transformers' ``apply_chat_template`` that ``chat_template_kwargs`` must
+not override."""
 
 
 def read_chat_template(value: str) -> str:
@@ -68,7 +69,8 @@ def read_chat_template(value: str) -> str:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(
-            f"EngineConfig.chat_template: not a valid Jinja template (line {exc.lineno}: {exc.message})"
+            "EngineConfig.chat_template: not a valid Jinja template "
+            f"(line {exc.lineno}: {exc.message})"
         ) from None
     return text
 

@@ -1,8 +1,8 @@
 """Serving benchmark (issue 16): our engine offline, our HTTP server, and llama.cpp, one run.
 
-    python -m bench.serve                          # offline + served (+ llama when its binary exists)
+    python -m bench.serve                        # offline + served (+ llama when its binary exists)
     python -m bench.serve --llama-server PATH --cluster-replicas 2
-    python -m bench.serve --quick --out-dir /tmp/serve_quick     # smoke: 8 requests, 16 tokens, c=1,4
+    python -m bench.serve --quick --out-dir /tmp/serve_quick   # smoke: 8 requests, 16 tokens, c=1,4
 
 Workload: ``bench.engine.make_workload``'s (64 requests over 4 system prompts of 300-500
 tokens, a distinct question each), sent as chat messages (system prompt text + user

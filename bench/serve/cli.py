@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster-replicas",
         type=int,
         default=0,
-        help="also run N replicas x 1 thread: prefixserve (prefix routing) and, with llama-server and "
+        help="also run N replicas x 1 thread: prefixserve (prefix routing) and, "
+        "with llama-server and "
         "sglang-router, N llama-servers behind sglang-router (default off)",
     )
     ap.add_argument("--cluster-concurrency", type=int, default=None, help="default 8 (--quick: 4)")
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--serve-args",
         default="",
-        help="more flags for every prefixserve serve run, e.g. '--stream-interval 4' (default none)",
+        help="more flags for every prefixserve serve run, e.g. '--stream-interval 4' "
+        "(default none)",
     )
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: 8 requests, 16 tokens, concurrency 1,4"
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m bench.serve", shlex.join(argv)]).strip(),
         "git_commit": git_commit(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "title": f"{args.num_requests} chat requests, 4 system prompts, {args.max_tokens} greedy tokens "
+        "title": f"{args.num_requests} chat requests, 4 system prompts, "
+        f"{args.max_tokens} greedy tokens "
         f"(SmolLM2-135M, CPU)",
         "workload": {
             "num_requests": args.num_requests,
@@ -182,14 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         "llama_server": args.llama_server if "llama" in args.systems else None,
         "threads": args.threads,
         "num_kv_blocks": args.num_kv_blocks,
-        "note": "each (system, concurrency) ran in a fresh process (cold prefix cache) after one warm-up "
-        "request; TTFT counts from each request's send (offline: its add_request); shared machine, see "
+        "note": "each (system, concurrency) ran in a fresh process (cold prefix cache) "
+        "after one warm-up "
+        "request; TTFT counts from each request's send (offline: its add_request); "
+        "shared machine, see "
         "the load averages",
     }
     runs = plan(args)
     print(
         f"workload: {args.num_requests} chat requests (concurrency 1: the first "
-        f"{min(args.c1_requests, args.num_requests)}), prompt tokens {header['workload']['prompt_tokens_range']}, "
+        f"{min(args.c1_requests, args.num_requests)}), "
+        f"prompt tokens {header['workload']['prompt_tokens_range']}, "
         f"{args.max_tokens} output tokens; {len(runs)} runs; logs in {args.log_dir}",
         flush=True,
     )
@@ -197,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, run in enumerate(runs, 1):
         reqs = requests_for(workload, run.concurrency, args.c1_requests)
         print(
-            f"[{i}/{len(runs)} {time.strftime('%H:%M:%S')}] {run.label}, concurrency {run.concurrency}, "
+            f"[{i}/{len(runs)} {time.strftime('%H:%M:%S')}] {run.label}, "
+            f"concurrency {run.concurrency}, "
             f"{len(reqs)} requests",
             flush=True,
         )
@@ -217,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"error": f"skipped: {args.llama_server} does not exist"}
         elif run.kind == "llama-router" and not has_sglang_router():
             row = {
-                "error": "skipped: sglang-router is not installed (pip install sglang-router==0.3.2)"
+                "error": "skipped: sglang-router is not installed "
+                "(pip install sglang-router==0.3.2)"
             }
         else:
             row = run_http_system(run, args, reqs)

@@ -26,7 +26,8 @@ def _fmt(x, digits=0) -> str:
 
 def markdown(rows: Sequence[dict]) -> str:
     lines = [
-        "| system | c | reqs | ok/fail | out tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL ms | TPOT ms "
+        "| system | c | reqs | ok/fail | out tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL ms "
+        "| TPOT ms "
         "| cached | CPU s | = offline | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -37,9 +38,12 @@ def markdown(rows: Sequence[dict]) -> str:
             continue
         same = r.get("same_as_offline")
         lines.append(
-            f"{head} {r['completed']}/{r['failed']} | {r['output_tok_per_s']:.1f} | {r['request_per_s']:.2f} | "
-            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_mean_ms']:.1f} | "
-            f"{r['tpot_mean_ms']:.1f} | {_fmt(r.get('cached_token_ratio'), 3) or 'n/a'} | {_fmt(r.get('cpu_s'), 0)} | "
+            f"{head} {r['completed']}/{r['failed']} | {r['output_tok_per_s']:.1f} | "
+            f"{r['request_per_s']:.2f} | "
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+            f"{r['itl_mean_ms']:.1f} | "
+            f"{r['tpot_mean_ms']:.1f} | {_fmt(r.get('cached_token_ratio'), 3) or 'n/a'} | "
+            f"{_fmt(r.get('cpu_s'), 0)} | "
             f"{'' if same is None else f'{same:.0%}'} | {'; '.join(r.get('errors') or [])[:120]} |"
         )
     return "\n".join(lines)

@@ -185,7 +185,8 @@ def test_positional_model_version_and_list_flags(monkeypatch, capsys):
     assert main(["serve", "/models/a", "--model", "/models/b"]) == 2
     assert "disagrees with --model" in capsys.readouterr().err
     args = parse("--allowed-origins", "http://a.example, http://b.example",
-                 "--allowed-origins", "http://c.example", "--allowed-methods", "GET,POST")  # fmt: skip
+                 "--allowed-origins", "http://c.example",
+                 "--allowed-methods", "GET,POST")  # fmt: skip
     _, cluster, _ = configs_from_args(args)
     assert cluster.allowed_origins == ("http://a.example", "http://b.example", "http://c.example")
     assert (cluster.allowed_methods, cluster.allowed_headers) == (("GET", "POST"), ("*",))
@@ -372,8 +373,8 @@ def test_prometheus_text_has_vllm_names_labels_and_histograms():
     assert f"prefixserve:prefix_cache_hits_total{labels} 16.0" in text
     assert f"prefixserve:generation_tokens_total{labels} 9.0" in text
     assert (
-        'prefixserve:engine_time_to_first_token_seconds_bucket{le="0.04",model_name="tiny",replica="r1"} 1.0'
-        in text
+        "prefixserve:engine_time_to_first_token_seconds_bucket"
+        '{le="0.04",model_name="tiny",replica="r1"} 1.0' in text
     )
     assert f"prefixserve:engine_time_to_first_token_seconds_count{labels} 2.0" in text
     assert "# TYPE prefixserve:engine_e2e_request_latency_seconds histogram" in text

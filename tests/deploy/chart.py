@@ -144,7 +144,8 @@ def kuberay_validator(kind: str) -> jsonschema.Draft7Validator:
     path = KUBERAY_SCHEMAS_DIR / f"ray.io_{kind.lower()}s.yaml"
     if not path.exists():
         raise FileNotFoundError(
-            f"KubeRay CRD schema {path} is missing: deploy/schemas/README.md says where it comes from"
+            f"KubeRay CRD schema {path} is missing: "
+            "deploy/schemas/README.md says where it comes from"
         )
     crd = yaml.safe_load(path.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]

@@ -389,7 +389,8 @@ def test_init_container_downloads_a_gated_hub_model_the_engine_then_finds_offlin
 
 
 def test_resource_names_fit_kuberays_limits() -> None:
-    """KubeRay rejects a RayService name over 47 characters (DNS-1035, its RayCluster gets 6 more)."""
+    """KubeRay rejects a RayService name over 47 characters (DNS-1035, its RayCluster gets 6
+    more)."""
     docs = chart.render(
         values={"fullnameOverride": "a-very-long-release-name-for-a-production-llm-service"}
     )

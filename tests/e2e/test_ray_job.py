@@ -165,7 +165,8 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
     with head_log.open("w") as log:
         head = subprocess.Popen(
             [*ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-             "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
+             "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+             "--dashboard-port", str(dashboard),
              "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
              "--dashboard-agent-grpc-port", str(agent_grpc), "--metrics-export-port", str(metrics),
              "--runtime-env-agent-port", str(env_agent), "--num-cpus", "4", "--num-gpus", "0",
@@ -246,10 +247,11 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
         assert chat(url)["model"] == "blocking"
         assert job_status(address, serve_job) == "RUNNING"
         logs = subprocess.run([*ray_cli(), "job", "logs", serve_job], env=job_env,
-                              capture_output=True, text=True, timeout=SHUTDOWN_TIMEOUT_S).stdout  # fmt: skip
+                              capture_output=True, text=True,
+                              timeout=SHUTDOWN_TIMEOUT_S).stdout  # fmt: skip
         assert "pass --host 0.0.0.0" in logs, logs[-3000:]  # joined a cluster on loopback only
-        subprocess.run([*ray_cli(), "job", "stop", serve_job], env=job_env,
-                       capture_output=True, timeout=JOB_STOP_WAIT_S + SHUTDOWN_TIMEOUT_S, check=True)  # fmt: skip
+        subprocess.run([*ray_cli(), "job", "stop", serve_job], env=job_env, capture_output=True,
+                       timeout=JOB_STOP_WAIT_S + SHUTDOWN_TIMEOUT_S, check=True)  # fmt: skip
         assert job_status(address, serve_job) == "STOPPED"
         applications = httpx.get(f"{address}/api/serve/applications/", timeout=10).json()
         assert applications["applications"] == {}, applications  # drained and deleted

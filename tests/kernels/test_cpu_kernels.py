@@ -282,7 +282,8 @@ def test_attention_plan_tiles_only_with_allowed_sizes_and_covers_every_row():
             exact,
         )
         assert {ts.tile_rows for ts in plan.tile_sets} <= set(exact)
-        # The fold meets chunk c for exactly the rows whose position reaches it: a prefix of its order.
+        # The fold meets chunk c for exactly the rows whose position reaches it: a prefix of
+        # its order.
         for r in range(plan.num_rows):
             token = r // group
             seq = next(i for i in range(len(seqs)) if meta.query_start_loc_list[i + 1] > token)
@@ -485,7 +486,8 @@ def test_rotary_matches_reference(scaling):
 
 
 def test_store_kv_skips_negative_slots_like_the_reference():
-    """A slot < 0 is padding: its row is written nowhere (indexing with -1 would hit the last slot)."""
+    """A slot < 0 is padding: its row is written nowhere (indexing with -1 would hit the
+    last slot)."""
     shape = (8, 16, 2, 64)
     slots = torch.tensor(random.sample(range(8 * 16 - 1), 12))
     slots[[0, 5, 11]] = -1

@@ -1,4 +1,5 @@
-"""The interpreter's ``tl.dot`` (``kernels/triton_common.patch_interpreter``) keeps a GPU's property.
+"""The interpreter's ``tl.dot`` (``kernels/triton_common.patch_interpreter``) keeps a GPU's
+property.
 
 On the CPU the Triton kernels run in Triton's interpreter, where ``tl.dot`` would be numpy's
 ``matmul``, i.e. the host's BLAS. OpenBLAS's AVX2 ("Haswell") sgemm, picked on AMD EPYC VMs

@@ -25,7 +25,8 @@ PROMPTS = [
     "The three laws of robotics are",
     "a" * 3,
     "🙂 Emoji test:",
-    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "
+    "incididunt ut labore",
     "To be, or not to be,",
     "x = [i * i for i in range(10)]\nprint(",
 ]

@@ -93,7 +93,8 @@ def test_gpu_memory_utilization_on_cpu_names_the_cpu_knobs(tiny_folder):
     )  # device auto: decided where it runs
     with pytest.raises(
         ValueError,
-        match=r"on CPU size the KV cache with kv_cache_memory_fraction .*device 'auto' found no GPU",
+        match=r"on CPU size the KV cache with kv_cache_memory_fraction "
+        r".*device 'auto' found no GPU",
     ):
         LLMEngine(config)
     with pytest.raises(ValueError, match=r"set only one of .*gpu_memory_utilization"):
@@ -160,7 +161,10 @@ def test_chat_template_override_inline_and_file(tiny_folder, tmp_path):
     assert "<|im_start|>user" in rendered(
         EngineConfig(model=tiny_folder)
     )  # the model's own (SmolLM2's)
-    inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+    inline = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[bot]{% endif %}"
+    )
     assert (
         rendered(EngineConfig(model=tiny_folder, chat_template=inline)) == "[user] hi there\n[bot]"
     )

@@ -191,7 +191,8 @@ def test_hf_token_is_sent_and_401_names_hf_token(fake_hub, tmp_path, hub_env):
 def test_missing_and_gated_repos_are_clear_errors(fake_hub, tmp_path):
     with pytest.raises(
         ValueError,
-        match=r"model .org/nothing.: repository not found on http://127\.0\.0\.1:\d+, and no local folder",
+        match=r"model .org/nothing.: repository not found on http://127\.0\.0\.1:\d+, "
+        r"and no local folder",
     ):
         resolve_model("org/nothing", download_dir=str(tmp_path))
     fake_hub.repos["org/gated"] = FakeRepo(

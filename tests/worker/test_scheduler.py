@@ -3,8 +3,8 @@ driven by hand the way ``LLMEngine.step`` drives them (schedule -> commit_comput
 finish), with made-up tokens standing in for the model's.
 
 Covers first-come first-served admission without starvation, which request preemption picks
-and how it comes back, the per-step token budget and ``max_num_seqs``, in-flight prefix dedup (siblings of an
-``n > 1`` request included), never a full prefix-cache hit, and
+and how it comes back, the per-step token budget and ``max_num_seqs``, in-flight prefix dedup
+(siblings of an ``n > 1`` request included), never a full prefix-cache hit, and
 ``queued_prefill_tokens``.
 """
 

@@ -67,7 +67,8 @@ class ShardPlan:
         else:  # fewer KV heads than ranks: each rank holds the one KV head its query heads read
             if world_size % spec.num_kv_heads:
                 raise ValueError(
-                    f"num_kv_heads={spec.num_kv_heads} does not divide tensor_parallel_size={world_size} "
+                    f"num_kv_heads={spec.num_kv_heads} does not divide "
+                    f"tensor_parallel_size={world_size} "
                     "(KV heads are replicated when there are fewer than ranks)"
                 )
             num_kv_heads = 1
