@@ -11,7 +11,8 @@ The TTFT model: ``queue_s + miss_cost_factor * miss_tokens / prefill_rate + host
 host_rate + remote_tokens / pull_rate + (one decode step if the replica is busy)``, where
 ``remote_tokens`` are prompt tokens past the replica's own match that a peer holds and it
 would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses),
-and ``queue_s = queued_prefill_tokens / prefill_rate + (waiting + unreported in-flight) * step_s``: chunked
+and ``queue_s = queued_prefill_tokens / prefill_rate + (waiting + unreported in-flight) *
+step_s``: chunked
 prefill shares each step with the running decodes. Unmeasured rates fall back to the
 configured defaults. Every policy's ``choose`` raises ``ValueError`` on an empty candidate
 list or a negative prompt length.

@@ -5,9 +5,12 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
 1. Load bound. Candidates are the replicas whose count of requests this router recently
    sent them (``RecentCounts``, a decayed window of ``load_window_per_replica`` decisions
    per replica) stays within ``max_load_ratio`` x the mean + ``LOAD_BOUND_SLACK_REQUESTS``
-   after this one (bounded-load hashing), or that hold fewer requests right now than every
-   replica under the bound (other routers' traffic). A hot prefix whose holder is at the bound
-   goes to the cheapest other replica, which then holds a copy and shares it. None turns this
+   after this one (bounded-load hashing), or that hold no more requests right now than the
+   least loaded replica under the bound: the counts see only this router's share of the
+   traffic (each ingress replica routes with its own), and a replica no busier than the
+   others is not being piled on, whatever this router sent it lately. A hot prefix whose
+   holder is at the bound and busier goes to the cheapest other replica, which then holds a
+   copy and shares it. None turns this
    off. When the bound excluded a cheaper replica the reason is ``LOAD_BOUND``.
 2. Price. Every candidate costs ``TTFTModel.predicted_ttft_s`` with ``miss_cost_factor``;
    with ``kv_pull_tokens_per_s`` set, the part of the prompt a peer holds on its device and
@@ -104,10 +107,10 @@ class PrefixPolicy:
         if all(under):
             return list(replicas)
         # The counts see only this router's traffic: a replica over the bound stays a candidate
-        # when it is strictly less loaded right now than every replica under it.
+        # while it is no more loaded right now than the least loaded replica under it.
         least_under = min(replica_load(v) for v, ok in zip(replicas, under, strict=True) if ok)
         return [
-            v for v, ok in zip(replicas, under, strict=True) if ok or replica_load(v) < least_under
+            v for v, ok in zip(replicas, under, strict=True) if ok or replica_load(v) <= least_under
         ]
 
     def choose(

@@ -2,18 +2,18 @@
 index that dies costs routing quality, never serving.
 
 One Ray instance (loopback only) serves the module. Each routing policy gets its own
-application of 2 tiny-llama replicas; the same shared-prefix workload (5 long system
-prompts x 3 questions, sent one at a time, round by round) goes through the OpenAI API and
-the test sums ``usage.prompt_tokens_details.cached_tokens``. A third application routes
-through a real ``redis-server`` index, which is stopped and started again under it. With 5 prompts alternating
-over 2 replicas, round robin sends every second request of a prompt to the replica that
-has not seen it; prefix routing sends them all to the one that has. Every application runs 2
-ingress replicas (the default with 2 engine replicas), each with its own router: a prefix
-first routed by one must reach the same engine replica through the other, since both read
-the one index. The ingress also serves CORS and a root_path there.
+application of 2 tiny-llama replicas; the same shared-prefix workload (5 long system prompts x
+3 questions, sent one at a time, round by round) goes through the OpenAI API and the test sums
+``usage.prompt_tokens_details.cached_tokens``. A third application routes through a real
+``redis-server`` index, which is stopped and started again under it. With 5 prompts alternating
+over 2 replicas, round robin sends every second request of a prompt to the replica that has not
+seen it; prefix routing sends them all to the one that has. Every application runs 2 ingress
+replicas (the default with 2 engine replicas), each with its own router: a prefix first routed
+by one must reach the same engine replica through the other, since both read the one index. The
+ingress also serves CORS and a root_path there.
 
-The first two tests need no Ray: the replica's KV stream re-announces what it holds to an
-index that lost it, and the router metrics of a process render as Prometheus series.
+The first two tests need no Ray: the replica's KV stream re-announces what it holds to an index
+that lost it, and the router metrics of a process render as Prometheus series.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 import httpx
 import pytest
 
+from cluster.app import ROUTING_STATS_PERIOD_S
 from cluster.ingress import INGRESS_HEADER, REPLICA_HEADER
 from cluster.kv_publisher import ReplicaKVPublisher
 from router.embedded_index import EmbeddedIndex
@@ -37,11 +38,12 @@ NUM_SYSTEM_PROMPTS = 5  # odd, so round robin alternates each prompt between the
 NUM_QUESTIONS = 3
 SYSTEM_TOKENS = 20 * BLOCK_SIZE
 QUESTION_TOKENS = 24
-# A user's think time between requests. Without it the next request can reach the router
-# before Serve reports the previous one finished; that in-flight request costs a decode step
-# (20 ms) in the predicted TTFT, more than the tiny model takes to prefill a whole system
-# prompt, so the policy would rightly send the repeat elsewhere.
-THINK_TIME_S = 0.1
+# A user's think time between requests, longer than the replicas' routing-stats period.
+# With two ingress replicas, the router that did not send the previous request learns that it
+# finished only from those stats; until then that request costs a decode step (20 ms) in the
+# predicted TTFT, more than the tiny model takes to prefill a whole system prompt, so the
+# policy would rightly send the repeat elsewhere.
+THINK_TIME_S = ROUTING_STATS_PERIOD_S + 0.3
 # Token ids of ordinary words in the SmolLM2 vocabulary (clear of the special tokens).
 TOKEN_RANGE = (1000, 40000)
 # Two ingress replicas: rounds of the workload until this many system prompts were routed
@@ -241,7 +243,10 @@ def _settled_counts(url: str, timeout_s: float = 15.0) -> tuple[float, float]:
 
     def counts() -> tuple[float, float]:
         text = httpx.get(f"{url}/metrics", timeout=10).text
-        totals = {"prefixserve:request_success_total": 0.0, "prefixserve:router_decisions_total": 0.0}
+        totals = {
+            "prefixserve:request_success_total": 0.0,
+            "prefixserve:router_decisions_total": 0.0,
+        }
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in totals:
@@ -259,7 +264,9 @@ def _settled_counts(url: str, timeout_s: float = 15.0) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(ray_cluster, cached_by_policy):
+def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(
+    ray_cluster, cached_by_policy
+):
     """Each ingress replica routes with its own router (own in-flight counts and load
     window); a prefix first routed through one reaches the same engine replica through the
     other, because both look it up in the one IndexActor of the application."""
@@ -297,11 +304,16 @@ def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(ray_clust
 @pytest.mark.slow
 def test_ingress_answers_cors_and_serves_under_its_root_path(ray_cluster, cached_by_policy):
     url = f"http://127.0.0.1:{ray_cluster[1]}"
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
     allowed = httpx.options(f"{url}/v1/completions", headers={"Origin": CORS_ORIGIN, **preflight})
     assert allowed.status_code == 200, allowed.text
     assert allowed.headers["access-control-allow-origin"] == CORS_ORIGIN
-    other = httpx.options(f"{url}/v1/completions", headers={"Origin": "http://other.example", **preflight})
+    other = httpx.options(
+        f"{url}/v1/completions", headers={"Origin": "http://other.example", **preflight}
+    )
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     # Behind a proxy that keeps the prefix, and one that strips it.
     for path in (f"{ROOT_PATH}/v1/models", "/v1/models"):

@@ -201,22 +201,26 @@ def test_choose_rejects_an_empty_candidate_list(name):
 
 
 def test_load_bound_spreads_a_hot_prefix_within_the_ratio():
-    """One holder of a hot prefix and idle others: the holder keeps it until its recent count
-    reaches ``max_load_ratio`` x the mean + slack; then the prefix gets a second holder."""
+    """One holder of a hot prefix, requests piling up (each still runs for the next few
+    decisions): the holder keeps it until its recent count passes ``max_load_ratio`` x the
+    mean + slack while it is busier than the others; then the prefix gets a second holder."""
     from router.prefix_policy import LOAD_BOUND_SLACK_REQUESTS
 
     policy = make_policy(CONFIG)
     blocks = prompt_blocks(6, num_blocks=64)
-    replicas = [idle(f"r{i}") for i in range(4)]
+    ids = [f"r{i}" for i in range(4)]
     counts = collections.Counter()
     reasons = collections.Counter()
     holders = {"r0"}
+    running: collections.deque[str] = collections.deque(maxlen=8)
     for _ in range(400):
+        replicas = [idle(rid, num_running=running.count(rid)) for rid in ids]
         matches = {rid: Match(64) for rid in holders}
         decision = policy.choose(blocks, 1024, replicas, matches)
         counts[decision.replica_id] += 1
         reasons[decision.reason] += 1
         holders.add(decision.replica_id)  # the chosen replica caches the prefix
+        running.append(decision.replica_id)
     mean = sum(counts.values()) / len(replicas)
     assert max(counts.values()) <= CONFIG.max_load_ratio * mean + LOAD_BOUND_SLACK_REQUESTS + 1
     assert len(holders) == 4  # replicated, not pinned to r0
@@ -228,7 +232,10 @@ def test_load_bound_spreads_a_hot_prefix_within_the_ratio():
     assert picks == {"r0"}  # without the bound the price alone keeps it on the holder
 
 
-def test_a_replica_over_the_bound_still_wins_when_it_is_the_least_loaded():
+def test_a_replica_over_the_bound_still_wins_while_it_is_no_busier_than_the_others():
+    """The recent counts see only this router's traffic (each ingress replica routes with its
+    own): a replica far over the bound keeps its prefix while it holds no more requests than
+    the others right now (nothing piles up there), and loses it once it is the busier one."""
     policy = make_policy(CONFIG)
     blocks = prompt_blocks(7, num_blocks=64)
     quiet = [idle("a"), idle("b")]
@@ -236,4 +243,7 @@ def test_a_replica_over_the_bound_still_wins_when_it_is_the_least_loaded():
         policy.choose(blocks, 1024, [quiet[0]], {})
     busy_b = [idle("a"), idle("b", num_waiting=4)]  # other routers' traffic loads "b"
     assert policy.choose(blocks, 1024, busy_b, {"a": Match(64)}).replica_id == "a"
-    assert policy.choose(blocks, 1024, quiet, {"a": Match(64)}).replica_id == "b"
+    assert policy.choose(blocks, 1024, quiet, {"a": Match(64)}).replica_id == "a"
+    busy_a = [idle("a", num_running=2), idle("b")]
+    decision = policy.choose(blocks, 1024, busy_a, {"a": Match(64)})
+    assert decision.replica_id == "b" and decision.reason == RoutingReason.LOAD_BOUND
