@@ -80,17 +80,17 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        preempted_now: set[int] = set()
+        preempted_now: set[Request] = set()  # requests hash by identity
         for req in list(self.running):
             if budget == 0:
                 break
-            if id(req) in preempted_now:
+            if req in preempted_now:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._grow(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted_now.add(id(victim))
+                preempted_now.add(victim)
                 if victim is req:
                     break
             if req.status != Status.RUNNING:
