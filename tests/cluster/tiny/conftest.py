@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import openai
 import pytest
 
 from tests.cluster.conftest import (
@@ -26,3 +27,16 @@ def tiny_server(tmp_path_factory):
     server, teardown = start_tiny_cluster(tmp_path_factory.mktemp("tiny-llama"))
     yield server
     teardown()
+
+
+@pytest.fixture(scope="package")
+def client(tiny_server) -> openai.OpenAI:
+    """The official OpenAI client on the tiny cluster (no retries: a failure shows)."""
+    return openai.OpenAI(
+        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
+    )
+
+
+@pytest.fixture(scope="package")
+def model(client) -> str:
+    return client.models.list().data[0].id

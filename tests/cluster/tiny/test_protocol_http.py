@@ -5,19 +5,11 @@ and errors whose code is a string or null."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
-    )
 
 
 def post(server, path: str, body: dict) -> httpx.Response:

@@ -20,18 +20,6 @@ REPLICA_HEADER = "x-prefixserve-replica"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
-    )
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def chat(client, model, content=PROMPT, **kw):
     return client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": content}], **kw

@@ -42,18 +42,6 @@ class Person(BaseModel):
     member: bool
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
-    )
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def schema_format(schema: dict) -> dict:
     return {
         "type": "json_schema",

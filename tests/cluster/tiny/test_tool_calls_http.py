@@ -12,7 +12,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -52,18 +51,6 @@ TOOLS = [
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
-    )
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def check_call(name: str, arguments: str, allowed: set[str]) -> None:
