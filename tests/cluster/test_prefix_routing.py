@@ -229,17 +229,15 @@ def cached_by_policy(ray_cluster) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_prefix_routing_caches_clearly_more_than_round_robin(cached_by_policy):
+def test_prefix_routing_caches_nearly_every_repeat_and_no_less_than_round_robin(cached_by_policy):
     # Every repeat of a system prompt can hit all of its blocks: 5 prompts x 2 repeats.
     # Round robin alternates per ingress replica, and the proxy picks one of the two at random,
     # so its share of hits varies from run to run (half the ideal with one ingress, 1600-2240
     # tokens seen with two); prefix routing must reach nearly all of them, whatever the proxy
-    # picks, and stay clearly ahead.
+    # picks (round robin rarely gets there: 2 of 10 repeats missed already fail the bar).
     ideal = NUM_SYSTEM_PROMPTS * (NUM_QUESTIONS - 1) * SYSTEM_TOKENS
     assert cached_by_policy["prefix"] >= 0.9 * ideal, cached_by_policy
-    assert cached_by_policy["prefix"] >= cached_by_policy["round_robin"] + 2 * SYSTEM_TOKENS, (
-        cached_by_policy
-    )
+    assert cached_by_policy["prefix"] >= cached_by_policy["round_robin"], cached_by_policy
 
 
 def _settled_counts(url: str, timeout_s: float = 15.0) -> tuple[float, float]:
