@@ -1,28 +1,45 @@
-"""Real-cluster comparison of routing policies in one run: prefix vs round robin vs least loaded.
+"""Real-cluster comparison of routing policies (issue 19): prefix vs round robin vs least loaded.
 
-    python bench/serve_compare.py                     # 3 CPU replicas, bundled SmolLM2
-    python bench/serve_compare.py --replicas 2 --policies prefix round_robin \\
-        --launch "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} \\
-        --expose-replica-headers"
+    python bench/serve_compare.py                     # the issue's run: see below
+    python bench/serve_compare.py --quick             # smoke: 2 replicas, prefix vs round robin
+    python bench/serve_compare.py --workload engine --replicas 2 --policies prefix round_robin
 
-For each policy it starts the cluster with ``--launch`` (``{replicas}``, ``{policy}``,
-``{port}`` filled in; the port is a free one derived per run), waits for ``GET /health`` to
-answer 200, runs the load generator (``bench.loadgen``) with the *same* workload, seed and
-rate, then stops the cluster it started (SIGINT, then SIGTERM after a grace period). It
-writes ``bench/results/serve_compare_<date>.json`` (header: machine, date, command, load
-average; one row per policy with the ``vllm bench serve`` summary keys, cached-token ratio,
-per-replica counts, their max/mean and the load average around its run),
-``serve_compare_<date>.md`` (the table) and ``serve_compare_<date>.png``. Each replica's
-torch runs ``--threads-per-replica`` threads (``OMP_NUM_THREADS`` in the server's
-environment, which Ray's workers inherit), so replicas do not oversubscribe a small machine.
+For each cluster size in ``--replicas`` and each policy in ``--policies`` it starts a fresh
+cluster with ``--launch`` (``{replicas}``, ``{policy}``, ``{port}`` and ``{engine_flags}``
+filled in), waits for ``GET /health``, runs every workload of ``--workload`` on it in turn
+(same requests, order and concurrency for every policy), then stops it (SIGINT, then SIGTERM).
 
-Failure modes: a cluster that is not healthy within ``--startup-timeout-s`` is stopped and
-its policy recorded with an ``error``; the other policies still run.
+Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurrency``):
+
+- ``engine``: ``bench/engine.py``'s workload (``bench.serve.workload``): 64 requests over 4
+  system prompts of 300-500 tokens, 64 output tokens each.
+- ``overflow``: prefixes that do not fit in one replica's KV cache but do fit in the cluster's.
+  16 groups x 4 requests (shuffled), each group a system prompt of ~440 words (~460 tokens with
+  the chat template, ~29 blocks of 16), so the distinct prefixes need ~470 blocks; every replica
+  gets ``--num-kv-blocks 320``: one replica holds at most ~10 groups (fewer with the running
+  requests' own blocks, ~6 each) and cycles through all 16 under a cache-blind policy, while 2
+  replicas hold 640 blocks and 3 hold 960, room for every prefix once plus 8 running requests.
+  The run records the real counts (``distinct_prefix_blocks``) and warns when one replica could
+  hold them all.
+- ``loadgen``: the load generator's own dataset, flags after ``--`` (no oracle: no token ids).
+
+Reported per (workload, size, policy): output tok/s, TTFT p50/p90/p99, cached-token ratio,
+the cached tokens served and the oracle's (every distinct prefix block prefilled once per
+cluster, from the requests' chat-template token ids: ``oracle_cached_tokens``), served/oracle,
+requests per replica and their max/mean. The verdict, per (workload, size): prefix beats every
+other policy on output tok/s and on each TTFT percentile, and serves >= 90% of the oracle's
+cached tokens. Writes ``bench/results/serve_compare_<tag>.json`` (header: machine, date,
+command, load averages), ``.md`` (tables and verdicts) and ``.png`` (grouped bars: sizes on the
+x axis, one bar per policy). Each replica's torch runs ``--threads-per-replica`` threads.
+
+Failure modes: a cluster that is not healthy within ``--startup-timeout-s`` is stopped and its
+rows carry an ``error``; the other clusters still run; the exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -31,6 +48,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -44,7 +63,18 @@ from bench.sim.report import machine_name
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_LAUNCH = (
     "prefixserve serve --num-replicas {replicas} --routing {policy} --port {port} "
-    "--expose-replica-headers"
+    "--expose-replica-headers {engine_flags}"
+)
+POLICIES = ("prefix", "round_robin", "least_loaded")
+OURS = "prefix"
+ORACLE_BAR = 0.9  # the issue's bar: prefix serves >= 90% of the oracle's cached tokens
+PERCENTILES = (50.0, 90.0, 99.0)
+# Figures the verdict compares: (result key, label, True when higher is better).
+FIGURES = (
+    ("output_throughput", "tok/s", True),
+    ("median_ttft_ms", "p50", False),
+    ("p90_ttft_ms", "p90", False),
+    ("p99_ttft_ms", "p99", False),
 )
 SUMMARY_KEYS = (
     "completed",
@@ -57,12 +87,89 @@ SUMMARY_KEYS = (
     "p90_ttft_ms",
     "p99_ttft_ms",
     "mean_tpot_ms",
-    "mean_itl_ms",
     "mean_e2el_ms",
+    "total_input_tokens",
+    "total_output_tokens",
+    "total_cached_tokens",
     "cached_token_ratio",
     "replica_request_counts",
 )
 STOP_GRACE_S = 30.0  # Serve and Ray need a few seconds to drain and shut down cleanly
+OVERFLOW_NUM_KV_BLOCKS = 320
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: tuple  # bench.serve.workload.ChatRequest (system, user, chat-template ids)
+    max_tokens: int
+    description: str
+
+
+def engine_workload(num_requests: int, max_tokens: int) -> Workload:
+    from bench.serve.workload import load_workload
+
+    reqs = tuple(load_workload(num_requests))
+    desc = f"bench/engine.py: {num_requests} requests, 4 system prompts, {max_tokens} tokens"
+    return Workload("engine", reqs, max_tokens, desc)
+
+
+def overflow_workload(
+    num_groups: int, prompts_per_group: int, system_words: int, max_tokens: int, seed: int = 0
+) -> Workload:
+    from bench.loadgen.workloads import generated_shared_prefix
+    from bench.serve.workload import ChatRequest
+    from worker.loader import resolve_model
+    from worker.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model("smollm2").path)
+    convs = generated_shared_prefix(seed, num_groups, prompts_per_group, system_words, 16, 1)
+    reqs = []
+    for conv in convs:
+        user = conv.turns[0].user_text
+        messages = [
+            {"role": "system", "content": conv.system_text},
+            {"role": "user", "content": user},
+        ]
+        ids = tuple(tokenizer.apply_chat_template(messages))
+        group = int(conv.system_text.split(".", 1)[0].removeprefix("Group "))
+        reqs.append(ChatRequest(conv.conversation_id, group, conv.system_text, user, ids))
+    desc = (
+        f"{num_groups} groups x {prompts_per_group} requests, ~{system_words}-word system "
+        f"prompts, {max_tokens} tokens"
+    )
+    return Workload("overflow", tuple(reqs), max_tokens, desc)
+
+
+def oracle_cached_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    """Per prompt, the tokens an ideal cluster serves from cache: its leading full blocks that
+    an earlier prompt (in send order) already had, i.e. each distinct prefix block prefilled
+    once per cluster, capped as the engine caps hits (the last prompt token is always computed:
+    at most ``(len - 1) // block_size`` blocks)."""
+    seen: set = set()
+    out = []
+    for ids in prompts:
+        keys, parent = [], None
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            parent = hash((parent, tuple(ids[start : start + block_size])))
+            keys.append(parent)
+        num_hit = 0
+        while num_hit < len(keys) and keys[num_hit] in seen:
+            num_hit += 1
+        out.append(min(num_hit, (len(ids) - 1) // block_size) * block_size)
+        seen.update(keys)
+    return out
+
+
+def distinct_prefix_blocks(prompts: Sequence[Sequence[int]], block_size: int) -> int:
+    """Full blocks shared by at least two prompts (what a cache must hold to serve every hit)."""
+    counts: dict = {}
+    for ids in prompts:
+        parent = None
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            parent = hash((parent, tuple(ids[start : start + block_size])))
+            counts[parent] = counts.get(parent, 0) + 1
+    return sum(1 for n in counts.values() if n > 1)
 
 
 def _free_port() -> int:
@@ -96,169 +203,322 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=STOP_GRACE_S)
 
 
-def run_policy(args, policy: str, loadgen_argv: list[str]) -> dict:
+def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -> dict:
+    """One workload against a running cluster: the load generator's result dict."""
+    from bench.loadgen.client import RequestSettings, run_benchmark
+    from bench.loadgen.metrics import compute_result
+    from bench.loadgen.workloads import Conversation, Turn
+
+    if workload is None:  # the load generator's own dataset and flags
+        ns = loadgen_cli.build_parser().parse_args(
+            ["--base-url", base_url, "--disable-tqdm", *loadgen_argv]
+        )
+        return loadgen_cli.run(ns)
+    model = loadgen_cli._first_model(base_url, None)
+    settings = RequestSettings(base_url, model, "/v1/chat/completions", 0.0, True, 600.0)
+    convs = [
+        Conversation(i, r.system_text, (Turn(r.user_text, workload.max_tokens),))
+        for i, r in enumerate(workload.requests)
+    ]
+    outputs, stats = asyncio.run(
+        run_benchmark(settings, convs, max_concurrency=args.concurrency, seed=args.seed)
+    )
+    result = compute_result(outputs, stats, PERCENTILES)
+    sent = [len(r.token_ids) for r in workload.requests]
+    result["prompt_ids_match_server"] = result["input_lens"] == sent
+    return result
+
+
+def run_cluster(args, replicas: int, policy: str, workloads, loadgen_argv) -> list[dict]:
+    """One fresh cluster: every workload in turn; one row per workload."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    command = args.launch.format(replicas=args.replicas, policy=policy, port=port)
-    log_path = args.log_dir / f"serve_compare_{args.tag}_{policy}.log"
+    command = args.launch.format(
+        replicas=replicas, policy=policy, port=port, engine_flags=engine_flags(args)
+    ).strip()
+    log_path = args.log_dir / f"serve_compare_{args.tag}_{replicas}x_{policy}.log"
     env = dict(os.environ)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(args.threads_per_replica)
-    # The launched CLI imports this checkout's packages, installed or not.
-    repo_root = str(Path(__file__).resolve().parents[1])
+    repo_root = str(Path(__file__).resolve().parents[1])  # the CLI imports this checkout
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
-    load_before = os.getloadavg()
+    rows = []
+    base = {"replicas": replicas, "policy": policy, "command": command}
+    started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_healthy(base_url, proc, args.startup_timeout_s)
-            ns = loadgen_cli.build_parser().parse_args(
-                ["--base-url", base_url, "--label", policy, "--disable-tqdm", *loadgen_argv]
-            )
-            result = loadgen_cli.run(ns)
-        except RuntimeError as exc:
-            return {"policy": policy, "command": command, "error": str(exc)}
+            base["startup_s"] = round(time.monotonic() - started, 1)
+            for name, workload in workloads:
+                load_before = os.getloadavg()
+                print(f"[{replicas} x {policy}] {name} ...", file=sys.stderr, flush=True)
+                result = run_workload(args, base_url, workload, loadgen_argv)
+                rows.append(make_row(base, name, workload, result, replicas, args.block_size))
+                rows[-1]["loadavg_before"] = [round(x, 2) for x in load_before]
+                rows[-1]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        except (RuntimeError, httpx.HTTPError) as exc:
+            done = {r["workload"] for r in rows}
+            rows += [
+                {**base, "workload": n, "error": str(exc)} for n, _ in workloads if n not in done
+            ]
         finally:
-            load_after = os.getloadavg()
             _stop(proc)
-    row = {"policy": policy, "command": command}
+    return rows
+
+
+def make_row(base: dict, name: str, workload, result: dict, replicas: int, block_size: int):
+    row = {**base, "workload": name}
     row.update({k: result.get(k) for k in SUMMARY_KEYS})
     counts = list((row.get("replica_request_counts") or {}).values())
-    if counts and len(counts) < args.replicas:
-        counts += [0] * (args.replicas - len(counts))  # a replica that got nothing
+    counts += [0] * max(0, replicas - len(counts))  # a replica that got nothing
     row["max_mean_load"] = max(counts) / (sum(counts) / len(counts)) if sum(counts) else None
-    row["loadavg_before"] = [round(x, 2) for x in load_before]
-    row["loadavg_after"] = [round(x, 2) for x in load_after]
+    if workload is not None:
+        oracle = sum(oracle_cached_tokens([r.token_ids for r in workload.requests], block_size))
+        row["oracle_cached_tokens"] = oracle
+        row["served_of_oracle"] = (row["total_cached_tokens"] or 0) / oracle if oracle else None
+        row["prompt_ids_match_server"] = result.get("prompt_ids_match_server")
     return row
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = [
-        "| policy | ok | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | cached | per replica | "
-        "max/mean | load avg (1 min) before/after |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+def engine_flags(args) -> str:
+    flags = [f"--block-size {args.block_size}"]
+    if args.num_kv_blocks:
+        flags.append(f"--num-kv-blocks {args.num_kv_blocks}")
+    return " ".join(flags)
+
+
+def verdict(rows: Sequence[dict]) -> dict:
+    """For one (workload, size): does prefix beat every other policy on each figure, and does it
+    serve >= ``ORACLE_BAR`` of the oracle's cached tokens? ``passed`` is all of them."""
+    ours = next((r for r in rows if r["policy"] == OURS and "error" not in r), None)
+    others = [r for r in rows if r["policy"] != OURS and "error" not in r]
+    if ours is None or not others:
+        return {"passed": False, "figures": {}, "oracle": None, "note": "prefix or rivals missing"}
+    figures = {}
+    for key, label, higher in FIGURES:
+        mine = ours[key]
+        figures[label] = all((mine > r[key]) if higher else (mine < r[key]) for r in others)
+    share = ours.get("served_of_oracle")
+    oracle_ok = None if share is None else share >= ORACLE_BAR
+    passed = all(figures.values()) and oracle_ok is not False and not ours["failed"]
+    return {"passed": passed, "figures": figures, "oracle": oracle_ok}
+
+
+def groups(rows: Sequence[dict]) -> dict:
+    out: dict = {}
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['policy']} | error: {r['error']} | | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['policy']} | {r['completed']}/{r['completed'] + r['failed']} | "
-            f"{r['median_ttft_ms']:.0f} | {r['p90_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
-            f"{(r['cached_token_ratio'] or 0):.3f} | {r['replica_request_counts']} | "
-            f"{r['max_mean_load'] or 0:.2f} | "
-            f"{r['loadavg_before'][0]:.2f} / {r['loadavg_after'][0]:.2f} |"
-        )
-    return "\n".join(lines)
+        out.setdefault((r["workload"], r["replicas"]), []).append(r)
+    return out
 
 
-def plot(rows: list[dict], path: Path, subtitle: str) -> None:
+def _verdict_cell(row: dict, v: dict) -> str:
+    if row["policy"] != OURS:
+        return ""
+    beaten = [label for label, ok in v["figures"].items() if ok]
+    lost = [label for label, ok in v["figures"].items() if not ok]
+    text = "beats all on " + (", ".join(beaten) or "nothing")
+    if lost:
+        text += "; not on " + ", ".join(lost)
+    if v["oracle"] is not None:
+        text += f"; oracle {'>=' if v['oracle'] else '<'} {ORACLE_BAR:.0%}"
+    return ("PASS: " if v["passed"] else "FAIL: ") + text
+
+
+def markdown(rows: Sequence[dict]) -> str:
+    """One table per workload: a row per (size, policy) with the verdict on prefix's row."""
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        out += [
+            f"### {workload}",
+            "",
+            "| replicas | policy | ok | out tok/s | TTFT p50 / p90 / p99 ms | cached ratio | "
+            "cached tok | oracle tok | served/oracle | per replica | max/mean | verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for (name, size), group in groups(rows).items():
+            if name != workload:
+                continue
+            v = verdict(group)
+            for r in group:
+                if "error" in r:
+                    out.append(f"| {size} | {r['policy']} | error: {r['error']} |" + " |" * 9)
+                    continue
+                oracle = r.get("oracle_cached_tokens")
+                share = r.get("served_of_oracle")
+                out.append(
+                    f"| {size} | {r['policy']} | {r['completed']}/{r['completed'] + r['failed']} "
+                    f"| {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} / "
+                    f"{r['p90_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+                    f"{(r['cached_token_ratio'] or 0):.3f} | {r['total_cached_tokens']} | "
+                    f"{'n/a' if oracle is None else oracle} | "
+                    f"{'n/a' if share is None else f'{share:.1%}'} | "
+                    f"{' '.join(str(c) for c in (r['replica_request_counts'] or {}).values())} | "
+                    f"{r['max_mean_load'] or 0:.2f} | {_verdict_cell(r, v)} |"
+                )
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: Sequence[dict], path: Path, subtitle: str) -> None:
+    """Grouped bars: one row of panels per workload (tok/s, TTFT p50/p90/p99, served/oracle),
+    cluster sizes on the x axis, one bar per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if "error" not in r]
-    names = [r["policy"] for r in ok]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    # TTFT: one group of bars per policy (p50, p90, p99), seconds.
-    pcts = (("median_ttft_ms", "p50"), ("p90_ttft_ms", "p90"), ("p99_ttft_ms", "p99"))
-    width = 0.8 / len(pcts)
-    for j, (key, label) in enumerate(pcts):
-        xs = [i + (j - 1) * width for i in range(len(ok))]
-        axes[0].bar(xs, [r[key] / 1000 for r in ok], width, label=label)
-    axes[0].set_title("time to first token, s (lower is better)")
-    axes[0].legend()
-    axes[1].bar(names, [r["cached_token_ratio"] or 0 for r in ok], color="#2b7bba")
-    axes[1].set_ylim(0, 1)
-    axes[1].set_title("cached share of prompt tokens (higher is better)")
-    # Requests per replica: replicas are numbered within each policy's own cluster.
-    most = max((len(r["replica_request_counts"]) for r in ok), default=0)
-    width = 0.8 / max(most, 1)
-    for j in range(most):
-        xs = [i + (j - (most - 1) / 2) * width for i in range(len(ok))]
-        counts = [sorted(r["replica_request_counts"].values(), reverse=True) for r in ok]
-        axes[2].bar(
-            xs, [c[j] if j < len(c) else 0 for c in counts], width, label=f"replica {j + 1}"
-        )
-    axes[2].set_title("requests per replica (busiest first)")
-    axes[2].legend(fontsize=8)
-    for ax in axes:
-        ax.set_xticks(range(len(ok)))
-        ax.set_xticklabels(names)
+    names = list(dict.fromkeys(r["workload"] for r in ok))
+    policies = list(dict.fromkeys(r["policy"] for r in ok))
+    panels = (
+        ("output_throughput", "output tok/s (higher is better)", 1.0),
+        ("median_ttft_ms", "TTFT p50, s (lower is better)", 1e-3),
+        ("p90_ttft_ms", "TTFT p90, s", 1e-3),
+        ("p99_ttft_ms", "TTFT p99, s", 1e-3),
+        ("served_of_oracle", "cached tokens / oracle's", 1.0),
+    )
+    fig, axes = plt.subplots(len(names), len(panels), figsize=(18, 3.6 * len(names)), squeeze=False)
+    colors = {"prefix": "#d95f02", "round_robin": "#7570b3", "least_loaded": "#1b9e77"}
+    for i, name in enumerate(names):
+        sizes = sorted({r["replicas"] for r in ok if r["workload"] == name})
+        width = 0.8 / max(len(policies), 1)
+        for j, (key, title, scale) in enumerate(panels):
+            ax = axes[i][j]
+            for k, policy in enumerate(policies):
+                cell = {
+                    r["replicas"]: r for r in ok if r["workload"] == name and r["policy"] == policy
+                }
+                xs = [s + (k - (len(policies) - 1) / 2) * width for s in range(len(sizes))]
+                ys = [(cell[s].get(key) or 0) * scale if s in cell else 0 for s in sizes]
+                ax.bar(xs, ys, width, label=policy, color=colors.get(policy))
+            if key == "served_of_oracle":
+                ax.axhline(ORACLE_BAR, color="k", lw=0.8, ls="--")
+                ax.set_ylim(0, 1.05)
+            ax.set_xticks(range(len(sizes)))
+            ax.set_xticklabels([f"{s} replicas" for s in sizes])
+            ax.set_title(f"{name}: {title}", fontsize=9)
+        axes[i][0].legend(fontsize=8)
     fig.suptitle(subtitle, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def build_workloads(args) -> list[tuple[str, Workload | None]]:
+    out = []
+    for name in args.workload:
+        if name == "engine":
+            n, tokens = (16, 16) if args.quick else (args.engine_requests, 64)
+            out.append((name, engine_workload(n, tokens)))
+        elif name == "overflow":
+            per_group, tokens = (2, 16) if args.quick else (args.overflow_prompts_per_group, 32)
+            wl = overflow_workload(
+                args.overflow_groups, per_group, args.overflow_system_words, tokens
+            )
+            out.append((name, wl))
+        else:
+            out.append((name, None))
+    return out
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--policies", nargs="+", default=["prefix", "round_robin", "least_loaded"])
-    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--workload", nargs="+", choices=["engine", "overflow", "loadgen"])
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=None)
+    p.add_argument("--replicas", type=int, nargs="+", default=None, help="default: 2 3")
+    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    p.add_argument("--engine-requests", type=int, default=64)
+    p.add_argument("--overflow-groups", type=int, default=16)
+    p.add_argument("--overflow-prompts-per-group", type=int, default=4)
+    p.add_argument("--overflow-system-words", type=int, default=440)
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help=f"per replica (default: {OVERFLOW_NUM_KV_BLOCKS} with the overflow workload, "
+        "else the engine's default)",
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, prefix/round_robin")
     p.add_argument("--launch", default=DEFAULT_LAUNCH)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--tag", default=time.strftime("%Y%m%d", time.gmtime()))
+    p.add_argument("--tag", default=None, help="file name suffix (default: the UTC date)")
     p.add_argument("--threads-per-replica", type=int, default=1)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="server logs (not results)")
-    p.add_argument(
-        "loadgen_args",
-        nargs="*",
-        default=[
-            "--dataset-name",
-            "generated-shared-prefix",
-            "--gsp-num-groups",
-            "6",
-            "--gsp-prompts-per-group",
-            "8",
-            "--gsp-system-prompt-len",
-            "384",
-            "--gsp-question-len",
-            "32",
-            "--gsp-output-len",
-            "16",
-            "--request-rate",
-            "2",
-            "--seed",
-            "0",
-            "--metric-percentiles",
-            "50,90,99",
-        ],
-        help="flags passed to the load generator after '--' (same for every policy)",
-    )
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    p.add_argument("loadgen_args", nargs="*", help="with --workload loadgen: its flags after --")
+    args = p.parse_args(argv)
+    args.workload = args.workload or ["engine", "overflow"]
+    args.replicas = args.replicas or ([2] if args.quick else [2, 3])
+    args.policies = args.policies or (["prefix", "round_robin"] if args.quick else list(POLICIES))
+    if args.num_kv_blocks is None and "overflow" in args.workload:
+        args.num_kv_blocks = OVERFLOW_NUM_KV_BLOCKS
+    if args.tag is None:
+        args.tag = time.strftime("%Y%m%d", time.gmtime()) + ("_quick" if args.quick else "")
+    if "--metric-percentiles" not in args.loadgen_args:
+        args.loadgen_args += ["--metric-percentiles", "50,90,99"]
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    loadgen_argv = list(args.loadgen_args)
-    if "--metric-percentiles" not in loadgen_argv:
-        loadgen_argv += ["--metric-percentiles", "50,90,99"]
+    workloads = build_workloads(args)
+    workload_info = {}
+    for name, wl in workloads:
+        if wl is None:
+            continue
+        prompts = [r.token_ids for r in wl.requests]
+        blocks = distinct_prefix_blocks(prompts, args.block_size)
+        workload_info[name] = {
+            "description": wl.description,
+            "num_requests": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "distinct_prefix_blocks": blocks,
+            "oracle_cached_tokens": sum(oracle_cached_tokens(prompts, args.block_size)),
+        }
+        if name == "overflow" and args.num_kv_blocks and blocks <= args.num_kv_blocks:
+            print(f"warning: {blocks} prefix blocks fit in one replica's {args.num_kv_blocks}")
     load_start = os.getloadavg()
-    rows = [run_policy(args, policy, loadgen_argv) for policy in args.policies]
+    rows = []
+    for replicas in args.replicas:
+        for policy in args.policies:
+            rows += run_cluster(args, replicas, policy, workloads, args.loadgen_args)
+    verdicts = [{"workload": w, "replicas": n, **verdict(g)} for (w, n), g in groups(rows).items()]
     header = {
         "machine": machine_name(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python "
-        + shlex.join(["bench/serve_compare.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": "python " + shlex.join(["bench/serve_compare.py", *argv]),
         "replicas": args.replicas,
+        "policies": args.policies,
+        "concurrency": args.concurrency,
         "threads_per_replica": args.threads_per_replica,
-        "loadgen_args": loadgen_argv,
+        "engine_flags": engine_flags(args),
+        "workloads": workload_info,
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "note": "shared 2-core machine: other work ran alongside (see the load averages)",
     }
     path = args.out_dir / f"serve_compare_{args.tag}.json"
-    path.write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+    path.write_text(json.dumps({"header": header, "verdicts": verdicts, "rows": rows}, indent=1))
     table = markdown(rows)
+    passed = sum(v["passed"] for v in verdicts)
     (args.out_dir / f"serve_compare_{args.tag}.md").write_text(
         f"# Real run: {header['date']}, {header['machine']}\n\n`{header['command']}`\n\n"
-        f"{args.replicas} CPU replicas, {args.threads_per_replica} thread(s) each; load average "
-        f"at start {header['loadavg_start']}, at end {header['loadavg_end']}.\n\n{table}\n"
+        f"{', '.join(map(str, args.replicas))} CPU replicas, {args.threads_per_replica} "
+        f"thread(s) each, concurrency {args.concurrency} (closed loop), engine flags "
+        f"`{header['engine_flags']}`; load average at start {header['loadavg_start']}, at end "
+        f"{header['loadavg_end']}. Verdict: prefix passes {passed} of {len(verdicts)} "
+        f"(workload, size) cells.\n\n{table}\n"
     )
     print(table)
     if any("error" not in r for r in rows):
         subtitle = (
-            f"{header['machine']} {header['date']}, {args.replicas} replicas x "
-            f"{args.threads_per_replica} thread, load avg {header['loadavg_start'][0]:.1f}"
+            f"{header['machine']} {header['date']}, {args.threads_per_replica} thread/replica, "
+            f"concurrency {args.concurrency}, load avg {header['loadavg_start'][0]:.1f}"
         )
         plot(rows, args.out_dir / f"serve_compare_{args.tag}.png", subtitle)
     print(f"wrote {path}")

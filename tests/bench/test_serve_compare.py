@@ -1,0 +1,135 @@
+"""bench/serve_compare.py without a cluster: the oracle's cached tokens, the verdict, the
+markdown table, the plot and the arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import serve_compare as sc
+
+B = 4  # block size of these tests
+
+
+def test_oracle_counts_each_distinct_prefix_block_once():
+    a = list(range(10))  # 2 full blocks + 2 tokens
+    b = list(range(8)) + [99, 98, 97, 96, 95]  # shares a's 2 blocks, then its own
+    c = [7] * 9  # nothing shared
+    assert sc.oracle_cached_tokens([a, b, c], B) == [0, 8, 0]
+    # The third copy of a prompt hits as much as the second: the prefix is prefilled once.
+    assert sc.oracle_cached_tokens([a, a, a], B) == [0, 8, 8]
+
+
+def test_oracle_is_prefix_chained_and_capped_like_the_engine():
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    b = [0, 0, 0, 0, 5, 6, 7, 8]  # same second block, different first: no hit
+    assert sc.oracle_cached_tokens([a, b], B) == [0, 0]
+    # A whole-prompt repeat: the last token is always computed, so 1 block, not 2.
+    assert sc.oracle_cached_tokens([a, a], B) == [0, 4]
+    assert sc.oracle_cached_tokens([a + [9], a + [9]], B) == [0, 8]
+
+
+def test_distinct_prefix_blocks_counts_shared_blocks_only():
+    a = list(range(12))
+    b = list(range(8)) + [50, 51, 52, 53]
+    assert sc.distinct_prefix_blocks([a, b, [9] * 8], B) == 2
+    assert sc.distinct_prefix_blocks([a], B) == 0
+
+
+def _row(policy, tok_s, p50, p90, p99, served=None, size=2, workload="engine", failed=0):
+    return {
+        "workload": workload,
+        "replicas": size,
+        "policy": policy,
+        "completed": 64 - failed,
+        "failed": failed,
+        "output_throughput": tok_s,
+        "median_ttft_ms": p50,
+        "p90_ttft_ms": p90,
+        "p99_ttft_ms": p99,
+        "cached_token_ratio": 0.5,
+        "total_cached_tokens": 1000,
+        "oracle_cached_tokens": None if served is None else 1000,
+        "served_of_oracle": served,
+        "replica_request_counts": {"replica-a": 32, "replica-b": 32},
+        "max_mean_load": 1.0,
+    }
+
+
+def test_verdict_passes_only_when_prefix_beats_every_rival_on_every_figure():
+    rows = [
+        _row("prefix", 60.0, 100, 200, 300, served=0.95),
+        _row("round_robin", 50.0, 150, 250, 350),
+        _row("least_loaded", 55.0, 120, 220, 320),
+    ]
+    v = sc.verdict(rows)
+    assert v["passed"] and all(v["figures"].values()) and v["oracle"] is True
+    # One rival ahead on one figure (p99) fails that figure and the verdict.
+    rows[2] = _row("least_loaded", 55.0, 120, 220, 290)
+    v = sc.verdict(rows)
+    assert not v["passed"] and v["figures"] == {
+        "tok/s": True,
+        "p50": True,
+        "p90": True,
+        "p99": False,
+    }
+    # A tie is not a win.
+    rows[2] = _row("least_loaded", 60.0, 120, 220, 320)
+    assert not sc.verdict(rows)["figures"]["tok/s"]
+
+
+def test_verdict_needs_ninety_percent_of_the_oracle_and_no_failures():
+    rivals = [_row("round_robin", 50.0, 150, 250, 350)]
+    assert not sc.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.89), *rivals])["passed"]
+    assert sc.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.90), *rivals])["passed"]
+    assert not sc.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.99, failed=1), *rivals])["passed"]
+    errored = {"workload": "engine", "replicas": 2, "policy": "prefix", "error": "not healthy"}
+    assert not sc.verdict([errored, *rivals])["passed"]
+
+
+def test_markdown_has_one_table_per_workload_and_the_verdict_on_prefix_rows():
+    rows = [
+        _row("prefix", 60.0, 100, 200, 300, served=0.95),
+        _row("round_robin", 50.0, 150, 250, 350, served=0.5),
+        _row("prefix", 40.0, 100, 200, 300, served=0.80, size=3, workload="overflow"),
+        _row("round_robin", 50.0, 150, 250, 350, served=0.4, size=3, workload="overflow"),
+        {"workload": "overflow", "replicas": 3, "policy": "least_loaded", "error": "boom"},
+    ]
+    text = sc.markdown(rows)
+    assert text.count("### ") == 2 and "### engine" in text and "### overflow" in text
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    prefix_2 = next(line for line in lines if line.startswith("| 2 | prefix"))
+    assert "PASS: beats all on tok/s, p50, p90, p99; oracle >= 90%" in prefix_2
+    assert "95.0%" in prefix_2 and "100 / 200 / 300" in prefix_2
+    prefix_3 = next(line for line in lines if line.startswith("| 3 | prefix"))
+    assert "FAIL" in prefix_3 and "not on tok/s" in prefix_3 and "oracle < 90%" in prefix_3
+    assert "error: boom" in text
+    header_cells = lines[0].count("|")
+    assert all(line.count("|") == header_cells for line in lines), "ragged table"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        _row(p, 50.0 + i, 100, 200, 300, served=0.9, size=s)
+        for i, p in enumerate(sc.POLICIES)
+        for s in (2, 3)
+    ]
+    path = tmp_path / "x.png"
+    sc.plot(rows, path, "test")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_arguments_defaults_and_quick():
+    args = sc.parse_args([])
+    assert args.workload == ["engine", "overflow"] and args.replicas == [2, 3]
+    assert args.policies == list(sc.POLICIES) and args.concurrency == 8
+    assert args.num_kv_blocks == sc.OVERFLOW_NUM_KV_BLOCKS
+    assert "--num-kv-blocks 320" in sc.engine_flags(args)
+    quick = sc.parse_args(["--quick"])
+    assert quick.replicas == [2] and quick.tag.endswith("_quick")
+    engine_only = sc.parse_args(["--workload", "engine", "--replicas", "3"])
+    assert engine_only.num_kv_blocks is None and "--num-kv-blocks" not in sc.engine_flags(
+        engine_only
+    )
+    with pytest.raises(SystemExit):
+        sc.parse_args(["--workload", "nope"])
