@@ -42,7 +42,11 @@ def _ours(args):
         overrides["max_load_ratio"] = None if args.max_load_ratio <= 0 else args.max_load_ratio
     if args.miss_cost_factor is not None:
         overrides["miss_cost_factor"] = args.miss_cost_factor
-    return OursPolicy(speculative=not args.no_speculative, router_overrides=overrides)
+    return OursPolicy(
+        speculative=not args.no_speculative,
+        router_overrides=overrides,
+        pull_price_factor=args.pull_price_factor,
+    )
 
 
 POLICIES = {
@@ -56,10 +60,10 @@ POLICIES = {
 }
 
 
-def _pull_price_factor() -> float:
+def _pull_price_factor(args) -> float:
     from bench.sim.ours import PULL_PRICE_FACTOR
 
-    return PULL_PRICE_FACTOR
+    return PULL_PRICE_FACTOR if args.pull_price_factor is None else args.pull_price_factor
 
 
 def parse_args(argv):
@@ -98,6 +102,13 @@ def parse_args(argv):
         help="prefix's RouterConfig.max_load_ratio (default: RouterConfig's; <= 0: no bound)",
     )
     p.add_argument("--miss-cost-factor", type=float, default=None, help="prefix's miss_cost_factor")
+    p.add_argument(
+        "--pull-price-factor",
+        type=float,
+        default=None,
+        help="with --kv-pulls: prefix prices a pull at this many times its transfer time "
+        "(default: bench/sim/ours.py PULL_PRICE_FACTOR)",
+    )
     p.add_argument("--small", action="store_true", help="16 replicas, 20 requests each")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default=None, help="file name suffix (default: the UTC date)")
@@ -158,7 +169,7 @@ def run(args) -> tuple[list[dict], dict]:
             "seed": args.seed,
             "speculative": not args.no_speculative,
             "kv_pull": None if pull is None else dataclasses.asdict(pull),
-            "prefix_pull_price_factor": None if pull is None else _pull_price_factor(),
+            "prefix_pull_price_factor": None if pull is None else _pull_price_factor(args),
             "prefix_overrides": {
                 "max_load_ratio": args.max_load_ratio,
                 "miss_cost_factor": args.miss_cost_factor,

@@ -29,14 +29,18 @@ from router.policy import ReplicaView
 from router.protocol import HASH_NUM_BYTES, ReplicaStats
 
 
-def sim_router_config(sim, policy: str, **overrides) -> RouterConfig:
+def sim_router_config(
+    sim, policy: str, pull_price_factor: float | None = None, **overrides
+) -> RouterConfig:
     """The ``RouterConfig`` an operator would give ``policy`` on the simulated engine: its
     calibrated rates as the defaults, the block size and seed of the run, the pull rate when
-    the simulated replicas pull KV from peers; ``overrides`` replace fields (tuning runs)."""
+    the simulated replicas pull KV from peers (divided by ``pull_price_factor``, default
+    ``PULL_PRICE_FACTOR``); ``overrides`` replace fields (tuning runs)."""
     rates = sim.rates
     pull = sim.config.pull
+    factor = PULL_PRICE_FACTOR if pull_price_factor is None else pull_price_factor
     fields = dict(
-        kv_pull_tokens_per_s=None if pull is None else pull.pull_tokens_per_s / PULL_PRICE_FACTOR,
+        kv_pull_tokens_per_s=None if pull is None else pull.pull_tokens_per_s / factor,
     )
     fields.update(overrides)
     return RouterConfig(
@@ -100,9 +104,11 @@ class OursPolicy:
         speculative: bool = True,
         router_config: RouterConfig | None = None,
         router_overrides: dict | None = None,
+        pull_price_factor: float | None = None,
     ) -> None:
         self.router_config = router_config
         self.router_overrides = router_overrides or {}
+        self.pull_price_factor = pull_price_factor
         self.speculative = speculative
         self._policy = None
         self._views: SimViews | None = None
@@ -111,7 +117,9 @@ class OursPolicy:
 
     def _setup(self, sim) -> None:
         if self.router_config is None:
-            self.router_config = sim_router_config(sim, "prefix", **self.router_overrides)
+            self.router_config = sim_router_config(
+                sim, "prefix", self.pull_price_factor, **self.router_overrides
+            )
         self._policy = make_policy(self.router_config)
         self._views = SimViews(sim)
         self._index_of = {r.replica_id: r.index for r in sim.replicas}

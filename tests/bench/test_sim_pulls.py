@@ -164,3 +164,17 @@ def test_summary_ranks_ours_p90_with_ties_within_one_percent():
     assert summary["v"]["p90_rank"] == 2
     assert summary["w"]["hit_of_oracle"] == pytest.approx(0.9)
     assert "| w | 8 | 90.0% | 1.10 | 1 of 3 |" in report.summary_table(summary.values())
+
+
+def test_prefix_prices_pulls_at_the_chosen_factor_of_the_transfer_time():
+    from bench.sim.ours import PULL_PRICE_FACTOR
+
+    sim = Simulator(SimConfig(2, 64, block_size=4, rates=RATES, pull=PULL), RandomPolicy())
+    default, tuned = OursPolicy(), OursPolicy(pull_price_factor=4.0)
+    default._setup(sim)
+    tuned._setup(sim)
+    assert default.router_config.kv_pull_tokens_per_s == pytest.approx(120.0 / PULL_PRICE_FACTOR)
+    assert tuned.router_config.kv_pull_tokens_per_s == pytest.approx(30.0)
+    no_pulls = OursPolicy(pull_price_factor=4.0)
+    no_pulls._setup(Simulator(SimConfig(2, 64, block_size=4, rates=RATES), RandomPolicy()))
+    assert no_pulls.router_config.kv_pull_tokens_per_s is None
