@@ -15,17 +15,23 @@ in. Per fault it reports:
 - ``recovery_s``: from the fault until a probe request succeeds and the killed kind of
   process is back to its count;
 - ``leaked_blocks``: KV blocks still held once the load is over and the replicas idle
-  (``kv_cache_usage_perc`` x ``--num-kv-blocks``); must be 0.
+  (``kv_cache_usage_perc`` x the replica's KV blocks); must be 0.
 
 Faults: an engine replica SIGKILLed; the embedded index actor SIGKILLed; an ingress replica
 SIGKILLed; a client disconnect storm (streams dropped after their first token); slow readers
 (streams never drained for a while). With ``--redis`` the index is a redis-server this script
 starts, and two more faults run: Redis killed then restarted, and Redis slowed by a TCP proxy
-adding latency. Writes ``bench/results/chaos_<date>.{json,md}``.
+adding latency. ``tp_worker_kill`` SIGKILLs one tensor-parallel worker (rank 1) of an engine
+replica: it runs on a second server started with ``--tensor-parallel-size 2`` after the
+others, with its own fault-free run (outputs may differ between TP degrees). Writes
+``bench/results/chaos_<date>.{json,md}``.
+
+The parts are importable (``Target``, ``Load``, ``run_baseline``, ``run_fault``): the CI-sized
+suite in ``tests/chaos/`` runs them against a tiny-model cluster started by pytest, with the
+pytest process as the root whose descendants faults may touch.
 
 Failure modes: the server not starting raises (its log is in the temporary folder printed
-at the start); a fault
-whose process cannot be found is reported as skipped, not as a pass.
+at the start); a fault whose process cannot be found is reported as skipped, not as a pass.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import math
 import os
 import signal
 import socket
@@ -59,6 +66,44 @@ NUM_KV_BLOCKS = 1024
 REQUEST_TIMEOUT_S = 300.0
 REDIS_SLOW_DELAY_S = 0.05
 """Latency the slow-Redis proxy adds to each chunk, each way."""
+KILL_TITLES = {
+    "replica_kill": "EngineReplica",
+    "index_kill": "IndexActor",
+    "ingress_kill": "Ingress",
+    "tp_worker_kill": "TensorParallelWorker",
+}
+"""Faults that SIGKILL one Ray worker process, by the title (``ray::...``) it runs under."""
+FAULTS = (*KILL_TITLES, "disconnect_storm", "slow_readers")
+REDIS_FAULTS = ("redis_restart", "redis_slow")
+TP_FAULTS = ("tp_worker_kill",)
+"""Faults that need a server whose replicas run tensor-parallel workers."""
+TP_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Target:
+    """A running cluster: where the load goes and which processes faults may touch."""
+
+    url: str
+    root_pid: int
+    """Faults SIGKILL only descendants of this process (the server, or the test that started
+    Ray), never another cluster on the same machine."""
+    headers: dict = field(default_factory=dict)
+    num_kv_blocks: int = NUM_KV_BLOCKS
+    """KV blocks per engine replica, to turn ``kv_cache_usage_perc`` into blocks."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """The steady load and the sizes of the client-side faults."""
+
+    concurrency: int = 8
+    duration_s: float = 60.0
+    max_tokens: int = MAX_TOKENS
+    storm_streams: int = 32
+    storm_max_tokens: int = 256
+    slow_streams: int = 8
+    slow_read_s: float = 2.0
 
 
 @dataclass
@@ -69,12 +114,16 @@ class Outcome:
     text: str = ""
     done: bool = False
     error: str = ""
+    end_s: float | None = None
+    """When the stream ended (finished, failed or dropped); None while it runs."""
 
 
 @dataclass
 class FaultResult:
     fault: str
     requests: int = 0
+    in_flight_at_fault: int = 0
+    """Requests of the load started before the fault and still streaming when it hit."""
     lost: int = 0
     errored: int = 0
     mismatched: int = 0
@@ -94,6 +143,16 @@ def p99(values: list[float]) -> float | None:
 
 
 # -- the load ---------------------------------------------------------------------------------
+def chat_body(messages: list[dict], max_tokens: int) -> dict:
+    return {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 async def one_request(
     client: httpx.AsyncClient,
     url: str,
@@ -129,54 +188,74 @@ async def one_request(
                     out.text += text
     except (httpx.HTTPError, OSError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        out.end_s = time.monotonic()
 
 
 async def run_load(
-    url: str, workload: list, concurrency: int, duration_s: float, on_time=None
+    target: Target, prompts: list[list[dict]], load: Load, on_time=None
 ) -> list[Outcome]:
-    """Closed loop: ``concurrency`` workers send the workload round-robin for ``duration_s``;
-    ``on_time(elapsed_s)`` is awaited between requests by worker 0 (fault injection)."""
+    """Closed loop: ``load.concurrency`` workers send ``prompts`` (chat messages) round-robin
+    for ``load.duration_s``; ``on_time(elapsed_s)`` is awaited every 0.5 s (fault injection)."""
     outcomes: list[Outcome] = []
     t0 = time.monotonic()
     counter = iter(range(10**9))
-    limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    limits = httpx.Limits(max_connections=load.concurrency + 8)
+    async with httpx.AsyncClient(
+        timeout=REQUEST_TIMEOUT_S, limits=limits, headers=target.headers
+    ) as client:
 
-        async def worker(wid: int) -> None:
-            while time.monotonic() - t0 < duration_s:
-                i = next(counter)
-                req = workload[i % len(workload)]
-                body = {
-                    "messages": req.messages,
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-                out = Outcome(i % len(workload), time.monotonic())
+        async def worker() -> None:
+            while time.monotonic() - t0 < load.duration_s:
+                i = next(counter) % len(prompts)
+                out = Outcome(i, time.monotonic())
                 outcomes.append(out)
-                await one_request(client, url, body, out)
+                await one_request(client, target.url, chat_body(prompts[i], load.max_tokens), out)
 
         async def clock() -> None:
-            while on_time is not None and time.monotonic() - t0 < duration_s:
+            while on_time is not None and time.monotonic() - t0 < load.duration_s:
                 await on_time(time.monotonic() - t0)
                 await asyncio.sleep(0.5)
 
-        await asyncio.gather(clock(), *(worker(w) for w in range(concurrency)))
+        await asyncio.gather(clock(), *(worker() for _ in range(load.concurrency)))
     return outcomes
 
 
+async def storm(
+    target: Target,
+    prompts: list[list[dict]],
+    n: int,
+    max_tokens: int,
+    *,
+    drop_after_first: bool = False,
+    slow_read_s: float = 0.0,
+) -> list[Outcome]:
+    """``n`` extra streams at once, dropped after their first token or read slowly."""
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, headers=target.headers) as client:
+        outs = [Outcome(i % len(prompts), time.monotonic()) for i in range(n)]
+        await asyncio.gather(
+            *(
+                one_request(
+                    client,
+                    target.url,
+                    chat_body(prompts[o.index], max_tokens),
+                    o,
+                    slow_read_s=slow_read_s,
+                    drop_after_first=drop_after_first,
+                )
+                for o in outs
+            )
+        )
+    return outs
+
+
 # -- faults -----------------------------------------------------------------------------------
-SERVER_PID: int | None = None
-"""The ``prefixserve serve`` process: faults only touch its descendants (its own Ray)."""
-
-
-def processes_titled(title: str) -> list:
-    """The Ray worker processes of our server whose title names ``title``."""
+def processes_titled(root_pid: int, title: str) -> list:
+    """The Ray worker processes under ``root_pid`` whose title (``ray::...``) names ``title``."""
     import psutil
 
     try:
-        tree = psutil.Process(SERVER_PID).children(recursive=True)
+        tree = psutil.Process(root_pid).children(recursive=True)
     except (psutil.NoSuchProcess, ValueError, TypeError):
         return []
     found = []
@@ -190,8 +269,8 @@ def processes_titled(title: str) -> list:
     return found
 
 
-def sigkill_one(title: str) -> int | None:
-    procs = processes_titled(title)
+def sigkill_one(root_pid: int, title: str) -> int | None:
+    procs = processes_titled(root_pid, title)
     if not procs:
         return None
     os.kill(procs[0].pid, signal.SIGKILL)
@@ -236,23 +315,9 @@ class SlowProxy:
 
 
 def start_redis(port: int, workdir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(workdir)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -262,21 +327,32 @@ def start_redis(port: int, workdir: Path) -> subprocess.Popen:
     raise RuntimeError("redis-server did not start")
 
 
+@dataclass
+class RedisSide:
+    """The redis-server behind the index (replaced when a fault restarts it) and its proxy."""
+
+    proc: subprocess.Popen
+    proxy: SlowProxy
+    workdir: Path
+
+
 # -- measuring --------------------------------------------------------------------------------
-def probe_ok(url: str, model_body: dict) -> bool:
+def probe_ok(target: Target, body: dict) -> bool:
     try:
-        reply = httpx.post(f"{url}/v1/chat/completions", json=model_body, timeout=30)
+        reply = httpx.post(
+            f"{target.url}/v1/chat/completions", json=body, headers=target.headers, timeout=30
+        )
         return reply.status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def kv_in_use_blocks(url: str) -> int | None:
+def kv_in_use_blocks(target: Target) -> int | None:
     """Blocks held across replicas per ``kv_cache_usage_perc`` (None if not exported)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        text = httpx.get(f"{target.url}/metrics", headers=target.headers, timeout=10).text
     except httpx.HTTPError:
         return None
     usage = [
@@ -285,15 +361,17 @@ def kv_in_use_blocks(url: str) -> int | None:
         for s in fam.samples
         if s.name.endswith("kv_cache_usage_perc")
     ]
-    return None if not usage else sum(round(u * NUM_KV_BLOCKS) for u in usage)
+    # Rounded up: one held block counts even if num_kv_blocks overstates the replicas' pool.
+    return None if not usage else sum(math.ceil(u * target.num_kv_blocks - 1e-6) for u in usage)
 
 
-def wait_idle_blocks(url: str) -> int | None:
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    held = kv_in_use_blocks(url)
+def wait_idle_blocks(target: Target, timeout_s: float = IDLE_TIMEOUT_S) -> int | None:
+    """Blocks still held once they stop going down to 0 within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    held = kv_in_use_blocks(target)
     while held and time.monotonic() < deadline:
         time.sleep(1.0)
-        held = kv_in_use_blocks(url)
+        held = kv_in_use_blocks(target)
     return held
 
 
@@ -316,9 +394,13 @@ def summarize(
             res.lost += 1
         elif o.index in baseline and baseline[o.index] != o.text:
             res.mismatched += 1
-        if o.ttft_s is None or fault_at_s is None:
+        if fault_at_s is None:
             continue
         started = o.start_s - t0
+        if started < fault_at_s and (o.end_s is None or o.end_s - t0 > fault_at_s):
+            res.in_flight_at_fault += 1
+        if o.ttft_s is None:
+            continue
         if fault_at_s <= started < fault_at_s + DURING_WINDOW_S:
             during.append(o.ttft_s)
         elif recovered_at_s is not None and started >= recovered_at_s:
@@ -327,127 +409,32 @@ def summarize(
     return res
 
 
-# -- one run ----------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.chaos", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--duration-s", type=float, default=60.0, help="load per fault (default 60)"
-    )
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument(
-        "--faults",
-        default="replica_kill,index_kill,ingress_kill,disconnect_storm,slow_readers",
-        help="comma-separated; with --redis also redis_restart,redis_slow",
-    )
-    parser.add_argument(
-        "--redis", action="store_true", help="use a redis-server index (adds two faults)"
-    )
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    from bench.serve.workload import load_workload
-
-    workload = load_workload(16)
-    date = datetime.date.today().isoformat()
-    out_base = args.out or RESULTS / f"chaos_{date}"
-    workdir = Path(tempfile.mkdtemp(prefix="prefixserve-chaos-"))
-    print(f"server log and Redis files in {workdir}", file=sys.stderr, flush=True)
-    faults = [f for f in args.faults.split(",") if f]
-    known = {"replica_kill", "index_kill", "ingress_kill", "disconnect_storm", "slow_readers"}
-    unknown = set(faults) - known - ({"redis_restart", "redis_slow"} if args.redis else set())
-    if unknown:
-        parser.error(
-            f"unknown faults (or Redis faults without --redis): {', '.join(sorted(unknown))}"
-        )
-    redis_proc = proxy = None
-    serve_args = []
-    if args.redis:
-        redis_port = free_port()
-        redis_proc = start_redis(redis_port, workdir)
-        proxy = SlowProxy(redis_port, REDIS_SLOW_DELAY_S)
-        serve_args = ["--redis-url", f"redis://127.0.0.1:{proxy.port}/0"]
-        faults += [f for f in ("redis_restart", "redis_slow") if f not in faults]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv_serve = [
-        sys.executable,
-        "-m",
-        "cluster.cli",
-        "serve",
-        "--num-replicas",
-        "2",
-        "--num-threads",
-        "1",
-        "--num-kv-blocks",
-        str(NUM_KV_BLOCKS),
-        "--port",
-        str(port),
-        *serve_args,
-    ]
-    server = Server("prefixserve", argv_serve, workdir / "server.log", env=server_env(1))
-    global SERVER_PID
-    SERVER_PID = server.proc.pid
-    results: list[FaultResult] = []
-    probe = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 2}
-    try:
-        server.wait_ready(f"{url}/v1/models", timeout_s=600, ready=lambda: probe_ok(url, probe))
-        print("fault-free run ...", file=sys.stderr, flush=True)
-        base = asyncio.run(run_load(url, workload, args.concurrency, args.duration_s))
-        baseline = {o.index: o.text for o in base if o.done and not o.error}
-        results.append(
-            summarize("none", base, baseline, None, None, base[0].start_s if base else 0)
-        )
-        results[-1].leaked_blocks = wait_idle_blocks(url)
-        redis = {"proc": redis_proc}
-        for fault in faults:
-            print(f"fault {fault} ...", file=sys.stderr, flush=True)
-            results.append(
-                run_fault(fault, url, workload, args, baseline, probe, redis, proxy, workdir)
-            )
-        redis_proc = redis["proc"]
-    finally:
-        server.stop()
-        if redis_proc is not None:
-            redis_proc.kill()
-    header = {
-        "benchmark": "chaos",
-        "date": date,
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "git_commit": git_commit(),
-        "command": "python -m bench.chaos " + " ".join(argv or sys.argv[1:]),
-        "load": f"{args.concurrency} closed-loop streams, {args.duration_s:.0f} s per fault, "
-        f"{MAX_TOKENS} greedy tokens, 2 engine x 1 thread, 2 ingress replicas",
-        "loadavg_start": os.getloadavg(),
-    }
-    rows = [asdict(r) for r in results]
-    Path(f"{out_base}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    Path(f"{out_base}.md").write_text(markdown(header, rows))
-    print(markdown(header, rows))
-    return 0
+# -- one load: fault-free or with one fault ----------------------------------------------------
+def run_baseline(
+    target: Target, prompts: list[list[dict]], load: Load, name: str = "none"
+) -> tuple[FaultResult, dict[int, str]]:
+    """The fault-free load: its row and each prompt's text (the reference for the faults)."""
+    outcomes = asyncio.run(run_load(target, prompts, load))
+    baseline = {o.index: o.text for o in outcomes if o.done and not o.error}
+    res = summarize(name, outcomes, baseline, None, None, 0.0)
+    res.leaked_blocks = wait_idle_blocks(target)
+    return res, baseline
 
 
 def run_fault(
     fault: str,
-    url: str,
-    workload: list,
-    args,
-    baseline: dict,
+    target: Target,
+    prompts: list[list[dict]],
+    load: Load,
+    baseline: dict[int, str],
     probe: dict,
-    redis: dict,
-    proxy: SlowProxy | None,
-    workdir: Path,
+    redis: RedisSide | None = None,
+    fault_at_s: float | None = None,
 ) -> FaultResult:
-    """One load with ``fault`` injected a third of the way in; ``redis["proc"]`` is the
-    redis-server process (replaced when the fault restarts it)."""
-    fault_at = args.duration_s / 3
+    """One load with ``fault`` injected at ``fault_at_s`` (default a third of the way in),
+    then the wait for recovery and for the replicas to idle."""
+    fault_at = load.duration_s / 3 if fault_at_s is None else fault_at_s
     state: dict = {"fault_at_s": None, "recovered_at_s": None, "note": ""}
-    titles = {
-        "replica_kill": "EngineReplica",
-        "index_kill": "IndexActor",
-        "ingress_kill": "Ingress",
-    }
     extra_tasks: list = []
 
     async def inject(elapsed_s: float) -> None:
@@ -455,46 +442,55 @@ def run_fault(
             return
         state["fault_at_s"] = elapsed_s
         state["t0_mono"] = time.monotonic() - elapsed_s
-        if fault in titles:
-            count = len(processes_titled(titles[fault]))
-            pid = sigkill_one(titles[fault])
-            state["note"] = (
-                f"SIGKILL pid {pid} of {count} {titles[fault]}" if pid else "skipped: not found"
-            )
-            state["wait_title"] = (titles[fault], count)
+        if fault in KILL_TITLES:
+            title = KILL_TITLES[fault]
+            count = len(processes_titled(target.root_pid, title))
+            pid = sigkill_one(target.root_pid, title)
+            state["note"] = f"SIGKILL pid {pid} of {count} {title}" if pid else "skipped: not found"
+            state["wait_title"] = (title, count)
         elif fault == "disconnect_storm":
+            n = load.storm_streams
             extra_tasks.append(
-                asyncio.ensure_future(storm(url, workload, 32, drop_after_first=True))
+                asyncio.ensure_future(
+                    storm(target, prompts, n, load.storm_max_tokens, drop_after_first=True)
+                )
             )
-            state["note"] = "32 streams dropped after their first token"
+            state["note"] = f"{n} streams dropped after their first token"
         elif fault == "slow_readers":
-            extra_tasks.append(asyncio.ensure_future(storm(url, workload, 8, slow_read_s=2.0)))
-            state["note"] = "8 streams read one line per 2 s until the load ends"
+            n, slow_s = load.slow_streams, load.slow_read_s
+            extra_tasks.append(
+                asyncio.ensure_future(
+                    storm(target, prompts, n, load.storm_max_tokens, slow_read_s=slow_s)
+                )
+            )
+            state["note"] = f"{n} streams read one line per {slow_s:g} s until the load ends"
         elif fault == "redis_restart":
-            redis["proc"].kill()
-            redis["proc"].wait()
+            redis.proc.kill()
+            redis.proc.wait()
             await asyncio.sleep(5.0)
-            redis["proc"] = start_redis(proxy.target_port, workdir)
+            redis.proc = start_redis(redis.proxy.target_port, redis.workdir)
             state["note"] = "restarted: killed, 5 s down, restarted empty"
         elif fault == "redis_slow":
-            proxy.slow(True)
+            redis.proxy.slow(True)
             state["note"] = (
                 f"+{REDIS_SLOW_DELAY_S * 1000:.0f} ms per chunk each way "
                 f"for {DURING_WINDOW_S:.0f} s"
             )
-            asyncio.get_running_loop().call_later(DURING_WINDOW_S, proxy.slow, False)
-        asyncio.get_running_loop().run_in_executor(None, wait_recovery, url, probe, state)
+            asyncio.get_running_loop().call_later(DURING_WINDOW_S, redis.proxy.slow, False)
+        else:
+            raise ValueError(f"unknown fault {fault!r}")
+        asyncio.get_running_loop().run_in_executor(None, wait_recovery, target, probe, state)
 
-    async def load() -> list[Outcome]:
-        outcomes = await run_load(url, workload, args.concurrency, args.duration_s, on_time=inject)
+    async def loaded() -> list[Outcome]:
+        outcomes = await run_load(target, prompts, load, on_time=inject)
         for task in extra_tasks:
             task.cancel()
-        if proxy is not None:
-            proxy.slow(False)
+        if redis is not None:
+            redis.proxy.slow(False)
         return outcomes
 
     t0 = time.monotonic()
-    outcomes = asyncio.run(load())
+    outcomes = asyncio.run(loaded())
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     while state["recovered_at_s"] is None and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -509,53 +505,142 @@ def run_fault(
     if state["recovered_at_s"] is not None and state["fault_at_s"] is not None:
         res.recovery_s = round(state["recovered_at_s"] - state["fault_at_s"], 2)
     res.note = state["note"]
-    res.leaked_blocks = wait_idle_blocks(url)
+    res.leaked_blocks = wait_idle_blocks(target)
     return res
 
 
-def wait_recovery(url: str, probe: dict, state: dict) -> None:
+def wait_recovery(target: Target, probe: dict, state: dict) -> None:
     """Sets ``recovered_at_s`` (seconds since the load began, like ``fault_at_s``) once a
     probe succeeds and the killed kind of process is back to its count."""
     start = state["t0_mono"]
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     title = state.get("wait_title")
     while time.monotonic() < deadline:
-        back = title is None or len(processes_titled(title[0])) >= title[1]
-        if back and probe_ok(url, probe):
+        back = title is None or len(processes_titled(target.root_pid, title[0])) >= title[1]
+        if back and probe_ok(target, probe):
             state["recovered_at_s"] = time.monotonic() - start
             return
         time.sleep(0.5)
 
 
-async def storm(
-    url: str, workload: list, n: int, *, drop_after_first: bool = False, slow_read_s: float = 0.0
-) -> None:
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
-        outs = [Outcome(i, time.monotonic()) for i in range(n)]
-        bodies = [
-            {
-                "messages": workload[i % len(workload)].messages,
-                "max_tokens": 256,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            for i in range(n)
-        ]
-        await asyncio.gather(
-            *(
-                one_request(
-                    client, url, b, o, slow_read_s=slow_read_s, drop_after_first=drop_after_first
-                )
-                for b, o in zip(bodies, outs, strict=True)
-            )
+# -- the benchmark ----------------------------------------------------------------------------
+def run_server(
+    faults: list[str],
+    args,
+    prompts: list[list[dict]],
+    workdir: Path,
+    *,
+    tp: int = 1,
+    serve_args: tuple[str, ...] = (),
+    redis: RedisSide | None = None,
+) -> list[FaultResult]:
+    """One ``prefixserve serve`` (``tp`` ranks per replica): a fault-free run, then
+    ``faults`` one after another."""
+    port = free_port()
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--num-replicas", "2"]
+    argv += ["--num-threads", "1", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--port", str(port)]
+    argv += ["--tensor-parallel-size", str(tp), *serve_args]
+    log = workdir / f"server_tp{tp}.log"
+    server = Server("prefixserve", argv, log, env=server_env(1))
+    target = Target(f"http://127.0.0.1:{port}", server.proc.pid)
+    load = Load(concurrency=args.concurrency, duration_s=args.duration_s)
+    probe = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 2}
+    results: list[FaultResult] = []
+    try:
+        server.wait_ready(
+            f"{target.url}/v1/models", timeout_s=600, ready=lambda: probe_ok(target, probe)
         )
+        name = "none" if tp == 1 else f"none (tp {tp})"
+        print(f"fault-free run ({name}) ...", file=sys.stderr, flush=True)
+        row, baseline = run_baseline(target, prompts, load, name)
+        results.append(row)
+        for fault in faults:
+            print(f"fault {fault} ...", file=sys.stderr, flush=True)
+            results.append(run_fault(fault, target, prompts, load, baseline, probe, redis))
+    finally:
+        server.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--duration-s", type=float, default=60.0, help="load per fault (default 60)"
+    )
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help="comma-separated (tp_worker_kill on a second server with --tensor-parallel-size "
+        f"{TP_SIZE}); with --redis also {','.join(REDIS_FAULTS)}",
+    )
+    parser.add_argument(
+        "--redis", action="store_true", help="use a redis-server index (adds two faults)"
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = set(faults) - set(FAULTS) - (set(REDIS_FAULTS) if args.redis else set())
+    if unknown:
+        parser.error(
+            f"unknown faults (or Redis faults without --redis): {', '.join(sorted(unknown))}"
+        )
+    from bench.serve.workload import load_workload
+
+    prompts = [request.messages for request in load_workload(16)]
+    date = datetime.date.today().isoformat()
+    out_base = args.out or RESULTS / f"chaos_{date}"
+    workdir = Path(tempfile.mkdtemp(prefix="prefixserve-chaos-"))
+    print(f"server logs and Redis files in {workdir}", file=sys.stderr, flush=True)
+    redis, serve_args = None, ()
+    if args.redis:
+        redis_port = free_port()
+        redis = RedisSide(
+            start_redis(redis_port, workdir), SlowProxy(redis_port, REDIS_SLOW_DELAY_S), workdir
+        )
+        serve_args = ("--redis-url", f"redis://127.0.0.1:{redis.proxy.port}/0")
+        faults += [f for f in REDIS_FAULTS if f not in faults]
+    tp_faults = [f for f in faults if f in TP_FAULTS]
+    results: list[FaultResult] = []
+    try:
+        plain = [f for f in faults if f not in TP_FAULTS]
+        if plain or not tp_faults:
+            results += run_server(plain, args, prompts, workdir, serve_args=serve_args, redis=redis)
+        if tp_faults:
+            results += run_server(
+                tp_faults, args, prompts, workdir, tp=TP_SIZE, serve_args=serve_args, redis=redis
+            )
+    finally:
+        if redis is not None:
+            redis.proc.kill()
+    load = f"{args.concurrency} closed-loop streams, {args.duration_s:.0f} s per fault, "
+    load += f"{MAX_TOKENS} greedy tokens, 2 engine x 1 thread, 2 ingress replicas"
+    if tp_faults:
+        load += f" ({', '.join(tp_faults)}: engines at --tensor-parallel-size {TP_SIZE})"
+    header = {
+        "benchmark": "chaos",
+        "date": date,
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "git_commit": git_commit(),
+        "command": "python -m bench.chaos " + " ".join(argv or sys.argv[1:]),
+        "load": load,
+        "loadavg_start": os.getloadavg(),
+    }
+    rows = [asdict(r) for r in results]
+    Path(f"{out_base}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    Path(f"{out_base}.md").write_text(markdown(header, rows))
+    print(markdown(header, rows))
+    return 0
 
 
 def markdown(header: dict, rows: list[dict]) -> str:
     cols = [
         "fault",
         "requests",
+        "in_flight_at_fault",
         "lost",
         "errored",
         "mismatched",

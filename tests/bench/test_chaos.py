@@ -6,13 +6,16 @@ import socket
 import threading
 import time
 
+import pytest
+
 from bench.chaos import Outcome, SlowProxy, markdown, summarize
 
 
 def test_outcomes_are_lost_errored_or_mismatched_against_the_fault_free_run():
     t0 = 100.0
     outs = [
-        Outcome(0, t0 + 1, ttft_s=0.1, text="same", done=True),
+        Outcome(0, t0 + 1, ttft_s=0.1, text="same", done=True, end_s=t0 + 2),
+        Outcome(1, t0 + 9, ttft_s=0.3, text="expected", done=True, end_s=t0 + 15),  # cut
         Outcome(1, t0 + 11, ttft_s=2.0, text="other", done=True),  # started during the fault
         Outcome(0, t0 + 12, ttft_s=3.0, text="sa", done=False),  # cut without a word: lost
         Outcome(1, t0 + 13, error="HTTP 503"),
@@ -26,13 +29,14 @@ def test_outcomes_are_lost_errored_or_mismatched_against_the_fault_free_run():
         recovered_at_s=35.0,
         t0=t0,
     )
-    assert (res.requests, res.lost, res.errored, res.mismatched) == (5, 1, 1, 1)
+    assert (res.requests, res.lost, res.errored, res.mismatched) == (6, 1, 1, 1)
+    assert res.in_flight_at_fault == 1  # started before the fault, ended after it
     assert res.ttft_p99_during_s == 3.0 and res.ttft_p99_after_s == 0.2
     assert res.errors == ["HTTP 503"]
     table = markdown(
         {"date": "d", "cpu": "c", "cpus": 2, "load": "l", "command": "x"}, [res.__dict__]
     )
-    assert "| replica_kill | 5 | 1 | 1 | 1 |" in table
+    assert "| replica_kill | 6 | 1 | 1 | 1 | 1 |" in table
 
 
 def test_slow_proxy_forwards_and_adds_latency_only_when_slow():
@@ -61,3 +65,14 @@ def test_slow_proxy_forwards_and_adds_latency_only_when_slow():
     proxy.slow(True)
     slow = round_trip_s()
     assert slow >= 0.4 > fast or slow - fast >= 0.35, (fast, slow)
+
+
+def test_unknown_faults_and_redis_faults_without_redis_are_refused(capsys):
+    from bench.chaos import FAULTS, main
+
+    assert "tp_worker_kill" in FAULTS
+    for faults in ("bogus", "redis_slow"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--faults", faults])
+        assert exit_info.value.code == 2
+        assert faults in capsys.readouterr().err
