@@ -75,6 +75,13 @@ class Decision:
     """Leading blocks of the request the chosen replica holds (device + host tiers)."""
     reason: RoutingReason
     """Why this replica won."""
+    pull_from: str | None = None
+    """The peer the chosen replica pulls the request's leading blocks from before admitting it
+    (issue 19): set when the choice was priced with a pull (``kv_pull_tokens_per_s``) because
+    that peer holds more leading device blocks than the chosen replica holds in either tier."""
+    pull_blocks: int = 0
+    """Leading blocks to pull from ``pull_from`` (what it holds on its device, at most the
+    request's blocks); 0 without a pull."""
 
 
 class RoutingPolicy(Protocol):
@@ -196,6 +203,19 @@ def peer_device_blocks(matches: Mapping[str, Match]) -> dict[str, int]:
     if top_id:
         result[top_id] = second
     return result
+
+
+def pull_source(matches: Mapping[str, Match], replica_id: str) -> tuple[str, int] | None:
+    """The other replica holding the most leading device blocks (ties: the smaller id, the
+    same on every router) and that count, when it holds more than ``replica_id`` holds in
+    either tier: where ``replica_id`` pulls from. None when no peer holds more."""
+    best: tuple[str, int] | None = None
+    for peer_id, match in sorted(matches.items()):
+        if peer_id != replica_id and match.device_blocks > (0 if best is None else best[1]):
+            best = (peer_id, match.device_blocks)
+    if best is None or best[1] <= num_matched(matches, replica_id):
+        return None
+    return best
 
 
 def replica_load(view: ReplicaView) -> int:

@@ -14,7 +14,9 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
    off. When the bound excluded a cheaper replica the reason is ``LOAD_BOUND``.
 2. Price. Every candidate costs ``TTFTModel.predicted_ttft_s`` with ``miss_cost_factor``;
    with ``kv_pull_tokens_per_s`` set, the part of the prompt a peer holds on its device and
-   the candidate lacks is priced as a pull from that peer instead of a prefill.
+   the candidate lacks is priced as a pull from that peer instead of a prefill, and the
+   ``Decision`` for such a replica names the peer and the blocks (``pull_from``,
+   ``pull_blocks``): the replica performs the pull it was priced with.
    Candidates within ``tie_tolerance_s`` of the minimum tie; a unique winner is ``PREFIX``
    (it holds a prefix) or ``SHORTEST_QUEUE`` (it holds none). Ties prefer the longest match,
    then the fewest requests on the replica, then the fewest recently sent (spreads new
@@ -40,6 +42,7 @@ from router.policy import (
     check_request,
     num_matched,
     peer_device_blocks,
+    pull_source,
     rendezvous_pick,
     replica_load,
 )
@@ -136,7 +139,12 @@ class PrefixPolicy:
         ttft_s = self.model.predicted_ttft_s(
             view, matches.get(view.replica_id), num_prompt_tokens, 1.0, _peer(peers, view)
         )
-        return Decision(view.replica_id, ttft_s, longest, reason)
+        source = pull_source(matches, view.replica_id) if self.pulls else None
+        if source is None or not block_hashes:
+            return Decision(view.replica_id, ttft_s, longest, reason)
+        peer_id, peer_blocks = source  # priced as a pull above: the replica performs it
+        num_blocks = min(peer_blocks, len(block_hashes))
+        return Decision(view.replica_id, ttft_s, longest, reason, peer_id, num_blocks)
 
     def _cost(
         self,
