@@ -15,6 +15,14 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
 - ``ray.serve._private.constants`` ``SERVE_CONTROLLER_NAME``/``SERVE_NAMESPACE`` and the
   controller's ``_register_shutdown_cleanup_actor`` (what Ray's own prefix router uses), so
   ``serve.shutdown()`` kills the index actor.
+- ``PendingRequest.kwargs`` is public, but that Serve sends the call with the kwargs as they
+  are after ``choose_replicas`` (``set_request_kwarg``) is how 2.5x/2.60 happen to work: the
+  request router's KV-pull order (issue 19) travels to the replica that way.
+- A peer replica called directly (``peer_replica``, a KV pull's export): Serve names each
+  replica's actor ``ReplicaID.to_full_id_str()`` in ``SERVE_NAMESPACE``, and
+  ``ReplicaActor.handle_request`` takes a pickled ``RequestMetadata`` (``call_method``) before
+  the method's arguments. The call skips Serve's queue and rejection, not the replica's
+  ``max_ongoing_requests`` slot.
 
 Everything else (``RequestRouter.curr_replicas``, ``RunningReplica.replica_id``/
 ``routing_stats``) is public. ``TESTED_RAY`` is the range these were checked against; it
@@ -76,6 +84,28 @@ def missing_serve_internals() -> list[str]:
     for name in ("curr_replicas", "update_replicas", "on_request_routed", "on_request_completed"):
         if not hasattr(RequestRouter, name):
             missing.append(f"RequestRouter.{name}")
+    if "kwargs" not in pending_fields:
+        missing.append("PendingRequest.kwargs")
+    missing.extend(_missing_peer_call())
+    return missing
+
+
+def _missing_peer_call() -> list[str]:
+    """What ``peer_replica`` needs and the installed Ray lacks."""
+    missing = []
+    try:
+        from ray.serve._private.common import ReplicaID, RequestMetadata
+        from ray.serve._private.replica import ReplicaActor
+    except ImportError as exc:
+        return [f"ray.serve._private peer call ({exc.name or exc})"]
+    if not hasattr(ReplicaID, "to_full_id_str"):
+        missing.append("ReplicaID.to_full_id_str")
+    if not hasattr(ReplicaActor, "handle_request"):
+        missing.append("ReplicaActor.handle_request")
+    metadata_fields = {f.name for f in dataclasses.fields(RequestMetadata)}
+    for name in ("request_id", "internal_request_id", "call_method", "app_name"):
+        if name not in metadata_fields:
+            missing.append(f"RequestMetadata.{name}")
     return missing
 
 
@@ -125,6 +155,61 @@ def request_key(pending_request: PendingRequest) -> str:
 def ask_to_back_off(pending_request: PendingRequest) -> None:
     """Makes Serve back off before routing ``pending_request`` again after a full set."""
     pending_request.routing_context.should_backoff = True
+
+
+def set_request_kwarg(pending_request: PendingRequest, name: str, value) -> None:
+    """Sets keyword argument ``name`` of the call Serve is about to send (removes it for None);
+    the replica that Serve sends it to receives it."""
+    if value is None:
+        pending_request.kwargs.pop(name, None)
+    else:
+        pending_request.kwargs[name] = value
+
+
+class _PeerMethod:
+    def __init__(self, actor, app_name: str, method: str) -> None:
+        self._actor, self._app_name, self._method = actor, app_name, method
+
+    def remote(self, *args, **kwargs):
+        """An ``ObjectRef`` (awaitable) of the method's result."""
+        import pickle
+
+        from ray.serve._private.common import RequestMetadata
+        from ray.serve._private.utils import generate_request_id
+
+        request_id = generate_request_id()
+        metadata = RequestMetadata(
+            request_id=request_id,
+            internal_request_id=request_id,
+            call_method=self._method,
+            app_name=self._app_name,
+        )
+        return self._actor.handle_request.remote(pickle.dumps(metadata), *args, **kwargs)
+
+
+class PeerReplica:
+    """Another replica of this replica's deployment, called directly on its actor:
+    ``peer.export_prefix.remote(...)`` returns an awaitable ``ObjectRef``."""
+
+    def __init__(self, actor, app_name: str) -> None:
+        self._actor, self._app_name = actor, app_name
+
+    def __getattr__(self, method: str) -> _PeerMethod:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _PeerMethod(self._actor, self._app_name, method)
+
+
+def peer_replica(own_replica_id, peer_unique_id: str) -> PeerReplica:
+    """The replica ``peer_unique_id`` of the deployment of ``own_replica_id`` (a ``ReplicaID``,
+    ``serve.get_replica_context().replica_id``). Blocks on a GCS lookup; raises ``ValueError``
+    when no such actor lives."""
+    from ray.serve._private.common import ReplicaID
+
+    deployment_id = own_replica_id.deployment_id
+    name = ReplicaID(peer_unique_id, deployment_id).to_full_id_str()
+    actor = ray.get_actor(name, namespace=serve_namespace())
+    return PeerReplica(actor, deployment_id.app_name)
 
 
 def own_internal_request_id() -> None:

@@ -60,6 +60,37 @@ def test_serve_check_error_names_the_version_and_range():
     assert ray.__version__ in message and serve_compat.TESTED_RAY in message
 
 
+def test_kv_pull_order_and_peer_call_use_what_serve_internals_provide():
+    """The request router's pull order rides in the pending call's kwargs, and a replica calls
+    its peer's actor with the pickled ``RequestMetadata`` Serve's replicas unpack (issue 19;
+    the live path is ``tests/cluster/test_kv_pull_serve.py``)."""
+    import asyncio
+    import pickle
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from cluster import serve_compat
+
+    async def check():
+        metadata = RequestMetadata(request_id="r", internal_request_id="r")
+        pending = PendingRequest(args=["r"], kwargs={"block_hashes": []}, metadata=metadata)
+        serve_compat.set_request_kwarg(pending, "kv_pull", {"peer_id": "p"})
+        assert pending.kwargs["kv_pull"] == {"peer_id": "p"}
+        serve_compat.set_request_kwarg(pending, "kv_pull", None)
+        assert "kv_pull" not in pending.kwargs
+
+    asyncio.run(check())
+    sent = []
+    actor = SimpleNamespace(handle_request=SimpleNamespace(remote=lambda *a: sent.append(a)))
+    serve_compat.PeerReplica(actor, "app").export_prefix.remote([b"h"], [1, 2], None)
+    ((pickled, *args),) = sent
+    metadata = pickle.loads(pickled)
+    assert (metadata.call_method, metadata.app_name) == ("export_prefix", "app")
+    assert args == [[b"h"], [1, 2], None]
+
+
 @pytest.mark.parametrize("packing", ["oneDNN", "MKL"])
 def test_packing_ops_exist_where_their_library_does(packing):
     from kernels import torch_compat
