@@ -16,7 +16,10 @@ deterministic (greedy and seeded sampling are keyed by position, penalties and s
 see the same history), so the client's one stream holds the tokens a fault-free run gives;
 its usage keeps the first replica's ``cached_tokens``. Up to ``MAX_FAILOVERS`` re-submissions
 per stream, ``FAILOVER_BACKOFF_S`` apart (doubling); after that, or for ``n > 1`` requests,
-the error reaches the client as before.
+the error reaches the client as before. A request whose first answer is a 503 (its replica's
+engine is dead, e.g. a tensor-parallel worker died, or the replica is unreachable) is
+re-submitted the same way before the HTTP response starts: nothing was streamed, so any
+live replica may start it.
 """
 
 from __future__ import annotations
@@ -182,7 +185,10 @@ class EngineClient:
             else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
         results = await asyncio.gather(
-            *(self._open(*call, salt) for call in zip(sub_ids, prompts, params, strict=True)),
+            *(
+                self._open_retrying(*call, salt)
+                for call in zip(sub_ids, prompts, params, strict=True)
+            ),
             return_exceptions=True,
         )
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -193,10 +199,24 @@ class EngineClient:
             raise failures[0]
         return [
             _Stream(sub_id, prompt, p, salt, first, response)
-            for sub_id, prompt, p, (first, response) in zip(
-                sub_ids, prompts, params, results, strict=True
-            )
+            for prompt, p, (sub_id, first, response) in zip(prompts, params, results, strict=True)
         ]
+
+    async def _open_retrying(self, request_id: str, prompt_ids, params, salt):
+        """``_open``, re-submitted while it fails with 503 (``MAX_FAILOVERS`` times, backing off
+        like a failover): a replica whose engine died answers so until Serve's health check
+        replaces it. Returns (the request id used, first output, response)."""
+        sub_id, attempt = request_id, 0
+        while True:
+            try:
+                return (sub_id, *(await self._open(sub_id, prompt_ids, params, salt)))
+            except APIError as exc:
+                if exc.status != 503 or attempt == MAX_FAILOVERS:
+                    raise
+                log.warning("request %s could not start (%s); re-submitting", sub_id, exc)
+            await asyncio.sleep(FAILOVER_BACKOFF_S * 2**attempt)
+            attempt += 1
+            sub_id = f"{request_id}@open{attempt}"
 
     async def _fail_over(self, stream: _Stream, cause: BaseException) -> dict:
         """Re-submits ``stream`` with the tokens streamed so far; returns the new first output."""

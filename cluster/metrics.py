@@ -187,7 +187,19 @@ HISTOGRAMS = {
         "Time from a request's first scheduling to its finish.",
         REQUEST_PHASE_BUCKETS_S,
     ),
+    "kv_pull_seconds": (
+        "Time of each KV pull from a peer replica, the order to the import or the failure.",
+        TTFT_BUCKETS_S,
+    ),
 }
+REPLICA_COUNTERS = {
+    "kv_pulls": "KV pulls from a peer replica, ordered by the router (cluster/kv_pull.py).",
+    "kv_pull_failures": "KV pulls that failed or timed out; their requests prefilled instead.",
+    "kv_pull_blocks": "KV blocks imported from peer replicas.",
+    "kv_pull_tokens": "Prompt tokens whose KV came from peer replicas.",
+    "kv_pull_bytes": "KV bytes received from peer replicas.",
+}
+"""Counted by the replica itself (``ReplicaMetrics.count``), not by the engine."""
 INGRESS_HISTOGRAMS = {
     "time_to_first_token_seconds": (
         "Time from the ingress receiving a request to its first output there.",
@@ -244,10 +256,14 @@ class ReplicaMetrics:
 
     def __init__(self) -> None:
         self.histograms = {name: Histogram(buckets) for name, (_, buckets) in HISTOGRAMS.items()}
+        self.counters = dict.fromkeys(REPLICA_COUNTERS, 0)
 
     def observe(self, name: str, value_s: float) -> None:
         if value_s >= 0.0:
             self.histograms[name].observe(value_s)
+
+    def count(self, name: str, amount: int = 1) -> None:
+        self.counters[name] += amount
 
     def snapshot(self, engine_metrics: dict, *, alive: bool, model_name: str) -> dict:
         return {
@@ -255,6 +271,7 @@ class ReplicaMetrics:
             "model_name": model_name,
             "engine": dict(engine_metrics),
             "histograms": {name: h.to_dict() for name, h in self.histograms.items()},
+            "counters": dict(self.counters),
         }
 
 
@@ -439,7 +456,7 @@ class _SnapshotCollector:
         families = {}
         for name, doc in GAUGES.items():
             families[name] = GaugeMetricFamily(self.prefix + name, doc, labels=labels)
-        for name, doc in COUNTERS.items():
+        for name, doc in {**COUNTERS, **REPLICA_COUNTERS}.items():
             families[name] = CounterMetricFamily(self.prefix + name, doc, labels=labels)
         for name, (doc, _) in HISTOGRAMS.items():
             families[name] = HistogramMetricFamily(self.prefix + name, doc, labels=labels)
@@ -450,6 +467,9 @@ class _SnapshotCollector:
                 families[name].add_metric(values, float(engine.get(name, 0.0)))
             for name in COUNTERS:
                 families[name].add_metric(values, float(engine.get(name + "_total", 0.0)))
+            counters = snap.get("counters", {})
+            for name in REPLICA_COUNTERS:
+                families[name].add_metric(values, float(counters.get(name, 0)))
             for name, hist in snap.get("histograms", {}).items():
                 if name in HISTOGRAMS and "bounds" in hist:  # a replica of an older version: skip
                     families[name].add_metric(

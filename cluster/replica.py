@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
@@ -256,8 +257,16 @@ class EngineReplica:
             )
 
     def record_routing_stats(self) -> dict:
-        """Serve's routing-stats hook: what the request router reads per replica."""
-        return {**self.engine.stats().to_dict(), "model_id": self.engine.model_id}
+        """Serve's routing-stats hook: what the request router reads per replica. A dead
+        engine (a tensor-parallel worker died) reports itself full, its waiting queue at its
+        bound, so routers send nothing more here while another replica lives, in the seconds
+        before the health check has Serve replace it (the ingress re-submits what it sent)."""
+        stats = self.engine.stats()
+        if not self.engine.is_alive():
+            stats = dataclasses.replace(
+                stats, num_waiting=self.engine.config.max_waiting_requests, kv_usage=1.0
+            )
+        return {**stats.to_dict(), "model_id": self.engine.model_id}
 
     def drain_kv_events(self) -> list:
         """KV event batches since the last call (``router.protocol.KVEventBatch``)."""

@@ -13,6 +13,11 @@ calls (``describe``) carry no blocks and go by load.
 The chosen replica is returned as the first rank and every other candidate as the second,
 so Serve falls through to the least loaded of the others when the chosen one is full.
 
+With ``kv_pull_tokens_per_s`` set, a choice priced with a pull from a peer (``Decision``'s
+``pull_from``/``pull_blocks``) is written into the call's ``kv_pull`` keyword
+(``kv_pull_order``) before Serve sends it, so the chosen replica pulls what it was priced
+with (``EngineReplica.generate``); each routing attempt rewrites or removes it.
+
 How it fails: the lookup runs in a worker thread with a short timeout (see
 ``cluster.index_actor``); an unreachable index makes the decision by load alone, logged
 once and counted (reason ``fallback``) until the index answers again. With the Redis
@@ -35,11 +40,16 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cluster.index_actor import make_cluster_index
 from cluster.metrics import register_request_router, request_routers
-from cluster.serve_compat import ask_to_back_off, check_serve_internals, request_key
+from cluster.serve_compat import (
+    ask_to_back_off,
+    check_serve_internals,
+    request_key,
+    set_request_kwarg,
+)
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policies import make_policy
-from router.policy import ReplicaView, RoutingReason
+from router.policy import Decision, ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
 from router.routing import Router
 
@@ -55,6 +65,8 @@ METRICS_LOG_PERIOD_S = 60.0
 # decided meanwhile would all pile onto one replica. One never confirmed (the caller gave
 # up before it was sent) stops counting after this long.
 UNCONFIRMED_DECISION_TTL_S = 5.0
+KV_PULL_KWARG = "kv_pull"
+"""The ``generate`` keyword that carries a pull order to the replica (``kv_pull_order``)."""
 
 
 def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes], int]:
@@ -70,6 +82,20 @@ def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes],
         prompt = pending_request.args[1]
     num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
     return hashes, num_prompt_tokens
+
+
+def kv_pull_order(decision: Decision) -> dict | None:
+    """What the chosen replica is told to pull before admitting the request (issue 19):
+    ``{"replica_id", "peer_id", "num_blocks"}``, or None when the choice was not priced with a
+    pull. ``replica_id`` names the replica the order is for: Serve may send the call to
+    another one (the chosen one was full), which then ignores it and prefills."""
+    if decision.pull_from is None or decision.pull_blocks <= 0:
+        return None
+    return {
+        "replica_id": decision.replica_id,
+        "peer_id": decision.pull_from,
+        "num_blocks": decision.pull_blocks,
+    }
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -146,6 +172,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             decision = await asyncio.to_thread(router.route, hashes, num_prompt_tokens, views)
         else:
             decision = router.route([], num_prompt_tokens, views)
+        if pending_request is not None and hashes:  # a generate call: the order travels in it
+            set_request_kwarg(pending_request, KV_PULL_KWARG, kv_pull_order(decision))
         if pending_request is not None:
             expiry_s = time.monotonic() + UNCONFIRMED_DECISION_TTL_S
             with self._inflight_lock:

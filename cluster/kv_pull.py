@@ -1,0 +1,210 @@
+"""A replica's KV pulls in the request path (issue 19): the router's pull order, carried out.
+
+The request router (``cluster/request_router.py``) prices a replica that lacks a prefix a
+peer holds at the pull, and when it chooses that replica it writes the order into the call's
+``kv_pull`` keyword: ``{"replica_id", "peer_id", "num_blocks"}``. ``EngineReplica.generate``
+hands it to ``ReplicaKVPuller.before_admission`` before the request reaches the engine, which
+pulls the leading ``num_blocks`` blocks of the prompt from the peer
+(``EngineReplica.pull_prefix``: the peer's ``export_prefix``, verified and imported by
+``worker/kv_transfer.py``), so the request then runs as a local hit. Outputs are those of a
+local hit, bitwise (determinism contract).
+
+- The peer is named by its Serve replica id and reached directly on its actor
+  (``cluster.serve_compat.peer_replica``), resolved once per peer and cached until a pull
+  from it fails.
+- One pull per prefix at a time: a request whose blocks a pull in flight (or finished within
+  ``KV_PULL_REUSE_S``, unless it failed and the order names another peer) covers awaits that
+  pull instead of starting another. A request with no
+  order whose leading blocks a pull in flight brings waits for it too: after a decision with
+  a pull the router's speculative entry says this replica holds the prefix, so the next
+  request for it comes here with no order, and would otherwise prefill it meanwhile.
+- An order meant for another replica (Serve sent the call elsewhere because the chosen one
+  was full) or naming this replica as the peer is ignored.
+
+How it fails: never by failing a request. A peer that is gone, holds less than the index
+said, answers late (``KV_PULL_TIMEOUT_S``) or sends a payload this engine refuses costs the
+pull: the request prefills what it lacks, as without pulls; the failure is logged and
+counted (``kv_pull_failures_total``). Two replicas pulling from each other while both are at
+``max_ongoing_requests`` wait for each other's slots until the timeout, then prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from cluster.metrics import ReplicaMetrics
+
+log = logging.getLogger("ray.serve")
+
+# Longest a request waits for its pull before prefilling instead. The measured pull of a
+# 496-token SmolLM2 prefix (22.9 MB) took 0.07 s on the shared 2-core CPU against a 1.17 s
+# prefill (bench/results/kv_pull_cpu_2026-11-24.json); a pull this late is a sick or saturated
+# peer, and waiting longer would cost more than the prefill it saves.
+KV_PULL_TIMEOUT_S = 2.0
+# A finished pull (succeeded or failed) still answers requests for its blocks this long: the
+# index learns of the imported blocks within a KV-event drain or two, and until then the
+# router may order the same pull again; a failed peer is not asked again on every request.
+KV_PULL_REUSE_S = 2.0
+
+
+def failed_pull(error: str, pull_s: float = 0.0) -> dict:
+    """``EngineReplica.pull_prefix``'s result for a pull that never reached the peer."""
+    return {
+        "imported_blocks": 0,
+        "pulled_tokens": 0,
+        "payload_bytes": 0,
+        "pull_s": pull_s,
+        "error": error,
+    }
+
+
+def _failed(task: asyncio.Task) -> bool:
+    return task.done() and (task.cancelled() or task.result()["error"] is not None)
+
+
+class ReplicaKVPuller:
+    """Carries out the router's pull orders for one replica; runs on its event loop."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        block_size: int,
+        pull_prefix: Callable[..., Awaitable[dict]],
+        resolve_peer: Callable[[str], object],
+        metrics: ReplicaMetrics,
+        timeout_s: float = KV_PULL_TIMEOUT_S,
+    ) -> None:
+        """``pull_prefix(peer, hashes, tokens, cache_salt)``: ``EngineReplica.pull_prefix``.
+        ``resolve_peer(peer_id)``: a handle to the peer (blocking; run in a thread)."""
+        self.replica_id = replica_id
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._pull_prefix = pull_prefix
+        self._resolve_peer = resolve_peer
+        self._peers: dict[str, object] = {}
+        self._pulls: dict[bytes, asyncio.Task] = {}
+        """Block hash -> the pull (in flight or recently finished) whose chain holds it."""
+        self._peer_of: dict[asyncio.Task, str] = {}
+
+    def blocks_to_pull(
+        self, order: dict | None, block_hashes: Sequence[bytes] | None, num_prompt_tokens: int
+    ) -> int:
+        """Leading blocks the order asks this replica to pull (0: ignore it)."""
+        if not isinstance(order, dict) or not block_hashes:
+            return 0
+        if order.get("replica_id") != self.replica_id:
+            return 0  # meant for the replica the router chose; Serve sent it here instead
+        peer_id, num_blocks = order.get("peer_id"), order.get("num_blocks")
+        if not isinstance(peer_id, str) or peer_id == self.replica_id:
+            return 0
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
+            return 0
+        return max(0, min(num_blocks, len(block_hashes), num_prompt_tokens // self.block_size))
+
+    async def before_admission(
+        self,
+        order: dict | None,
+        block_hashes: Sequence[bytes] | None,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+    ) -> dict | None:
+        """Carries out ``order`` for one request; returns the pull's result (shared by every
+        request it served), or None when there was nothing to pull. Never raises but
+        ``CancelledError`` (the request's own; the pull goes on for the others)."""
+        num_blocks = self.blocks_to_pull(order, block_hashes, len(prompt_token_ids))
+        if num_blocks == 0:  # no order; but a pull in flight may be bringing its blocks
+            task = self._covering(block_hashes)
+            return None if task is None else await asyncio.shield(task)
+        hashes = [bytes(h) for h in block_hashes[:num_blocks]]
+        task = self._pulls.get(hashes[-1])
+        if task is not None and _failed(task) and self._peer_of.get(task) != order["peer_id"]:
+            task = None  # a recent pull of these blocks failed, but from another peer: try this one
+        if task is None:  # nothing in flight covers these blocks: this request pulls them
+            tokens = list(prompt_token_ids[: num_blocks * self.block_size])
+            task = asyncio.get_running_loop().create_task(
+                self._pull(order["peer_id"], hashes, tokens, cache_salt)
+            )
+            for block_hash in hashes:
+                self._pulls[block_hash] = task
+            self._peer_of[task] = order["peer_id"]
+            task.add_done_callback(lambda done: self._forget_later(done, hashes))
+        return await asyncio.shield(task)
+
+    def _covering(self, block_hashes: Sequence[bytes] | None) -> asyncio.Task | None:
+        """The pull in flight holding the most leading blocks of a request without an order (the
+        router sent it here after another request's pull order: its speculative entry says this
+        replica holds the prefix already)."""
+        if not self._pulls or not block_hashes:
+            return None
+        for block_hash in reversed(block_hashes):
+            task = self._pulls.get(bytes(block_hash))
+            if task is not None:
+                return None if task.done() else task
+        return None
+
+    def _forget_later(self, task: asyncio.Task, hashes: list[bytes]) -> None:
+        def forget() -> None:
+            for block_hash in hashes:
+                if self._pulls.get(block_hash) is task:
+                    del self._pulls[block_hash]
+            self._peer_of.pop(task, None)
+
+        asyncio.get_running_loop().call_later(KV_PULL_REUSE_S, forget)
+
+    async def _pull(
+        self, peer_id: str, hashes: list[bytes], tokens: list[int], cache_salt: str | None
+    ) -> dict:
+        start_s = time.monotonic()
+        try:
+            result = await asyncio.wait_for(
+                self._pull_from(peer_id, hashes, tokens, cache_salt), self.timeout_s
+            )
+        except TimeoutError:
+            result = failed_pull(f"timed out after {self.timeout_s} s")
+        except Exception as exc:  # noqa: BLE001 - a bug here costs the pull, not the request
+            log.exception("replica %s: KV pull from %s", self.replica_id, peer_id)
+            result = failed_pull(f"{type(exc).__name__}: {exc}")
+        result["pull_s"] = time.monotonic() - start_s
+        self._record(peer_id, result)
+        return result
+
+    async def _pull_from(
+        self, peer_id: str, hashes: list[bytes], tokens: list[int], cache_salt: str | None
+    ) -> dict:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            try:
+                peer = await asyncio.to_thread(self._resolve_peer, peer_id)
+            except Exception as exc:  # noqa: BLE001 - a peer that is gone costs the pull
+                return failed_pull(f"peer {peer_id} not found: {type(exc).__name__}: {exc}")
+            self._peers[peer_id] = peer
+        return await self._pull_prefix(peer, hashes, tokens, cache_salt)
+
+    def _record(self, peer_id: str, result: dict) -> None:
+        count = self.metrics.count
+        count("kv_pulls")
+        count("kv_pull_blocks", result["imported_blocks"])
+        count("kv_pull_tokens", result["pulled_tokens"])
+        count("kv_pull_bytes", result["payload_bytes"])
+        self.metrics.observe("kv_pull_seconds", result["pull_s"])
+        if result["error"] is None:
+            log.debug(
+                "replica %s pulled %d blocks from %s in %.3f s",
+                self.replica_id,
+                result["imported_blocks"],
+                peer_id,
+                result["pull_s"],
+            )
+            return
+        count("kv_pull_failures")
+        self._peers.pop(peer_id, None)  # replaced or gone: look it up again next time
+        log.warning(
+            "replica %s: KV pull from %s failed (%s); prefilling instead",
+            self.replica_id,
+            peer_id,
+            result["error"],
+        )

@@ -1,0 +1,203 @@
+"""The TP-worker fault where it differs from an engine replica kill, without a cluster.
+
+When one tensor-parallel worker dies, its replica's actor lives on with a dead engine
+(``tests/worker/test_tensor_parallel.py``: in-flight requests end with ``EngineDeadError``,
+which ``EngineReplica.generate`` yields as a ``dead`` rejection) until Serve's health check
+replaces it, seconds later. Unlike a killed replica, Serve keeps routing to it meanwhile, so:
+
+- the dead replica must report itself full in its routing stats, and the ``prefix`` policy
+  must then send a request elsewhere even though the dead replica holds its whole prefix
+  (otherwise every re-submission lands on it again);
+- the ingress must fail a stream over when the ``dead`` rejection arrives mid-stream, and
+  re-submit a request whose first answer is that rejection, so the client's stream holds
+  exactly the tokens of a fault-free run;
+- with no live replica the error still reaches the client after ``MAX_FAILOVERS`` tries and
+  names the dead rank (what ``tests/cluster/test_tp_health.py`` sees with one replica).
+
+``bench/chaos.py --faults tp_worker_kill`` runs the fault end to end on a real TP cluster
+(too slow to start for this suite on a 2-core machine: 50-120 s measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from cluster import engine_client
+from cluster.engine_client import MAX_FAILOVERS, EngineClient
+from cluster.errors import APIError
+from cluster.replica import EngineReplica
+from router.config import RouterConfig
+from router.index_types import Match
+from router.policies import make_policy
+from router.policy import ReplicaView
+from router.protocol import ReplicaStats, hash_blocks
+from worker.sampling_params import SamplingParams
+
+DEAD_MESSAGE = "engine r-dead is not running: tensor-parallel worker rank(s) [1] ended"
+MAX_TOKENS = 12
+PROMPT = list(range(100, 140))
+
+
+def token(position: int) -> int:
+    """The fake engine's greedy token at ``position``: the same on every replica."""
+    return 1000 + 7 * position
+
+
+class FakeReplica:
+    """A replica's ``generate`` stream: tokens, or the ``dead`` rejection once its engine died
+    (after ``die_after`` tokens of the first call it serves; at once for later calls)."""
+
+    def __init__(self, replica_id: str, die_after: int | None = None) -> None:
+        self.replica_id, self.die_after, self.dead = replica_id, die_after, False
+        self.calls: list[dict] = []
+
+    async def generate(self, request_id, prompt_ids, params, resume_token_ids=None, **_):
+        self.calls.append({"request_id": request_id, "resume": list(resume_token_ids or ())})
+        done = len(resume_token_ids or ())
+        while True:
+            if self.dead or (self.die_after is not None and done >= self.die_after):
+                self.dead = True
+                yield {
+                    "replica_id": self.replica_id,
+                    "rejected": {"kind": "dead", "message": DEAD_MESSAGE},
+                }
+                return
+            finished = done + 1 == params.max_tokens
+            yield {
+                "replica_id": self.replica_id,
+                "request_id": request_id,
+                "num_prompt_tokens": len(prompt_ids),
+                "num_cached_tokens": 0,
+                "finished": finished,
+                "error": None,
+                "outputs": [
+                    {
+                        "index": 0,
+                        "new_text": f"<{done}>",
+                        "new_token_ids": [token(done)],
+                        "logprobs": None,
+                        "finish_reason": "length" if finished else None,
+                        "stop_reason": None,
+                        "text": None,
+                    }
+                ],
+            }
+            done += 1
+            if finished:
+                return
+            await asyncio.sleep(0)
+
+
+class FakeResponse:
+    def __init__(self, agen) -> None:
+        self._agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._agen.__anext__()
+
+    def cancel(self) -> None:
+        pass
+
+
+class ScriptedHandle:
+    """A streaming handle whose router picks replicas in the order ``route`` gives (the
+    last one from then on), and records which replica got each call."""
+
+    def __init__(self, route: list[FakeReplica]) -> None:
+        self.route, self.sent_to = list(route), []
+        self.generate = SimpleNamespace(remote=self._remote)
+
+    def _remote(self, *args, **kwargs):
+        replica = self.route.pop(0) if len(self.route) > 1 else self.route[0]
+        self.sent_to.append(replica.replica_id)
+        return FakeResponse(replica.generate(*args, **kwargs))
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(engine_client, "FAILOVER_BACKOFF_S", 0.001)
+
+
+def stream_tokens(handle: ScriptedHandle) -> list[int]:
+    client = EngineClient(handle, block_size=16, model_id="tiny")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[int]:
+        opened = await client.open_all("cmpl-1", [PROMPT], [params], None)
+        out: list[int] = []
+        async for _, item in client.merge(opened):
+            for choice in item.get("outputs", ()):
+                out += choice["new_token_ids"]
+        return out
+
+    return asyncio.run(run())
+
+
+EXPECTED = [token(i) for i in range(MAX_TOKENS)]
+
+
+def test_a_stream_whose_tp_worker_dies_mid_way_resumes_elsewhere_with_the_same_tokens():
+    dying, live = FakeReplica("r-dead", die_after=5), FakeReplica("r-live")
+    # The first re-submission lands on the dead replica again (its stats not yet routed on).
+    handle = ScriptedHandle([dying, dying, live])
+    assert stream_tokens(handle) == EXPECTED
+    assert handle.sent_to == ["r-dead", "r-dead", "r-live"]
+    assert live.calls[-1]["resume"] == EXPECTED[:5]
+
+
+def test_a_request_first_routed_to_a_dead_engine_is_re_submitted_before_streaming():
+    dead, live = FakeReplica("r-dead", die_after=0), FakeReplica("r-live")
+    handle = ScriptedHandle([dead, dead, live])
+    assert stream_tokens(handle) == EXPECTED
+    assert handle.sent_to == ["r-dead", "r-dead", "r-live"]
+    assert len({c["request_id"] for c in dead.calls + live.calls}) == 3, "one id per attempt"
+
+
+@pytest.mark.parametrize("die_after", [0, 5])
+def test_with_no_live_replica_the_client_gets_the_dead_rank_after_the_retries(die_after):
+    handle = ScriptedHandle([FakeReplica("r-dead", die_after=die_after)])
+    with pytest.raises(APIError) as failure:
+        stream_tokens(handle)
+    assert failure.value.status == 503
+    assert "rank(s) [1]" in failure.value.message
+    assert len(handle.sent_to) == 1 + MAX_FAILOVERS
+
+
+def routing_stats_of(alive: bool) -> dict:
+    """``EngineReplica.record_routing_stats`` on a replica whose engine is alive or dead."""
+    stats = ReplicaStats(num_running=1, prefill_tokens_per_s=2000.0, decode_tokens_per_s=50.0)
+    engine = SimpleNamespace(
+        stats=lambda: stats,
+        is_alive=lambda: alive,
+        config=SimpleNamespace(max_waiting_requests=1024),
+        model_id="tiny",
+    )
+    return EngineReplica.func_or_class.record_routing_stats(SimpleNamespace(engine=engine))
+
+
+def test_a_dead_engine_reports_itself_full_and_the_prefix_policy_routes_around_it():
+    assert routing_stats_of(alive=True)["num_waiting"] == 0
+    dead = routing_stats_of(alive=False)
+    assert dead["num_waiting"] == 1024 and dead["kv_usage"] == 1.0
+    assert dead["model_id"] == "tiny"
+    stats_fields = {f.name for f in dataclasses.fields(ReplicaStats)}
+    views = [
+        ReplicaView("r-dead", ReplicaStats(**{k: v for k, v in dead.items() if k in stats_fields})),
+        ReplicaView("r-live", ReplicaStats.from_dict(routing_stats_of(alive=True))),
+    ]
+    hashes = hash_blocks(PROMPT, 16, "tiny", None)
+    policy = make_policy(RouterConfig())
+    # The dead replica holds the whole prompt; the live one holds nothing and runs a request.
+    decision = policy.choose(hashes, len(PROMPT), views, {"r-dead": Match(len(hashes))})
+    assert decision.replica_id == "r-live", decision
+    # While alive, the same replica (same load) would have won on its cache hit.
+    views[0] = ReplicaView("r-dead", views[1].stats)
+    decision = policy.choose(hashes, len(PROMPT), views, {"r-dead": Match(len(hashes))})
+    assert decision.replica_id == "r-dead", decision
