@@ -302,6 +302,12 @@ _FLAGS = [
         "routing",
     ),
     (
+        "--kv-pull-tokens-per-s", "router", "kv_pull_tokens_per_s", float,
+        "prefix routing: a replica lacking a prefix that a peer holds pulls its KV from the peer "
+        "instead of prefilling it, priced at this many tokens per second (default: no pulls).",
+        "routing",
+    ),
+    (
         "--redis-url", "router", "redis_url", str,
         "Use Redis at this URL as the prefix index (default: embedded).",
         "routing",

@@ -175,3 +175,15 @@ def test_routed_to_a_replica_without_the_prefix_it_pulls_once_and_answers_as_a_h
             await r.engine.shutdown(1.0)
 
     asyncio.run(main())
+
+
+def test_kv_pull_flag_turns_pulls_on_at_the_given_rate():
+    from cluster.cli import args_from_namespace, build_parser
+    from cluster.config import configs_from_args
+
+    def router_config(*argv):
+        namespace = build_parser().parse_args(["serve", "--model", "/m", *argv])
+        return configs_from_args(args_from_namespace(namespace))[2]
+
+    assert router_config().kv_pull_tokens_per_s is None  # off by default
+    assert router_config("--kv-pull-tokens-per-s", "7237").kv_pull_tokens_per_s == 7237.0
