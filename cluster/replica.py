@@ -13,6 +13,8 @@ the engine refuses (bad input, full queue, dead engine) yields one
 ``export_prefix`` and ``pull_prefix`` move a prefix's KV between replicas (issue 19,
 ``worker/kv_transfer.py``): the puller asks a peer for the blocks it holds and imports them
 into its own cache; a failed pull is logged and returns zero blocks, never failing a request.
+``generate``'s ``kv_pull`` keyword (the request router's order) makes the replica pull before
+the request reaches the engine (``cluster/kv_pull.py``), so it runs as a local hit.
 
 When the caller goes away (client disconnect -> Serve cancels the child request) the
 generator is cancelled or closed inside ``engine.generate``, which aborts the request and
@@ -35,7 +37,9 @@ from ray import serve
 
 from cluster.index_actor import make_cluster_index
 from cluster.kv_publisher import ReplicaKVPublisher
+from cluster.kv_pull import ReplicaKVPuller
 from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
+from cluster.serve_compat import peer_replica
 from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
@@ -149,6 +153,13 @@ class EngineReplica:
         self._in_flight: set[str] = set()
         self._drain_task: asyncio.Task | None = None
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
+        self.kv_puller = ReplicaKVPuller(
+            self.replica_id,
+            self.engine.block_size,
+            self.pull_prefix,
+            lambda peer_id: peer_replica(context.replica_id, peer_id),
+            self.metrics,
+        )
         self._kv_publisher = None
         if router_config is not None:  # KV events and heartbeats to the prefix index
             router = RouterConfig(**router_config)
@@ -170,15 +181,21 @@ class EngineReplica:
         cache_salt: str | None = None,
         block_hashes: list[bytes] | None = None,
         resume_token_ids: list[int] | None = None,
+        kv_pull: dict | None = None,
     ):
-        """Streams the request's outputs as dicts. ``block_hashes`` are for the router;
-        ``resume_token_ids`` continue a stream a dead replica began (the ingress's failover)."""
-        del block_hashes  # read by the request router from the call's arguments, not here
+        """Streams the request's outputs as dicts. ``block_hashes`` are for the router (and a
+        pull); ``resume_token_ids`` continue a stream a dead replica began (the ingress's
+        failover); ``kv_pull``: the request router's order to pull leading blocks from a peer
+        first (``cluster.request_router.kv_pull_order``), set by the router, not the caller."""
         reported: set[int] = set()
         last_step_s: float | None = None
         pending: RequestOutput | None = None  # outputs held back to send stream_interval tokens
         self._in_flight.add(request_id)
         try:
+            if block_hashes:  # never raises: a failed pull means a prefill
+                await self.kv_puller.before_admission(
+                    kv_pull, block_hashes, prompt_token_ids, cache_salt
+                )
             stream = self.engine.generate(
                 request_id,
                 prompt_token_ids,
