@@ -166,7 +166,7 @@ def engine_replica_options(
 def build_app_from_configs(
     engine: EngineConfig, cluster: ClusterConfig, router: RouterConfig
 ) -> serve.Application:
-    hub = MetricsHub.options(**logging_options(cluster)).bind()
+    hub = MetricsHub.options(**logging_options(cluster)).bind(cluster.support_nice)
     replica_options = engine_replica_options(
         engine, cluster, router, ray_cluster_gpus(engine, cluster)
     )
@@ -177,6 +177,7 @@ def build_app_from_configs(
         cluster.served_model_name or "",
         dataclasses.asdict(router),
         cluster.stream_interval,
+        cluster.support_nice,
     )
     return Ingress.options(**ingress_options(cluster)).bind(
         replicas, hub, engine_dict, dataclasses.asdict(cluster)

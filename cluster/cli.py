@@ -23,6 +23,7 @@ import threading
 import time
 
 from cluster.config import API_KEY_ENV, ClusterConfig, configs_from_args
+from cluster.priority import lower_ray_system_priority
 from router.config import RouterConfig
 from worker.config import EngineConfig
 
@@ -36,6 +37,7 @@ DETACH_READY_TIMEOUT_S = 1800.0
 READY_PROBE_TIMEOUT_S = 60.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+RAY_SYSTEM_RENICE_DELAYS_S = (0.0, 2.0, 5.0, 10.0, 30.0)
 """Ray's setting for the niceness of the worker processes it starts (its default is 15)."""
 # Other modules add subcommands by exposing ``add_parser(subparsers)`` that registers a
 # parser whose defaults set ``handler`` (a function of the parsed namespace returning an exit
@@ -286,6 +288,12 @@ _FLAGS = [
         "Tokens per streamed message from a replica; more send fewer, larger messages and stream "
         "in bursts.",
         "http",
+    ),
+    (
+        "--support-nice", "cluster", "support_nice", int,
+        "Nice steps below the engines for every other serving process (ingress, relays, "
+        "metrics, a local Ray's own), so they yield the cores to the engines; 0: no change.",
+        "parallel",
     ),
     # routing
     ("--routing", "router", "policy", str, "prefix, round_robin, least_loaded or pow2.", "routing"),
@@ -625,6 +633,8 @@ def run_serve(ns: argparse.Namespace) -> int:
             route_prefix="/",
             blocking=False,
         )
+        if started_ray and cluster.support_nice:
+            _lower_ray_system_priority_soon(cluster.support_nice)
         if detach:
             api_key = cluster.api_key or os.environ.get(API_KEY_ENV) or None
             try:
@@ -661,6 +671,22 @@ def run_serve(ns: argparse.Namespace) -> int:
                 ray.shutdown()
     print("prefixserve: stopped", flush=True)
     return 0
+
+
+def _lower_ray_system_priority_soon(nice: int) -> None:
+    """Lowers the local Ray's own processes (GCS, agents, Serve controller, proxy) below the
+    engines, now and a few times more while Serve finishes starting its proxy."""
+
+    def run() -> None:
+        for delay_s in RAY_SYSTEM_RENICE_DELAYS_S:
+            time.sleep(delay_s)
+            pids = lower_ray_system_priority(nice)
+            if pids:
+                logging.getLogger(__name__).info(
+                    "Ray system processes %s run at nice %d", pids, nice
+                )
+
+    threading.Thread(target=run, name="lower-ray-priority", daemon=True).start()
 
 
 def _add_hooked_subcommands(subparsers) -> None:

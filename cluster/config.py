@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from cluster.priority import MAX_NICE, SUPPORT_NICE_DEFAULT
 from cluster.tool_parsers import TOOL_CALL_STREAMS
 from router.config import RouterConfig
 from worker.config import EngineConfig
@@ -93,6 +94,11 @@ class ClusterConfig:
     """Tokens per streamed message from an engine replica (vLLM's ``--stream-interval``): more
     send fewer, larger messages (each crosses two Ray hops) and stream in bursts. A request's
     first tokens and its end go at once."""
+    support_nice: int = SUPPORT_NICE_DEFAULT
+    """Nice steps (0-19, as ``nice -n``) below the engines for every other serving process: the
+    ingress, the replicas' relays, the metrics hub and, for a local cluster, Ray's own
+    processes. They then yield the cores to an engine that wants them
+    (``cluster/priority.py``); 0 leaves priorities alone."""
     enable_log_requests: bool = False
     expose_replica_headers: bool = False
     """Send ``x-prefixserve-replica`` and ``x-prefixserve-ingress`` (the engine and ingress
@@ -161,6 +167,11 @@ class ClusterConfig:
             _is_int(self.max_request_body_bytes) and self.max_request_body_bytes >= 1024,
             "max_request_body_bytes",
             f"must be an integer >= 1024, got {self.max_request_body_bytes!r}",
+        )
+        need(
+            _is_int(self.support_nice) and 0 <= self.support_nice <= MAX_NICE,
+            "support_nice",
+            f"must be an integer from 0 to {MAX_NICE}, got {self.support_nice!r}",
         )
         need(
             _is_int(self.stream_interval) and self.stream_interval >= 1,

@@ -37,6 +37,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from ray import serve
 
+from cluster.priority import lower_own_priority
+
 PREFIX = "prefixserve:"
 """The default series-name prefix (``ClusterConfig.metrics_prefix``); ``vllm:`` makes vLLM's
 dashboards and autoscaling rules read ours unchanged."""
@@ -393,7 +395,8 @@ class MetricsHub:
     replicas of a deployment and gives user code no signal before it drains a replica.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, support_nice: int = 0) -> None:
+        lower_own_priority(support_nice, "metrics hub")
         self._snapshots: dict[str, tuple[float, dict]] = {}
         self._ingress_snapshots: dict[str, dict] = {}
         """Cumulative counts: kept after an ingress stops, so their sum never goes down."""

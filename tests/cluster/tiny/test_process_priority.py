@@ -1,0 +1,52 @@
+"""The tiny cluster's serving processes run below its engines (``cluster/priority.py``).
+
+The ingress, the engine replicas' relays and the metrics hub lower themselves
+``ClusterConfig.support_nice`` steps (10 by default) below the niceness Ray starts its workers
+at; the engine processes they serve keep it, so on a busy machine the engines get the cores
+first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.priority import descendants
+from tests.cluster.conftest import REUSE_ENV
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def nices(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_support_processes_run_below_the_engines(tiny_server):
+    if os.environ.get(REUSE_ENV):
+        pytest.skip("the reused cluster's processes are not this test's children")
+    found: dict[str, list[int]] = {}
+    for pid in descendants(os.getpid()):
+        line = command_line(pid)
+        for role in ("Ingress", "EngineReplica", "MetricsHub", "worker.engine_process"):
+            if role in line:
+                found.setdefault(role, []).append(pid)
+    assert len(found.get("worker.engine_process", ())) == 2, found
+    # Ray starts its workers at one niceness (15 unless RAY_worker_niceness says otherwise)
+    engine_nices = set().union(*(nices(pid) for pid in found["worker.engine_process"]))
+    assert len(engine_nices) == 1, f"an engine thread was lowered: {engine_nices}"
+    (engine_nice,) = engine_nices
+    for role in ("Ingress", "EngineReplica", "MetricsHub"):
+        assert found.get(role), f"no {role} process among {found}"
+        for pid in found[role]:
+            # ClusterConfig.support_nice: 10 steps below the engines by default
+            expected = min(engine_nice + 10, 19)
+            assert nices(pid) == {expected}, f"{role} {pid} at {nices(pid)}, not {expected}"
