@@ -49,6 +49,24 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
     }
 
 
+def _text_logprobs(
+    tokens: list[str], token_logprobs: list, top_logprobs: list, start_offset: int
+) -> dict:
+    """Legacy completions' logprobs object: the per-token lists and each token's
+    ``text_offset``, counted in characters from ``start_offset``."""
+    offsets = []
+    offset = start_offset
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
 @dataclass
 class ChoiceState:
     index: int
@@ -163,28 +181,18 @@ class ResponseBuilder:
     def completion_logprobs(self, entries: list, start_offset: int) -> dict | None:
         if not self.want_logprobs:
             return None
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        offset = start_offset
+        tokens, token_logprobs, top_logprobs = [], [], []
         for token_id, logprob, top in entries:
-            token = self.token_to_str(token_id)
-            tokens.append(token)
+            tokens.append(self.token_to_str(token_id))
             token_logprobs.append(logprob)
             top_logprobs.append({self.token_to_str(tid): lp for tid, lp in top} or None)
-            offsets.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": offsets,
-        }
+        return _text_logprobs(tokens, token_logprobs, top_logprobs, start_offset)
 
     def _echo_logprobs(self, prompt_index: int) -> dict:
         """The echoed prompt's part of a completion's logprobs (offsets from 0)."""
         _, prompt_ids = self.echo_prompts[prompt_index]
         entries = self.prompt_logprobs[prompt_index] or []
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        offset = 0
+        tokens, token_logprobs, top_logprobs = [], [], []
         for position, token_id in enumerate(prompt_ids):
             token = self.token_to_str(token_id)
             entry = entries[position] if position < len(entries) else None
@@ -200,14 +208,7 @@ class ResponseBuilder:
                 token_logprobs.append(logprob)
                 top_logprobs.append(alternatives)
             tokens.append(token)
-            offsets.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": offsets,
-        }
+        return _text_logprobs(tokens, token_logprobs, top_logprobs, 0)
 
     def _echoed(
         self, state: ChoiceState, text: str, entries: list, start_offset: int
@@ -249,14 +250,18 @@ class ResponseBuilder:
         return rendered
 
     # ---- streaming ----------------------------------------------------------------------
-    def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {
+    def _envelope(self, chat_object: str, choices: list[dict]) -> dict:
+        """The fields every response and chunk starts with; ``chat_object`` names a chat one."""
+        return {
             "id": self.request_id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "object": chat_object if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
         }
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = self._envelope("chat.completion.chunk", choices)
         if self.continuous_usage:
             chunk["usage"] = self.usage()
         elif self.include_usage:
@@ -366,14 +371,8 @@ class ResponseBuilder:
                     choice["prompt_logprobs"] = self.vllm_prompt_logprobs(state.index // self.n)
             choice["stop_reason"] = state.stop_reason
             choices.append(choice)
-        response = {
-            "id": self.request_id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(),
-        }
+        response = self._envelope("chat.completion", choices)
+        response["usage"] = self.usage()
         if self.chat and self.want_prompt_logprobs:
             response["prompt_logprobs"] = self.vllm_prompt_logprobs(0)
         return response

@@ -227,6 +227,8 @@ class ToolCallStream:
         self._held_whitespace = ""
         self._call: _OpenCall | None = None
         self._deltas: list[ToolCallDelta] = []
+        self._buffer = ""
+        """Model text fed but not yet decided (a tag may be starting)."""
 
     # ---- what the formats call ----------------------------------------------------------
     def _emit_content(self, text: str) -> None:
@@ -282,14 +284,38 @@ class ToolCallStream:
         deltas, self._deltas = self._deltas, []
         return content, deltas
 
+    # ---- what the formats define --------------------------------------------------------
+    UNCLOSED_WRAPPER: tuple[str, str] = ("", "")
+    """How a call still open at the end was written around its JSON, should it go back as
+    content."""
+
+    def _drain(self, final: bool) -> None:
+        """Consumes ``self._buffer`` as far as it can be decided (all of it when ``final``)."""
+        raise NotImplementedError
+
+    def _tail_is_content(self) -> bool:
+        """Whether text left in the buffer at the end is content (rather than dropped)."""
+        return True
+
     # ---- the interface ------------------------------------------------------------------
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """New model text in; (new content, new call deltas) out."""
-        raise NotImplementedError
+        self._buffer += text
+        self._drain(final=False)
+        return self._take()
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The output ended: flushes what was held back and closes an open call."""
-        raise NotImplementedError
+        self._drain(final=True)
+        if self._call is not None:
+            self._close_call(self.UNCLOSED_WRAPPER)
+        if self._tail_is_content():
+            self._emit_content(self._buffer)
+        self._buffer = ""
+        if not self.calls:
+            self._content.append(self._held_whitespace)
+            self._held_whitespace = ""
+        return self._take()
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """A whole output: (content, calls); content is None when there are calls and no text."""
@@ -312,26 +338,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 class HermesStream(ToolCallStream):
     START = "<tool_call>"
     END = "</tool_call>"
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._buffer = ""
-
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buffer += text
-        self._drain(final=False)
-        return self._take()
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._drain(final=True)
-        if self._call is not None:
-            self._close_call((self.START, ""))
-        self._emit_content(self._buffer)
-        self._buffer = ""
-        if not self.calls:
-            self._content.append(self._held_whitespace)
-            self._held_whitespace = ""
-        return self._take()
+    UNCLOSED_WRAPPER = (START, "")
 
     def _drain(self, final: bool) -> None:
         while self._buffer:
@@ -364,25 +371,10 @@ class Llama3JsonStream(ToolCallStream):
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self._buffer = ""
         self._mode: str | None = None  # None (undecided), "content", "calls", "ended"
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buffer += text
-        self._drain(final=False)
-        return self._take()
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._drain(final=True)
-        if self._call is not None:
-            self._close_call()
-        if self._mode in (None, "content"):
-            self._emit_content(self._buffer)
-        self._buffer = ""
-        if not self.calls:
-            self._content.append(self._held_whitespace)
-            self._held_whitespace = ""
-        return self._take()
+    def _tail_is_content(self) -> bool:
+        return self._mode in (None, "content")
 
     def _drain(self, final: bool) -> None:
         if self._mode is None:
