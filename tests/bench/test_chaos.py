@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from bench.chaos import Outcome, SlowProxy, markdown, summarize
+from bench.chaos.faults import SlowProxy
+from bench.chaos.load import Outcome
+from bench.chaos.report import markdown, summarize
 
 
 def test_outcomes_are_lost_errored_or_mismatched_against_the_fault_free_run():
@@ -68,7 +70,8 @@ def test_slow_proxy_forwards_and_adds_latency_only_when_slow():
 
 
 def test_unknown_faults_and_redis_faults_without_redis_are_refused(capsys):
-    from bench.chaos import FAULTS, main
+    from bench.chaos.cli import main
+    from bench.chaos.faults import FAULTS
 
     assert "tp_worker_kill" in FAULTS
     for faults in ("bogus", "redis_slow"):

@@ -20,7 +20,9 @@ import os
 
 import pytest
 
-from bench.chaos import KILL_TITLES, Load, Target, run_baseline, run_fault
+from bench.chaos.faults import KILL_TITLES
+from bench.chaos.load import Load, Target
+from bench.chaos.run import run_baseline, run_fault
 
 pytestmark = pytest.mark.slow
 

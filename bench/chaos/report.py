@@ -1,0 +1,105 @@
+"""The chaos benchmark's figures: one load's outcomes classified into a ``FaultResult`` row,
+and the rows as a markdown table.
+
+``summarize`` counts each request once: errored (an HTTP error or ``error`` event), else lost
+(neither finished nor failed), else mismatched (finished with a text other than the fault-free
+run's); TTFT p99 is taken over requests started in the ``DURING_WINDOW_S`` after the fault and
+over those started after recovery.
+
+How it fails: it never raises on odd outcomes; a figure with no requests behind it is
+``None`` (``-`` in the table), never 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bench.chaos.load import Outcome
+
+DURING_WINDOW_S = 20.0
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    requests: int = 0
+    in_flight_at_fault: int = 0
+    """Requests of the load started before the fault and still streaming when it hit."""
+    lost: int = 0
+    errored: int = 0
+    mismatched: int = 0
+    ttft_p99_during_s: float | None = None
+    ttft_p99_after_s: float | None = None
+    recovery_s: float | None = None
+    leaked_blocks: int | None = None
+    note: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(0.99 * len(values)))], 3)
+
+
+def summarize(
+    name: str,
+    outcomes: list[Outcome],
+    baseline: dict[int, str],
+    fault_at_s: float | None,
+    recovered_at_s: float | None,
+    t0: float,
+) -> FaultResult:
+    res = FaultResult(fault=name, requests=len(outcomes))
+    during, after = [], []
+    for o in outcomes:
+        if o.error:
+            res.errored += 1
+            if len(res.errors) < 5:
+                res.errors.append(o.error)
+        elif not o.done:
+            res.lost += 1
+        elif o.index in baseline and baseline[o.index] != o.text:
+            res.mismatched += 1
+        if fault_at_s is None:
+            continue
+        started = o.start_s - t0
+        if started < fault_at_s and (o.end_s is None or o.end_s - t0 > fault_at_s):
+            res.in_flight_at_fault += 1
+        if o.ttft_s is None:
+            continue
+        if fault_at_s <= started < fault_at_s + DURING_WINDOW_S:
+            during.append(o.ttft_s)
+        elif recovered_at_s is not None and started >= recovered_at_s:
+            after.append(o.ttft_s)
+    res.ttft_p99_during_s, res.ttft_p99_after_s = p99(during), p99(after)
+    return res
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    cols = [
+        "fault",
+        "requests",
+        "in_flight_at_fault",
+        "lost",
+        "errored",
+        "mismatched",
+        "ttft_p99_during_s",
+        "ttft_p99_after_s",
+        "recovery_s",
+        "leaked_blocks",
+        "note",
+    ]
+    lines = [
+        f"Chaos run {header['date']} ({header['cpu']}, {header['cpus']} CPUs): {header['load']}.",
+        f"Command: `{header['command']}`",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for r in rows:
+        lines.append(
+            "| " + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols) + " |"
+        )
+    return "\n".join(lines) + "\n"
