@@ -7,12 +7,15 @@ message naming the field), starts a local Ray instance or joins ``--address``, r
 application and blocks until SIGINT/SIGTERM. Then it drains (in-flight requests get
 ``DRAIN_TIMEOUT_S`` to finish; the rest end with finish_reason ``abort`` and ``[DONE]``),
 deletes the application and, if it started Ray itself, shuts Serve and Ray down.
+
+This module owns the entry point, the subcommand dispatch and that Ray lifecycle; the flag
+table lives in ``cluster/cli_flags.py`` and the parsing of flags and ``--config`` files in
+``cluster/cli_options.py`` (their names stay importable from here).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import logging
 import math
@@ -22,10 +25,19 @@ import sys
 import threading
 import time
 
-from cluster.config import API_KEY_ENV, ClusterConfig, configs_from_args
+# Re-exported (``X as X``): tests and tools import these from here.
+from cluster.cli_flags import GROUPS as GROUPS
+from cluster.cli_flags import LIST as LIST
+from cluster.cli_flags import SECTION_CLASSES as SECTION_CLASSES
+from cluster.cli_flags import SECTION_GROUPS as SECTION_GROUPS
+from cluster.cli_flags import field_default as field_default
+from cluster.cli_flags import flag_rows as flag_rows
+from cluster.cli_options import add_serve_arguments
+from cluster.cli_options import args_from_namespace as args_from_namespace
+from cluster.cli_options import config_file_values as config_file_values
+from cluster.cli_options import merge_command_line as merge_command_line
+from cluster.config import API_KEY_ENV, configs_from_args
 from cluster.priority import lower_ray_system_priority
-from router.config import RouterConfig
-from worker.config import EngineConfig
 
 # On Ctrl-C, in-flight requests get this long to finish before they are aborted.
 DRAIN_TIMEOUT_S = 5.0
@@ -43,342 +55,7 @@ RAY_SYSTEM_RENICE_DELAYS_S = (0.0, 2.0, 5.0, 10.0, 30.0)
 # parser whose defaults set ``handler`` (a function of the parsed namespace returning an exit
 # code). A hook whose module is not there yet is skipped.
 SUBCOMMAND_HOOKS = ("cluster.batch:add_parser", "bench.cli:add_parser")
-
-# The help's argument groups, in order; a table row names its group by key.
-GROUPS = {
-    "model": "model",
-    "engine": "engine & KV cache",
-    "parallel": "parallelism & placement",
-    "http": "HTTP server",
-    "routing": "routing",
-    "logging": "logging & metrics",
-}
-# The group of a row that names none (a 5-tuple), by section.
-SECTION_GROUPS = {"engine": "engine", "cluster": "http", "router": "routing"}
-SECTION_CLASSES = {"engine": EngineConfig, "cluster": ClusterConfig, "router": RouterConfig}
-LIST = "list"
-"""Row type of a comma-separated list flag (repeating the flag adds to the list)."""
-
-# (flag, section, field, type, help[, group]). type None marks a --x/--no-x boolean, LIST a
-# list. Help strings never state a default: ``_help`` appends the dataclass field's own
-# (a None default is explained in words where it means something).
-_FLAGS = [
-    # model
-    (
-        "--model", "engine", "model", str,
-        "Hugging Face folder or hub id, .gguf file, or 'smollm2' (bundled). Also positional: "
-        "prefixserve serve MODEL.",
-        "model",
-    ),
-    (
-        "--served-model-name", "cluster", "served_model_name", str,
-        "Model name in the API (default: the model's id).",
-        "model",
-    ),
-    (
-        "--tokenizer", "engine", "tokenizer", str,
-        "Tokenizer folder or hub id (default: the model's).",
-        "model",
-    ),
-    (
-        "--revision", "engine", "revision", str,
-        "Hub revision (branch, tag or commit) of a hub model.",
-        "model",
-    ),
-    (
-        "--download-dir", "engine", "download_dir", str,
-        "Where hub models are downloaded (default: the Hugging Face cache).",
-        "model",
-    ),
-    (
-        "--chat-template", "engine", "chat_template", str,
-        "Jinja chat template (a file or the template itself) replacing the model's.",
-        "model",
-    ),
-    (
-        "--enable-auto-tool-choice", "cluster", "enable_auto_tool_choice", None,
-        "Allow tool_choice 'auto' (the default when a request has tools); needs "
-        "--tool-call-parser.",
-        "model",
-    ),
-    (
-        "--tool-call-parser", "cluster", "tool_call_parser", str,
-        "How output becomes tool_calls: hermes (Hermes, Qwen) or llama3_json (default: hermes for "
-        "'required' and named choice; no 'auto').",
-        "model",
-    ),
-    (
-        "--generation-config", "engine", "generation_config", str,
-        "Sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none) or a "
-        "folder holding one.",
-        "model",
-    ),
-    (
-        "--max-model-len", "engine", "max_model_len", int,
-        "Context limit in tokens (default: the model's).",
-        "model",
-    ),
-    (
-        "--dtype", "engine", "dtype", str,
-        "Weights and activations: float32, float16, bfloat16 or auto (float32 on CPU; bfloat16 on "
-        "CUDA from compute capability 8.0, else float16).",
-        "model",
-    ),
-    # engine & KV cache
-    (
-        "--block-size", "engine", "block_size", int,
-        "Tokens per KV block and per hashed prefix block.",
-        "engine",
-    ),
-    (
-        "--max-num-seqs", "engine", "max_num_seqs", int,
-        "Most requests running at once per replica.",
-        "engine",
-    ),
-    (
-        "--max-num-batched-tokens", "engine", "max_num_batched_tokens", int,
-        "Token budget of one engine step.",
-        "engine",
-    ),
-    (
-        "--enable-prefix-caching", "engine", "enable_prefix_caching", None,
-        "Reuse KV blocks of shared prefixes.",
-        "engine",
-    ),
-    (
-        "--num-kv-blocks", "engine", "num_kv_blocks", int,
-        "KV cache size in blocks (one KV size knob of four).",
-        "engine",
-    ),
-    ("--kv-cache-bytes", "engine", "kv_cache_bytes", int, "KV cache size in bytes.", "engine"),
-    (
-        "--kv-cache-memory-fraction", "engine", "kv_cache_memory_fraction", float,
-        "KV cache as a fraction of the memory left after the weights (the knob in force when none "
-        "is given).",
-        "engine",
-    ),
-    (
-        "--gpu-memory-utilization", "engine", "gpu_memory_utilization", float,
-        "CUDA: fraction of the device's memory for weights, activations and KV together.",
-        "engine",
-    ),
-    (
-        "--host-kv-cache-bytes", "engine", "host_kv_cache_bytes", int,
-        "Second KV tier in host RAM for evicted prefix blocks, in bytes (default: off).",
-        "engine",
-    ),
-    (
-        "--kernel-backend", "engine", "kernel_backend", str,
-        "auto (triton on CUDA, torch on CPU), torch or triton.",
-        "engine",
-    ),
-    ("--seed", "engine", "seed", int, "Seed for requests that give none.", "engine"),
-    ("--deterministic", "engine", "deterministic", None, "Batch-invariant numerics.", "engine"),
-    (
-        "--max-waiting-requests", "engine", "max_waiting_requests", int,
-        "Engine queue bound per replica; past it: 429.",
-        "engine",
-    ),
-    (
-        "--max-logprobs", "engine", "max_logprobs", int,
-        "Most logprobs a request may ask for.",
-        "engine",
-    ),
-    (
-        "--num-threads", "engine", "num_threads", int,
-        "torch intra-op threads per engine replica on CPU (default: torch's choice).",
-        "engine",
-    ),
-    # parallelism & placement
-    (
-        "--device", "engine", "device", str,
-        "cpu, cuda[:N] or auto (cuda when the replica sees a GPU; the replicas reserve GPUs when "
-        "the Ray cluster has any, decided at deploy time).",
-        "parallel",
-    ),
-    (
-        "--tensor-parallel-size", "engine", "tensor_parallel_size", int,
-        "Ranks each replica's model is split over, one placement-group bundle (and GPU on CUDA) "
-        "each.",
-        "parallel",
-    ),
-    ("--num-replicas", "cluster", "num_replicas", int, "Engine replicas.", "parallel"),
-    (
-        "--num-cpus-per-replica", "cluster", "num_cpus_per_replica", float,
-        "Ray CPUs per engine replica (per rank under tensor parallelism).",
-        "parallel",
-    ),
-    (
-        "--num-gpus-per-replica", "cluster", "num_gpus_per_replica", float,
-        "Ray GPUs per engine replica (per rank under tensor parallelism; default: 1 on CUDA, else "
-        "0).",
-        "parallel",
-    ),
-    (
-        "--num-ingress-replicas", "cluster", "num_ingress_replicas", int,
-        "HTTP ingress replicas (parse, template, tokenize, route; no CPU reserved); the minimum "
-        "when autoscaling (default: 2 with more than one engine replica, else 1).",
-        "parallel",
-    ),
-    (
-        "--max-ingress-replicas", "cluster", "max_ingress_replicas", int,
-        "Autoscale the ingress up to this many replicas (default: a fixed count).",
-        "parallel",
-    ),
-    (
-        "--ingress-target-ongoing-requests", "cluster", "ingress_target_ongoing_requests", float,
-        "Ingress autoscaling target: open requests per ingress replica.",
-        "parallel",
-    ),
-    (
-        "--address", "cluster", "ray_address", str,
-        "Join this Ray cluster ('auto', host:port, ray://...) instead of starting a local one.",
-        "parallel",
-    ),
-    # HTTP server
-    (
-        "--host", "cluster", "host", str,
-        "HTTP host; 0.0.0.0 to be reachable from other machines (a Ray job on a cluster).",
-        "http",
-    ),
-    ("--port", "cluster", "port", int, "HTTP port.", "http"),
-    (
-        "--api-key", "cluster", "api_key", str,
-        f"Require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none).",
-        "http",
-    ),
-    (
-        "--root-path", "cluster", "root_path", str,
-        "FastAPI root_path, for a proxy that serves the API under a path prefix.",
-        "http",
-    ),
-    (
-        "--allowed-origins", "cluster", "allowed_origins", LIST,
-        "CORS: origins allowed to call the API, comma-separated ('*': any; default: none, no "
-        "CORS).",
-        "http",
-    ),
-    (
-        "--allowed-methods", "cluster", "allowed_methods", LIST,
-        "CORS: methods allowed cross-origin.",
-        "http",
-    ),
-    (
-        "--allowed-headers", "cluster", "allowed_headers", LIST,
-        "CORS: request headers allowed cross-origin.",
-        "http",
-    ),
-    (
-        "--max-ongoing-requests", "cluster", "max_ongoing_requests", int,
-        "Requests in flight per engine replica.",
-        "http",
-    ),
-    (
-        "--max-queued-requests", "cluster", "max_queued_requests", int,
-        "Requests queued for a free replica; past it: 429.",
-        "http",
-    ),
-    (
-        "--max-request-body-bytes", "cluster", "max_request_body_bytes", int,
-        "Larger bodies get 413.",
-        "http",
-    ),
-    (
-        "--stream-interval", "cluster", "stream_interval", int,
-        "Tokens per streamed message from a replica; more send fewer, larger messages and stream "
-        "in bursts.",
-        "http",
-    ),
-    (
-        "--support-nice", "cluster", "support_nice", int,
-        "Nice steps below the engines for every other serving process (ingress, relays, "
-        "metrics, a local Ray's own), so they yield the cores to the engines; 0: no change.",
-        "parallel",
-    ),
-    # routing
-    ("--routing", "router", "policy", str, "prefix, round_robin, least_loaded or pow2.", "routing"),
-    (
-        "--max-load-ratio", "router", "max_load_ratio", float,
-        "prefix routing: a replica takes a request only while its recent share stays within this "
-        "multiple of the mean.",
-        "routing",
-    ),
-    (
-        "--speculative-ttl-s", "router", "speculative_ttl_s", float,
-        "prefix routing: how long a routed prefix counts as held before its KV events arrive "
-        "(raise it where one prefill takes longer).",
-        "routing",
-    ),
-    (
-        "--kv-pull-tokens-per-s", "router", "kv_pull_tokens_per_s", float,
-        "prefix routing: a replica lacking a prefix that a peer holds pulls its KV from the peer "
-        "instead of prefilling it, priced at this many tokens per second (default: no pulls).",
-        "routing",
-    ),
-    (
-        "--redis-url", "router", "redis_url", str,
-        "Use Redis at this URL as the prefix index (default: embedded).",
-        "routing",
-    ),
-    # logging & metrics
-    (
-        "--log-level", "cluster", "log_level", str,
-        "Log level of the driver, the deployments and the engine processes: debug, info, warning, "
-        "error or critical.",
-        "logging",
-    ),
-    (
-        "--enable-log-requests", "cluster", "enable_log_requests", None,
-        "Log one line per request (Serve's access log).",
-        "logging",
-    ),
-    (
-        "--expose-replica-headers", "cluster", "expose_replica_headers", None,
-        "Name the serving engine and ingress replicas in "
-        "x-prefixserve-replica/x-prefixserve-ingress response headers (for debugging and "
-        "benchmarks; they reveal the cluster's layout).",
-        "http",
-    ),
-    (
-        "--metrics-prefix", "cluster", "metrics_prefix", str,
-        "Prefix of the series names at /metrics; 'vllm' gives vLLM's names for its dashboards and "
-        "autoscaling rules.",
-        "logging",
-    ),
-]  # fmt: skip
-
-
-def _rows() -> list[tuple]:
-    """The table as 6-tuples (a row without a group gets its section's)."""
-    return [row if len(row) > 5 else (*row, SECTION_GROUPS[row[1]]) for row in _FLAGS]
-
-
-def field_default(section: str, field: str):
-    """A config field's default, read from its dataclass (the one place defaults live)."""
-    for f in dataclasses.fields(SECTION_CLASSES[section]):
-        if f.name == field:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            return f.default_factory()  # type: ignore[misc]
-    raise KeyError(f"{section}.{field}")
-
-
-def _help(section: str, field: str, kind, help_text: str) -> str:
-    default = field_default(section, field)
-    if default is None or default in ((), ""):
-        return help_text  # the text says what unset means
-    if kind is None:
-        shown = "on" if default else "off"
-    elif kind == LIST:
-        shown = ",".join(default)
-    else:
-        shown = str(default)
-    text = help_text[:-1] if help_text.endswith(".") else help_text
-    return f"{text} (default: {shown}).".replace("%", "%%")
-
-
-def _list_arg(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+_rows = flag_rows  # the table's name before cli_flags.py (tests read ``cli._rows``)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -389,126 +66,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "on Ray Serve. With no flags: the bundled SmolLM2 model on 2 CPU replicas at "
         "http://127.0.0.1:8000.",
     )
-    parser.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL", help="The model (same as --model)."
-    )
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        help="YAML file of flags (keys as the flags without '--', dashes or underscores); "
-        "flags on the command line win.",
-    )
-    parser.add_argument(
-        "--detach",
-        action="store_true",
-        help="With --address: deploy, wait until the API answers, print its URL and exit 0, "
-        "leaving the app serving (stop it with 'serve delete' or 'serve shutdown').",
-    )
-    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-    for flag, section, field, kind, help_text, group in _rows():
-        text = _help(section, field, kind, help_text)
-        if kind is None:
-            groups[group].add_argument(
-                flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=text
-            )
-        elif kind == LIST:
-            groups[group].add_argument(
-                flag, dest=field, type=_list_arg, action="extend", default=None, help=text
-            )
-        else:
-            groups[group].add_argument(flag, dest=field, type=kind, default=None, help=text)
+    add_serve_arguments(parser)
     parser.set_defaults(handler=run_serve)
     return parser
-
-
-def _coerce(key: str, kind, value):
-    """A config file's value in the flag's type; ValueError naming the key."""
-    if kind is None:
-        ok = isinstance(value, bool)
-    elif kind == LIST:
-        if isinstance(value, str):
-            value = _list_arg(value)
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-    elif kind is str:
-        ok = isinstance(value, str)
-    elif isinstance(value, str):
-        try:
-            value, ok = kind(value), True
-        except ValueError:
-            ok = False
-    else:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = ok and (kind is float or isinstance(value, int))
-    if not ok:
-        raise ValueError(
-            f"{key}: expected {getattr(kind, '__name__', kind or 'bool')}, got {value!r}"
-        )
-    return float(value) if kind is float else value
-
-
-def config_file_values(path: str) -> dict:
-    """``{dest: value}`` from a YAML file of flags (``max-num-seqs: 8`` or ``max_num_seqs: 8``);
-    ValueError naming the file and the key for an unknown key or a wrong type."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--config {path}: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: must be a mapping of flags to values")
-    rows = {}
-    for row in _rows():
-        rows[row[0][2:].replace("-", "_")] = row
-        rows[row[2]] = row
-    values = {}
-    for key, value in data.items():
-        row = rows.get(str(key).replace("-", "_"))
-        if row is None:
-            raise ValueError(
-                f"--config {path}: unknown key {key!r} (keys are the flags without '--')"
-            )
-        if value is not None:
-            try:
-                values[row[2]] = _coerce(str(key), row[3], value)
-            except ValueError as exc:
-                raise ValueError(f"--config {path}: {exc}") from None
-    return values
-
-
-def merge_command_line(ns: argparse.Namespace) -> argparse.Namespace:
-    """The positional model and the ``--config`` file folded into the flags: a flag given on
-    the command line wins over the file; a positional model that disagrees with --model is a
-    ValueError."""
-    ns = argparse.Namespace(**vars(ns))
-    tag = getattr(ns, "model_tag", None)
-    if tag is not None:
-        if ns.model is not None and ns.model != tag:
-            raise ValueError(f"the positional model {tag!r} disagrees with --model {ns.model!r}")
-        ns.model = tag
-    if getattr(ns, "config", None):
-        for dest, value in config_file_values(ns.config).items():
-            if getattr(ns, dest, None) is None:
-                setattr(ns, dest, value)
-    return ns
-
-
-def args_from_namespace(ns: argparse.Namespace) -> dict:
-    """The builder's args (``{"engine", "cluster", "router"}``) from the flags that were given."""
-    ns = merge_command_line(ns)
-    args: dict = {"engine": {}, "cluster": {}, "router": {}}
-    for _, section, field, *_ in _FLAGS:
-        value = getattr(ns, field, None)
-        if value is not None:
-            args[section][field] = value
-    if "api_key" not in args["cluster"] and os.environ.get(API_KEY_ENV):
-        args["cluster"]["api_key"] = os.environ[API_KEY_ENV]
-    if "redis_url" in args["router"]:
-        args["router"]["index_backend"] = "redis"
-    return args
 
 
 def _wait_for_signal() -> None:
