@@ -3,7 +3,7 @@ changed, no KV block leaked.
 
 One module-scoped cluster (``tests.cluster.conftest.start_tiny_cluster``: 2 engine replicas,
 2 ingress replicas) serves a closed loop of a few streaming greedy chat requests, the load
-``bench/chaos.py`` runs, sized for CI. A fault-free run records each prompt's text; then,
+``bench/chaos/`` runs, sized for CI. A fault-free run records each prompt's text; then,
 one after another under the same load: a client disconnect storm, slow readers that stop
 draining their streams, the embedded index actor SIGKILLed, an engine replica SIGKILLed.
 For each fault every request of the load must end normally (the ingress fails a cut
