@@ -14,7 +14,7 @@ replaces it, seconds later. Unlike a killed replica, Serve keeps routing to it m
 - with no live replica the error still reaches the client after ``MAX_FAILOVERS`` tries and
   names the dead rank (what ``tests/cluster/test_tp_health.py`` sees with one replica).
 
-``bench/chaos/ --faults tp_worker_kill`` runs the fault end to end on a real TP cluster
+``python -m bench.chaos --faults tp_worker_kill`` runs the fault end to end on a real TP cluster
 (too slow to start for this suite on a 2-core machine: 50-120 s measured).
 """
 
