@@ -75,10 +75,15 @@ class RouterConfig:
     """Predicted TTFTs this close count as a tie, settled by rendezvous hashing."""
     kv_pull_tokens_per_s: float | None = None
     """Rate at which a replica pulls a prefix's KV from a peer that holds it; the ``prefix``
-    policy then prices a replica lacking a prefix a peer holds at the pull, not a prefill.
-    None (the default): replicas do not pull, every miss is priced as a prefill. Setting it
-    below the measured transfer rate makes copies dearer (each takes cache space that evicts
-    other prefixes); the simulator uses 1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR)."""
+    policy then prices a replica lacking a prefix a peer holds at the pull, not a prefill, and
+    that replica performs the pull (``cluster/kv_pull.py``). None (the default): replicas do
+    not pull, every miss is priced as a prefill. Setting it below the measured transfer rate
+    makes copies dearer (each takes cache space that evicts other prefixes); the simulator uses
+    1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR). Off by default because the served pull
+    costs far more than the engine-side rate (7237 tokens/s, bench/kv_pull.py) says: a Ray
+    call, the peer's next step and two engine-process hops; on the shared 2-core CPU a served
+    128-token pull took 0.46 s and the follow-up it served came 0.99 s after the call, against
+    0.27 s queued behind the busy holder with pulls off (bench/kv_pull_served.py --quick)."""
     seed: int = 0
     """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
 

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from cluster.app import ROUTING_STATS_PERIOD_S
 from router.protocol import hash_blocks
 from tests.cluster.conftest import STARTUP_TIMEOUT_S, Server, free_port
 from worker.sampling_params import SamplingParams
@@ -71,6 +72,23 @@ async def generate(handle, request_id, prompt, hashes, params, first_only=False)
     return replica_id, cached, tokens, None
 
 
+async def warm_up(handle, rng, described, max_requests=8):
+    """Cold prompts until both replicas served one, so both report measured prefill rates (an
+    unmeasured replica is priced at the default rate, which may differ from the tiny model's
+    by far more than a pull costs). Then long enough for their stats to show them idle."""
+    import asyncio
+
+    served = set()
+    for i in range(max_requests):
+        prompt = [rng.randrange(1000, 40000) for _ in range(40)]
+        hashes = hash_blocks(prompt, described["block_size"], described["model_id"], None)
+        served.add((await generate(handle, f"warm{i}", prompt, hashes, PARAMS))[0])
+        if len(served) == 2:
+            break
+    assert len(served) == 2, "the router never sent a cold prompt to the second replica"
+    await asyncio.sleep(2 * ROUTING_STATS_PERIOD_S + 0.5)
+
+
 @pytest.mark.timeout(300)
 def test_a_busy_holders_prefix_is_pulled_by_the_idle_replica_through_serve(cluster, test_seed):
     import asyncio
@@ -81,10 +99,13 @@ def test_a_busy_holders_prefix_is_pulled_by_the_idle_replica_through_serve(clust
 
     async def main():
         described = await handle.describe.remote()
+        await warm_up(handle, rng, described)
         hashes = hash_blocks(prompt, described["block_size"], described["model_id"], None)
         holder, cached, cold, _ = await generate(handle, "cold", prompt, hashes, PARAMS)
         assert cached == 0 and len(cold) == PARAMS.max_tokens
-        await asyncio.sleep(1.0)  # the holder's KV events reach the index
+        # The holder's KV events reach the index, and its routing stats no longer show the
+        # cold request running (else the next request is priced as queued behind it).
+        await asyncio.sleep(2 * ROUTING_STATS_PERIOD_S + 0.5)
         # The holder gets a long request for the prefix, then the follow-up goes elsewhere.
         busy, _, _, long_stream = await generate(
             handle, "long", prompt, hashes, LONG, first_only=True
