@@ -85,6 +85,9 @@ HEALTH_CHECK_ENV = {
 }
 # The GCS declares node B dead within this long of the kill.
 NODE_DEATH_TIMEOUT_S = 60.0
+# Serve's per-worker-node override of the proxy's HTTP port (the head's proxy keeps
+# http_options.port), read by the proxy actor from its node's environment.
+PROXY_PORT_ENV = "RAY_SERVE_WORKER_PROXY_HTTP_PORT"
 # Test 2: streams through proxy A (at least one on each engine replica), each long enough to be
 # mid-stream when node B dies.
 NUM_STREAMS = 4
@@ -231,10 +234,15 @@ def two_nodes(tmp_path_factory):
         pytest.skip("redis-server binary not found (Debian: apt-get install -y redis-server)")
     import ray
     from ray import serve
+    from ray.serve._private import constants as serve_constants
 
     from cluster import app as app_module
     from worker.testing import make_tiny_model
 
+    assert hasattr(serve_constants, PROXY_PORT_ENV), (
+        f"ray {ray.__version__} has no {PROXY_PORT_ENV}: node B's proxy cannot get a port of its "
+        "own, and two proxies on one host cannot bind the same one"
+    )
     workdir = tmp_path_factory.mktemp("two-nodes")
     model = make_tiny_model(workdir / "tiny", "llama")
     gcs, client_port, dashboard, http_a, http_b = free_ports(5)
@@ -256,7 +264,7 @@ def two_nodes(tmp_path_factory):
         nodes.append(start_node("a", head_args, env, workdir, HEALTH_CHECK_ENV))
         wait_for_port(gcs, nodes[0], deadline)
         # Node B's proxy binds its own port (Serve's per-worker-node knob).
-        proxy_port = {"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(http_b)}
+        proxy_port = {PROXY_PORT_ENV: str(http_b)}
         nodes.append(start_node("b", ["--address", f"127.0.0.1:{gcs}"], env, workdir, proxy_port))
 
         ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
