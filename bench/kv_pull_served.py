@@ -1,4 +1,4 @@
-"""Served TTFT of a follow-up request when the prefix's holder is busy: KV pulls on vs off.
+"""Served TTFT when a prefix's holder is busy, or a burst wants the prefix: KV pulls on vs off.
 
 Issue 19's question in the live path: when the replica holding a prefix is busy, what does
 ``--kv-pull-tokens-per-s`` change for the next request with that prefix? With pulls on, the
@@ -13,8 +13,12 @@ cold prompts until both replicas have measured their prefill rate (an unmeasured
 priced at the default rate, far above a CPU's). Per repeat, with a fresh random prefix:
 ``cold`` (prefix + question A) lands on a replica X; after the index and the stats settle, a
 long request (prefix + question B) keeps X decoding; then the timed ``follow`` (prefix +
-question C). TTFT is the handle's: the call to the first streamed item (routing, Serve's
-hops, a pull if any, the engine). The follow-ups' greedy tokens must be equal in both phases.
+question C). Then the burst: a second fresh prefix, cold on one replica, then ``--burst``
+requests for it at once (each with its own 64-token question), as a hot prefix arrives.
+TTFT is the handle's: the call to the first streamed item (routing, Serve's hops, a pull if
+any, the engine). Every request's greedy tokens must be equal in both phases. The replicas'
+pull counters and seconds come from the ``MetricsHub``; ``--log-level debug`` logs each pull
+with its peer lookup and the peer's answer timed.
 
     python -m bench.kv_pull_served                 # SmolLM2, 496-token prefix, 3 repeats
     python -m bench.kv_pull_served --quick         # smoke: 1 repeat, 128-token prefix
@@ -36,8 +40,12 @@ import time
 
 from bench.result_files import result_header, result_stem
 
-APP = "kvpull-bench"
+# One application name per phase: this process's handle keeps the request router (and its
+# RouterConfig) of the first application it called under a name, redeployed or not.
+APPS = {"pulls_on": "kvpull-on", "pulls_off": "kvpull-off"}
 QUESTION_TOKENS = 16
+TOKEN_LISTS = ("follow_tokens", "burst_tokens")  # compared between phases, not written
+BURST_QUESTION_TOKENS = 64  # each burst request's own part: prefilled wherever it runs
 LONG_TOKENS = 1024  # the busy holder's decode outlasts both follow-ups
 TOKEN_RANGE = (1000, 40000)  # ordinary SmolLM2 words, clear of the special tokens
 # Routing stats arrive every ROUTING_STATS_PERIOD_S (1 s) through the controller: after this
@@ -82,8 +90,9 @@ async def warm_up(handle, described, rng, max_requests: int = 8) -> None:
     raise RuntimeError("the router never sent a cold prompt to the second replica")
 
 
-async def one_repeat(handle, described, rng, prefix_tokens: int, index: int) -> dict:
-    """Cold request on the holder, the holder kept busy, then the timed follow-up."""
+async def one_repeat(handle, described, rng, prefix_tokens: int, burst: int, index: int) -> dict:
+    """The follow-up (cold request on the holder, the holder kept busy, the timed follow-up),
+    then the burst."""
     from router.protocol import hash_blocks
     from worker.sampling_params import SamplingParams
 
@@ -105,6 +114,19 @@ async def one_repeat(handle, described, rng, prefix_tokens: int, index: int) -> 
     follow = await call("follow", follow_prompt, short)
     busy[4].cancel()
     await asyncio.sleep(SETTLE_S)  # the cancelled request leaves the holder and its stats
+    # The burst: another fresh prefix, cold on one replica, then ``burst`` requests for it at
+    # once, each with its own question of BURST_QUESTION_TOKENS.
+    prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(prefix_tokens)]
+    burst_cold = await call("burst-cold", prompt(), short)
+    await asyncio.sleep(SETTLE_S)
+    burst_prompts = [
+        prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(BURST_QUESTION_TOKENS)]
+        for _ in range(burst)
+    ]
+    burst_out = await asyncio.gather(
+        *(call(f"burst{j}-", tokens, short) for j, tokens in enumerate(burst_prompts))
+    )
+    await asyncio.sleep(SETTLE_S)
     return {
         "holder": cold[1],
         "busy_replica": busy[1],
@@ -113,10 +135,17 @@ async def one_repeat(handle, described, rng, prefix_tokens: int, index: int) -> 
         "follow_replica": follow[1],
         "follow_cached_tokens": follow[2],
         "follow_tokens": follow[3],
+        "burst_holder": burst_cold[1],
+        "burst_ttft_s": [out[0] for out in burst_out],
+        "burst_on_the_other_replica": sum(out[1] != burst_cold[1] for out in burst_out),
+        "burst_cached_tokens": [out[2] for out in burst_out],
+        "burst_tokens": [out[3] for out in burst_out],
     }
 
 
-def run_phase(args, kv_pull_tokens_per_s: float | None, port: int) -> tuple[dict, list, dict]:
+def run_phase(
+    args, app_name: str, kv_pull_tokens_per_s: float | None, port: int
+) -> tuple[dict, list, dict]:
     """One application with this pull setting: warm up, then ``args.repeats`` repeats (the
     same prompts in every phase: the generator is seeded alike)."""
     from ray import serve
@@ -128,11 +157,17 @@ def run_phase(args, kv_pull_tokens_per_s: float | None, port: int) -> tuple[dict
         "max_model_len": args.prefix_tokens + QUESTION_TOKENS + LONG_TOKENS + 16,
         "num_threads": 1,
     }
-    cluster = {"num_replicas": 2, "num_ingress_replicas": 1, "port": port, "app_name": APP}
+    cluster = {
+        "num_replicas": 2,
+        "num_ingress_replicas": 1,
+        "port": port,
+        "app_name": app_name,
+        "log_level": args.log_level,
+    }
     router = {"kv_pull_tokens_per_s": kv_pull_tokens_per_s}
     app = build_app({"engine": engine, "cluster": cluster, "router": router})
-    serve.run(app, name=APP, route_prefix="/")  # returns once every replica is up
-    handle = serve.get_deployment_handle("EngineReplica", APP)
+    serve.run(app, name=app_name, route_prefix="/")  # returns once every replica is up
+    handle = serve.get_deployment_handle("EngineReplica", app_name)
     rng = random.Random(0)
 
     async def run():
@@ -140,11 +175,11 @@ def run_phase(args, kv_pull_tokens_per_s: float | None, port: int) -> tuple[dict
         await warm_up(handle, described, rng)
         await asyncio.sleep(SETTLE_S)
         rows = [
-            await one_repeat(handle, described, rng, args.prefix_tokens, i)
+            await one_repeat(handle, described, rng, args.prefix_tokens, args.burst, i)
             for i in range(args.repeats)
         ]
         await asyncio.sleep(SETTLE_S)  # the replicas push their metrics every second
-        hub = serve.get_deployment_handle("MetricsHub", APP)
+        hub = serve.get_deployment_handle("MetricsHub", app_name)
         snapshots = (await hub.export.remote())["replicas"].values()
         pulls = {
             name: sum(snap.get("counters", {}).get(name, 0) for snap in snapshots)
@@ -158,7 +193,7 @@ def run_phase(args, kv_pull_tokens_per_s: float | None, port: int) -> tuple[dict
     try:
         return asyncio.run(run())
     finally:
-        serve.delete(APP)
+        serve.delete(app_name)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -167,6 +202,9 @@ def summary(rows: list[dict]) -> dict:
         "cold_ttft_s_median": statistics.median(r["cold_ttft_s"] for r in rows),
         "follow_on_the_other_replica": sum(r["follow_replica"] != r["holder"] for r in rows),
         "follow_cached_tokens": [r["follow_cached_tokens"] for r in rows],
+        "burst_ttft_s_mean": statistics.mean(t for r in rows for t in r["burst_ttft_s"]),
+        "burst_ttft_s_max_median": statistics.median(max(r["burst_ttft_s"]) for r in rows),
+        "burst_on_the_other_replica": [r["burst_on_the_other_replica"] for r in rows],
     }
 
 
@@ -183,7 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
         default=7237.0,
         help="the router's pull price with pulls on (default: bench/kv_pull.py's CPU rate)",
     )
+    ap.add_argument("--burst", type=int, default=6, help="requests sent at once for a prefix")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 128-token prefix")
+    ap.add_argument(
+        "--log-level", default="info", help="the replicas' (debug: one line per pull, timed)"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.prefix_tokens = 1, 128
@@ -200,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name, rate in (("pulls_on", args.kv_pull_tokens_per_s), ("pulls_off", None)):
-            described, phases[name], pulls[name] = run_phase(args, rate, port)
+            described, phases[name], pulls[name] = run_phase(args, APPS[name], rate, port)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -217,10 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": {"pulls_on": summary(on), "pulls_off": summary(off)},
         "replica_pull_metrics": pulls,
         "tokens_equal_on_vs_off": all(
-            a["follow_tokens"] == b["follow_tokens"] for a, b in zip(on, off, strict=True)
+            a["follow_tokens"] == b["follow_tokens"] and a["burst_tokens"] == b["burst_tokens"]
+            for a, b in zip(on, off, strict=True)
         ),
         "repeats": {
-            name: [{k: v for k, v in r.items() if k != "follow_tokens"} for r in rows]
+            name: [{k: v for k, v in r.items() if k not in TOKEN_LISTS} for r in rows]
             for name, rows in phases.items()
         },
     }

@@ -175,14 +175,18 @@ class ReplicaKVPuller:
     async def _pull_from(
         self, peer_id: str, hashes: list[bytes], tokens: list[int], cache_salt: str | None
     ) -> dict:
-        peer = self._peers.get(peer_id)
+        peer, resolve_s = self._peers.get(peer_id), 0.0
         if peer is None:
+            start_s = time.monotonic()
             try:
                 peer = await asyncio.to_thread(self._resolve_peer, peer_id)
             except Exception as exc:  # noqa: BLE001 - a peer that is gone costs the pull
                 return failed_pull(f"peer {peer_id} not found: {type(exc).__name__}: {exc}")
             self._peers[peer_id] = peer
-        return await self._pull_prefix(peer, hashes, tokens, cache_salt)
+            resolve_s = time.monotonic() - start_s
+        result = await self._pull_prefix(peer, hashes, tokens, cache_salt)
+        result["resolve_s"] = resolve_s
+        return result
 
     def _record(self, peer_id: str, result: dict) -> None:
         count = self.metrics.count
@@ -193,11 +197,13 @@ class ReplicaKVPuller:
         self.metrics.observe("kv_pull_seconds", result["pull_s"])
         if result["error"] is None:
             log.debug(
-                "replica %s pulled %d blocks from %s in %.3f s",
+                "replica %s pulled %d blocks from %s in %.3f s (peer lookup %.3f s, answer %.3f s)",
                 self.replica_id,
                 result["imported_blocks"],
                 peer_id,
                 result["pull_s"],
+                result.get("resolve_s", 0.0),
+                result.get("export_s", 0.0),
             )
             return
         count("kv_pull_failures")

@@ -313,7 +313,8 @@ class EngineReplica:
         ``export_prefix.remote(...)`` is awaitable (a Serve handle pinned to the holder, a Ray
         actor handle). Never raises: a peer that is gone, holds nothing or sends a payload
         this engine refuses costs the pull, not a request; ``error`` says why.
-        Returns ``{"imported_blocks", "pulled_tokens", "payload_bytes", "pull_s", "error"}``."""
+        Returns ``{"imported_blocks", "pulled_tokens", "payload_bytes", "pull_s", "error"}``,
+        and ``export_s`` (the peer's answer arrived after this long) once it answered."""
         t0 = time.monotonic()
         result = {
             "imported_blocks": 0,
@@ -324,6 +325,7 @@ class EngineReplica:
         }
         try:
             payload = await peer.export_prefix.remote(block_hashes, token_ids, cache_salt)
+            result["export_s"] = time.monotonic() - t0
             if payload is not None:
                 result["pulled_tokens"], result["payload_bytes"] = (
                     payload.num_tokens,

@@ -79,11 +79,13 @@ class RouterConfig:
     that replica performs the pull (``cluster/kv_pull.py``). None (the default): replicas do
     not pull, every miss is priced as a prefill. Setting it below the measured transfer rate
     makes copies dearer (each takes cache space that evicts other prefixes); the simulator uses
-    1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR). Off by default because the served pull
-    costs far more than the engine-side rate (7237 tokens/s, bench/kv_pull.py) says: a Ray
-    call, the peer's next step and two engine-process hops; on the shared 2-core CPU a served
-    128-token pull took 0.46 s and the follow-up it served came 0.99 s after the call, against
-    0.27 s queued behind the busy holder with pulls off (bench/kv_pull_served.py --quick)."""
+    1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR). Off by default: a served pull costs
+    far more than the engine-side rate (7237 tokens/s, bench/kv_pull.py) says (a Ray call,
+    the holder's current step, two engine-process hops): 1.14 s per 496-token SmolLM2 pull on
+    the 2-core CPU, 16x its price. There pulls cut a busy holder's follow-up TTFT (median
+    0.87 s vs 1.76 s) and a 6-request burst's mean (1.38 s vs 1.69 s) but not its slowest
+    (1.99 s vs 1.80 s), over 3 repeats (bench/results/kv_pull_served_cpu_2026-11-24.json):
+    too thin and too machine-specific for a default rate."""
     seed: int = 0
     """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
 
