@@ -177,7 +177,6 @@ def build_app_from_configs(
         cluster.served_model_name or "",
         dataclasses.asdict(router),
         cluster.stream_interval,
-        cluster.support_nice,
     )
     return Ingress.options(**ingress_options(cluster)).bind(
         replicas, hub, engine_dict, dataclasses.asdict(cluster)

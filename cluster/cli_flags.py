@@ -263,8 +263,8 @@ FLAGS = [
     ),
     (
         "--support-nice", "cluster", "support_nice", int,
-        "Nice steps below the engines for every other serving process (ingress, relays, "
-        "metrics, a local Ray's own), so they yield the cores to the engines; 0: no change.",
+        "Nice steps below the engines for the processes off the request path (metrics hub, a "
+        "local Ray's GCS, agents and Serve controller); 0: no change.",
         "parallel",
     ),
     # routing

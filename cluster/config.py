@@ -95,10 +95,10 @@ class ClusterConfig:
     send fewer, larger messages (each crosses two Ray hops) and stream in bursts. A request's
     first tokens and its end go at once."""
     support_nice: int = SUPPORT_NICE_DEFAULT
-    """Nice steps (0-19, as ``nice -n``) below the engines for every other serving process: the
-    ingress, the replicas' relays, the metrics hub and, for a local cluster, Ray's own
-    processes. They then yield the cores to an engine that wants them
-    (``cluster/priority.py``); 0 leaves priorities alone."""
+    """Nice steps (0-19, as ``nice -n``) below the engines for the processes off the request
+    path: the metrics hub and, for a local cluster, Ray's GCS, agents and Serve controller.
+    They then yield the cores to an engine that wants them (``cluster/priority.py``); the
+    proxy, ingress, relays and index stay at the engines' priority. 0 leaves all alone."""
     enable_log_requests: bool = False
     expose_replica_headers: bool = False
     """Send ``x-prefixserve-replica`` and ``x-prefixserve-ingress`` (the engine and ingress

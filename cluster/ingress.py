@@ -54,7 +54,6 @@ from cluster.openai_protocol import (
     parse_body,
     resolve_max_tokens,
 )
-from cluster.priority import lower_own_priority
 from cluster.request_router import router_metrics_snapshot
 from cluster.responses import ResponseBuilder
 from cluster.tool_calls import (
@@ -111,7 +110,6 @@ class Ingress:
     ) -> None:
         self.engine_config = EngineConfig(**engine_config)
         self.cluster = ClusterConfig(**cluster_config)
-        lower_own_priority(self.cluster.support_nice, "ingress")
         self._hub = metrics_hub
         self._api_key = self.cluster.api_key or os.environ.get(API_KEY_ENV) or None
         # Ask a replica rather than guess: hashes, limits and names must match the engine's.

@@ -1,19 +1,20 @@
-"""CPU priority of the processes around the engines: they yield the cores to the engines.
+"""CPU priority of the serving processes off the request path: they yield the cores.
 
 Why: on a machine whose cores the engines use in full (the default CPU setup: one replica's
-torch threads on every core), the ingress, the engine replica's relay, the metrics hub and
-Ray's own processes (Serve controller, proxy, GCS, agents) need about 15% of the CPU under
-load. At the same priority as the engine they preempt its torch threads mid-operation, and
-the other thread of the operation spins until the preempted one is back: measured on a 2-core
-machine at concurrency 8, the engine burnt 103 CPU-s for what offline takes 92, and served
-66.7 tok/s; with every other serving process at nice 10, it burnt 88 CPU-s for 77.4 tok/s.
-Their own work still gets done: a nice-10 process gets about a
-tenth of a core's share while an engine thread wants it, and all of it when the engine waits.
+torch threads on every core), the background work of a cluster (the metrics hub, Serve's
+controller, Ray's GCS, agents and log monitor) preempts the engine's torch threads
+mid-operation, and the other thread of the operation spins until the preempted one is back.
+Below the engines, it runs when they wait. The request path stays at the engines' priority:
+the proxy, the ingress, the replicas' relays and the index actor admit the next request and
+carry every token, and starving them starves the engine's batch. Measured on the 2-core CPU
+(``python -m bench.serve --concurrency 8 --systems served``, one run each, nothing else
+running): every process at one priority 69.1 tok/s (TTFT p50 674 ms); the request path at
+nice 10 too 62.6 tok/s (933 ms); only the background at nice 10 72.5 tok/s (664 ms).
 
 Only raising a nice value is done (any process may do that to its own threads and to the
 processes of its user), so the engines, started at Ray's worker niceness (0 for a local
-cluster, Ray's default 15 elsewhere), keep theirs; the others go ``support_nice`` steps
-below it, as ``nice -n`` counts (capped at 19). On Linux ``setpriority`` acts on one
+cluster, Ray's default 15 elsewhere), keep theirs; the background goes ``support_nice``
+steps below it, as ``nice -n`` counts (capped at 19). On Linux ``setpriority`` acts on one
 thread, so each call here walks ``/proc/<pid>/task``; threads started later inherit the
 priority of the thread that starts them.
 
@@ -30,23 +31,21 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SUPPORT_NICE_DEFAULT = 10
-"""Nice steps below the engines of every other serving process (``ClusterConfig.support_nice``)."""
+"""Nice steps below the engines of the background processes (``ClusterConfig.support_nice``)."""
 MAX_NICE = 19
 
 RAY_SYSTEM_PROCESS_MARKERS = (
     "gcs_server",
     "ray::ServeController",
-    "ray::ProxyActor",
     "ray::DashboardAgent",
     "ray::RuntimeEnvAgent",
-    "ray::IndexActor",
     "log_monitor.py",
     "monitor.py",
 )
 """What identifies, in its first ``MARKER_ARGS`` command-line words (Ray workers show their
-actor's name there), a process of a local Ray cluster besides the raylet and the workers
-hosting replicas; the embedded index's actor is one of ours. The raylet keeps its priority:
-the worker processes it starts, engine replicas included, inherit it."""
+actor's name there), a background process of a local Ray cluster. Not the raylet (the worker
+processes it starts, engine replicas included, inherit its priority), nor the request path
+(``ray::ProxyActor``, the replicas, ``ray::IndexActor``)."""
 MARKER_ARGS = 3
 
 
@@ -77,12 +76,13 @@ def lower_priority(pid: int, nice: int) -> int:
 def lower_own_priority(steps: int, role: str) -> None:
     """Lowers this process (every thread it has now) ``steps`` nice values below the thread
     calling this, as ``nice -n steps`` would have started it; logs it once. In a Ray worker
-    that is ``steps`` below the engines, which Ray starts at the same niceness."""
+    (the metrics hub) that is ``steps`` below the engines, which Ray starts at the same
+    niceness."""
     if steps <= 0:
         return
     nice = min(os.getpriority(os.PRIO_PROCESS, 0) + steps, MAX_NICE)
     if lower_priority(os.getpid(), nice):
-        log.info("%s runs at nice %d, below the engines it serves", role, nice)
+        log.info("%s runs at nice %d, below the engines", role, nice)
 
 
 def _command_words(pid: int) -> str:
@@ -120,7 +120,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def lower_ray_system_priority(steps: int, root_pid: int | None = None) -> list[int]:
-    """Lowers the Ray system processes below ``root_pid`` (this process by default: the
+    """Lowers the background Ray processes below ``root_pid`` (this process by default: the
     driver that started a local Ray, at this thread's niceness) ``steps`` nice values below
     this thread; returns the pids it changed (none when called again)."""
     if steps <= 0:

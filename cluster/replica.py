@@ -39,7 +39,6 @@ from cluster.index_actor import make_cluster_index
 from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.kv_pull import ReplicaKVPuller
 from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
-from cluster.priority import lower_own_priority
 from cluster.serve_compat import peer_replica
 from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
@@ -141,7 +140,6 @@ class EngineReplica:
         model_name: str = "",
         router_config: dict | None = None,
         stream_interval: int = 1,
-        support_nice: int = 0,
     ) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -149,8 +147,6 @@ class EngineReplica:
         launcher = RayWorkerLauncher() if config.tensor_parallel_size > 1 else None
         self.engine = AsyncEngine(config, replica_id=self.replica_id, launcher=launcher)
         self.model_name = model_name or self.engine.model_id
-        if self.engine.in_child_process:  # started at this process's priority: lower it now
-            lower_own_priority(support_nice, f"engine replica {self.replica_id}'s relay")
         self.stream_interval = stream_interval
         self.metrics = ReplicaMetrics()
         self._hub = metrics_hub

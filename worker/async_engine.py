@@ -77,8 +77,6 @@ class AsyncEngine:
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
         self.tokenizer = self._core.tokenizer
-        self.in_child_process = spawn
-        """Whether the engine loop runs in a process of its own (not in this one)."""
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._kv_batches: deque[KVEventBatch] = deque(maxlen=MAX_BUFFERED_KV_BATCHES)
         self._stats = ReplicaStats()

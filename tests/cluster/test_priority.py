@@ -106,14 +106,15 @@ def test_ray_system_processes_are_found_by_command_line_not_the_raylet(children)
     gcs = spawn_named("/x/ray/core/src/ray/gcs/gcs_server")
     raylet = spawn_named("/x/ray/core/src/ray/raylet/raylet", "--agent=ray::DashboardAgent")
     replica = spawn_named("ray::ServeReplica:app:EngineReplica")
-    late = spawn_named("python", "ray::ProxyActor")  # past the first 3 words
-    children += [marked, gcs, raylet, replica, late]
+    late = spawn_named("python", "ray::ServeController")  # past the first 3 words
+    proxy = spawn_named("ray::ProxyActor")  # the request path keeps its priority
+    children += [marked, gcs, raylet, replica, late, proxy]
     assert {p.pid for p in children} <= set(descendants(os.getpid()))
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert sorted(lower_ray_system_priority(6)) == sorted([marked.pid, gcs.pid])
     assert thread_nices(marked.pid) == thread_nices(gcs.pid) == {min(base + 6, 19)}
     assert lower_ray_system_priority(6) == []  # steps count from this process, not again
-    for other in (raylet, replica, late):
+    for other in (raylet, replica, late, proxy):
         assert thread_nices(other.pid) == {base}
 
 

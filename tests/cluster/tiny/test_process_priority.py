@@ -1,9 +1,8 @@
-"""The tiny cluster's serving processes run below its engines (``cluster/priority.py``).
+"""The tiny cluster's background runs below its engines, its request path beside them.
 
-The ingress, the engine replicas' relays and the metrics hub lower themselves
-``ClusterConfig.support_nice`` steps (10 by default) below the niceness Ray starts its workers
-at; the engine processes they serve keep it, so on a busy machine the engines get the cores
-first.
+The metrics hub lowers itself ``ClusterConfig.support_nice`` steps (10 by default) below the
+niceness Ray starts its workers at (``cluster/priority.py``); the engine processes keep it,
+and so do the ingress and the engine replicas' relays, which carry every request and token.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ def nices(pid: int) -> set[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_support_processes_run_below_the_engines(tiny_server):
+def test_only_the_background_runs_below_the_engines(tiny_server):
     if os.environ.get(REUSE_ENV):
         pytest.skip("the reused cluster's processes are not this test's children")
     found: dict[str, list[int]] = {}
@@ -46,7 +45,10 @@ def test_support_processes_run_below_the_engines(tiny_server):
     (engine_nice,) = engine_nices
     for role in ("Ingress", "EngineReplica", "MetricsHub"):
         assert found.get(role), f"no {role} process among {found}"
+        # ClusterConfig.support_nice: 10 steps below the engines by default, off the request path
         for pid in found[role]:
-            # ClusterConfig.support_nice: 10 steps below the engines by default
-            expected = min(engine_nice + 10, 19)
-            assert nices(pid) == {expected}, f"{role} {pid} at {nices(pid)}, not {expected}"
+            if role == "MetricsHub":
+                expected = min(engine_nice + 10, 19)
+                assert nices(pid) == {expected}, f"{role} {pid} at {nices(pid)}, not {expected}"
+            else:  # (a thread Ray started before it set its worker niceness may be above it)
+                assert max(nices(pid)) <= engine_nice, f"{role} {pid} lowered: {nices(pid)}"
