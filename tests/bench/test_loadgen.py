@@ -237,6 +237,10 @@ def test_serve_compare_runs_every_policy_against_a_launched_server(tmp_path):
     launch = f"{sys.executable} -m tests.bench.openai_double --port {{port}}"
     code = compare(
         [
+            "--workload",
+            "loadgen",
+            "--replicas",
+            "2",
             "--policies",
             "prefix",
             "round_robin",
