@@ -372,6 +372,8 @@ class EngineReplica:
             self.engine.abort(request_id)
 
     async def __del__(self) -> None:
+        if not hasattr(self, "_push_task"):  # __init__ failed (the engine did not start)
+            return
         self._push_task.cancel()
         if self._drain_task is not None:
             self._drain_task.cancel()

@@ -22,8 +22,9 @@ SIGKILLed; a client disconnect storm (streams dropped after their first token); 
 (streams never drained for a while). With ``--redis`` the index is a redis-server this script
 starts, and two more faults run: Redis killed then restarted, and Redis slowed by a TCP proxy
 adding latency. ``tp_worker_kill`` SIGKILLs one tensor-parallel worker (rank 1) of an engine
-replica: it runs on a second server started with ``--tensor-parallel-size 2`` after the
-others, with its own fault-free run (outputs may differ between TP degrees). Writes
+replica: it runs on a second server started with ``--tensor-parallel-size 3`` (SmolLM2's 9
+query and 3 KV heads split in 3) after the others, with its own fault-free run (outputs may
+differ between TP degrees). Writes
 ``bench/results/chaos_<date>.{json,md}``.
 
 The parts are importable: ``load`` (``Target``, ``Load``, the streaming clients), ``faults``

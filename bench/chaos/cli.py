@@ -40,7 +40,7 @@ DESCRIPTION = (
     "Chaos benchmark: faults injected under a steady load of streaming requests, with figures."
 )
 RESULTS = REPO / "bench" / "results"
-TP_SIZE = 2
+TP_SIZE = 3
 """Tensor-parallel ranks per replica on the server that runs ``TP_FAULTS``."""
 
 
