@@ -37,6 +37,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.ports import free_ports
+
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,17 +55,6 @@ JOB_STOP_WAIT_S = 60
 # The dashboard answers before its job agent is ready; a first submit can fail on a busy box.
 SUBMIT_ATTEMPTS = 3
 SUBMIT_RETRY_S = 5.0
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def prefixserve_command() -> str:

@@ -56,6 +56,7 @@ from cluster.app import ROUTING_STATS_PERIOD_S
 from cluster.ingress import INGRESS_HEADER, REPLICA_HEADER
 from cluster.metrics import METRICS_PUSH_PERIOD_S
 from router.protocol import hash_blocks
+from tests.e2e.ports import free_ports
 from tests.router.conftest import REDIS_BINARY, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -101,17 +102,6 @@ STREAM_READ_TIMEOUT_S = 60.0
 CLEAN_END_S = 10.0
 # What cluster/engine_client.py logs when a stream fails over to another replica.
 FAILOVER_LOG = "resuming on another"
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def ray_cli() -> list[str]:
