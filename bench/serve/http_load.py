@@ -110,6 +110,17 @@ def warm_up(base_url: str, model: str | None, n: int = 1, patience_s: float = 12
             time.sleep(2.0)
 
 
+def cpu_breakdown(before: list[dict], after: list[dict]) -> dict[str, float]:
+    """CPU seconds each kind of process used between two ``Server.cpu_by_process`` snapshots
+    (one per server), largest first; a process started in between counts from zero, one that
+    ended in between is left out (its time is in the tree's total only)."""
+    used: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for label, cpu_s in a.items():
+            used[label] = used.get(label, 0.0) + cpu_s - b.get(label, 0.0)
+    return {k: round(v, 1) for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
 def run_http_system(run: Run, args, workload: Sequence[ChatRequest]) -> dict:
     tag = f"{args.stamp}_{run.system}_c{run.concurrency}"
     servers: list[Server] = []
@@ -123,6 +134,7 @@ def run_http_system(run: Run, args, workload: Sequence[ChatRequest]) -> dict:
         model = _model_name(base)
         warm_up(base, model, run.replicas)
         cpu0 = sum(s.cpu_seconds() for s in servers)
+        by_process0 = [s.cpu_by_process() for s in servers]
         records, duration = asyncio.run(
             _run_http(
                 base,
@@ -137,6 +149,7 @@ def run_http_system(run: Run, args, workload: Sequence[ChatRequest]) -> dict:
         cpu1 = sum(s.cpu_seconds() for s in servers)
         row.update(summarize(records, duration))
         row["cpu_s"] = round(cpu1 - cpu0, 1)
+        row["cpu_s_by_process"] = cpu_breakdown(by_process0, [s.cpu_by_process() for s in servers])
         replicas = sorted({r["replica"] for r in records if r.get("replica")})
         if replicas:
             row["replica_request_counts"] = {

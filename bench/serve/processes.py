@@ -78,6 +78,24 @@ class Server:
                 pass
         return total
 
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds (user + system) of each live process of the tree, keyed by what the
+        process is: its name in Ray's process title (``ray::ProxyActor``, ``ray::ServeReplica
+        :app:EngineReplica``), else its command's program and module (``python -m
+        worker.engine_process``); processes of one kind add up. For ``--cpu-breakdown``: the
+        difference of two snapshots says which process of a served run used the cores."""
+        import psutil
+
+        totals: dict[str, float] = {}
+        for p in self._tree():
+            try:
+                t = p.cpu_times()
+                label = process_label(p.cmdline(), p.name())
+            except psutil.Error:
+                continue
+            totals[label] = totals.get(label, 0.0) + t.user + t.system
+        return totals
+
     def wait_ready(self, url: str, timeout_s: float, ready=None) -> float:
         """Polls ``url`` until 200 (and ``ready()`` is true); returns the seconds it took."""
         import httpx
@@ -124,6 +142,24 @@ class Server:
                     break
         finally:
             self._log.close()
+
+
+def process_label(cmdline: list[str], name: str) -> str:
+    """A short, stable name for a process: Ray workers name their actor in ``argv[0]``, with the
+    method running now appended (``ray::ServeController.listen_for_change`` -> ``ray::
+    ServeController``), Python processes by their module or script, other programs by name."""
+    if not cmdline:
+        return name
+    first = cmdline[0]
+    if first.startswith("ray::"):
+        return first.split()[0].split(".")[0]
+    program = Path(first).name
+    if program.startswith("python"):
+        rest = cmdline[1:]
+        if len(rest) >= 2 and rest[0] == "-m":
+            return f"python -m {rest[1]}"
+        return f"python {Path(rest[0]).name}" if rest else program
+    return program
 
 
 def _alive(p) -> bool:

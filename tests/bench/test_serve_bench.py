@@ -170,3 +170,27 @@ def test_stop_ends_a_process_tree_that_ignores_sigint(tmp_path, monkeypatch):
     server.stop()
     assert server.proc.poll() is not None
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
+
+
+def test_process_labels_name_what_a_process_is():
+    from bench.serve.processes import process_label
+
+    assert process_label(["ray::ServeController.listen_for_change"], "x") == "ray::ServeController"
+    assert (
+        process_label(["ray::ServeReplica:prefixserve:Ingress", ""], "x")
+        == "ray::ServeReplica:prefixserve:Ingress"
+    )
+    assert process_label(["/usr/bin/python3.11", "-m", "worker.engine_process", "7"], "x") == (
+        "python -m worker.engine_process"
+    )
+    assert process_label(["python", "/a/b/dashboard.py", "--x"], "x") == "python dashboard.py"
+    assert process_label(["/opt/ray/core/src/ray/raylet/raylet", "--flag"], "x") == "raylet"
+    assert process_label([], "kworker") == "kworker"
+
+
+def test_cpu_breakdown_is_the_difference_largest_first():
+    from bench.serve.http_load import cpu_breakdown
+
+    before = [{"engine": 10.0, "ingress": 1.0, "gone": 3.0}]
+    after = [{"engine": 40.0, "ingress": 3.5, "new": 0.5, "idle": 0.01}]
+    assert cpu_breakdown(before, after) == {"engine": 30.0, "ingress": 2.5, "new": 0.5}
