@@ -146,7 +146,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app_from_configs
+    from cluster.app import build_app_from_configs, serve_env
 
     started_ray = cluster.ray_address is None
     if started_ray:
@@ -161,6 +161,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         # Ray starts its workers at nice 15 by default, below any process of the user's (a
         # client, a peer server) that competes for the cores; the engine replicas are the work.
         os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
+        # Serve's proxy and controller read these from the cluster's environment (the
+        # deployments get them through their runtime_env): cluster/app.py's SERVE_LOOP_ENV.
+        os.environ.update(serve_env())
         # A local cluster stays on loopback: nothing it runs listens on another address.
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
                  _node_ip_address="127.0.0.1", logging_level=cluster.log_level.upper())  # fmt: skip

@@ -412,3 +412,23 @@ def test_metrics_hub_relays_a_drain_order_and_drops_stale_replicas(monkeypatch):
     monkeypatch.setattr(metrics.time, "monotonic", lambda: later_s)
     assert hub.snapshots() == {}  # a replica that stopped pushing no longer counts
     assert hub.report("r2", busy) == 0.0  # the drain deadline has passed
+
+
+def test_deployments_run_serve_code_on_the_loop_that_receives_it(monkeypatch):
+    """Serve's throughput-optimized event loops reach both deployments' processes, unless the
+    deploying environment says otherwise."""
+    from cluster.app import SERVE_LOOP_ENV, engine_replica_options, ingress_options
+
+    for name in SERVE_LOOP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cluster = ClusterConfig()
+    engine_env = engine_replica_options(EngineConfig(), cluster, RouterConfig())[
+        "ray_actor_options"
+    ]["runtime_env"]["env_vars"]
+    ingress_env = ingress_options(cluster)["ray_actor_options"]["runtime_env"]["env_vars"]
+    for env in (engine_env, ingress_env):
+        assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+        assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
+    ingress_env = ingress_options(cluster)["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert ingress_env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
