@@ -19,7 +19,7 @@ test-deps: install
 	bash scripts/get_helm.sh
 
 test: test-deps
-	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadgroup
 
 lint:
 	ruff check .

@@ -1,5 +1,5 @@
 """Shared fixtures: the bundled model (converted once per machine), tiny random models, and
-the per-test seed.
+the per-test seed; and which tests share one pytest-xdist worker.
 
 Every test runs with Python's ``random``, numpy's global generator and torch seeded from one
 fresh seed (``test_seed``); tests that build their own generators derive them from it. A
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,3 +71,34 @@ def pytest_runtest_makereport(item, call):
     seed = dict(item.user_properties).get("seed")
     if report.failed and seed is not None:
         report.sections.append(("seed", f"replay with {SEED_ENV}={seed}"))
+
+
+TESTS_DIR = Path(__file__).resolve().parent
+RAY_TEST_PATHS = (
+    "chaos/",
+    "cluster/",
+    "e2e/",
+)
+"""Tests (folders and modules, relative to tests/) that start Ray, a Serve app or a
+``prefixserve serve`` process. ``make test`` runs the suite on two pytest-xdist workers
+(``-n 2 --dist loadgroup``); these all go to one of them, in turn, so at most one Ray cluster
+runs at a time (two would fight over Ray's system processes, whose priority
+``cluster/priority.py`` sets by name, and over a 2-core machine's time), and a folder's shared
+cluster (tests/cluster/tiny, tests/chaos) starts once. The other worker takes everything else:
+the kernels, the engine, the router, the charts, which spend CPU where the Ray tests mostly
+wait for processes to start, fail over and drain."""
+
+
+def is_ray_test(path: Path) -> bool:
+    try:
+        relative = path.resolve().relative_to(TESTS_DIR).as_posix()
+    except ValueError:
+        return False
+    return relative.startswith(RAY_TEST_PATHS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Puts every Ray test in the ``ray`` xdist group (a no-op marker without xdist)."""
+    for item in items:
+        if is_ray_test(Path(str(item.fspath))):
+            item.add_marker(pytest.mark.xdist_group("ray"))

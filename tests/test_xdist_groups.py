@@ -1,0 +1,37 @@
+"""Every test module that starts Ray is in the ``ray`` xdist group (``tests/conftest.py``).
+
+``make test`` runs two pytest-xdist workers; a Ray-starting module left outside the group
+could run its cluster beside another one. This reads each test module's source for the calls
+that start Ray (``ray.init``, ``serve.run``, the shared cluster fixtures, ``ray start``,
+``prefixserve serve`` as a subprocess) and fails naming any such module that
+``is_ray_test`` leaves out.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tests.conftest import TESTS_DIR, is_ray_test
+
+STARTS_RAY = re.compile(
+    r"ray\.init\(|serve\.run\(|start_cluster\(|start_tiny_cluster\(|"
+    r"\"start\",\s*\"--head\"|\"cluster\.cli\",\s*\"serve\"|\(\),\s*\"serve\""
+)
+
+
+def test_every_module_that_starts_ray_is_in_the_ray_group():
+    starting = [
+        path
+        for path in sorted(TESTS_DIR.rglob("*.py"))
+        if path.name != "test_xdist_groups.py" and STARTS_RAY.search(path.read_text())
+    ]
+    assert len(starting) >= 5, starting  # the pattern still finds the known ones
+    outside = [str(p.relative_to(TESTS_DIR)) for p in starting if not is_ray_test(p)]
+    assert outside == [], f"start Ray outside tests/conftest.py's RAY_TEST_PATHS: {outside}"
+
+
+def test_unit_tests_stay_outside_the_ray_group():
+    assert not is_ray_test(TESTS_DIR / "kernels" / "test_cpu_kernels.py")
+    assert not is_ray_test(TESTS_DIR / "worker" / "test_determinism.py")
+    assert is_ray_test(TESTS_DIR / "cluster" / "tiny" / "test_batch.py")
+    assert is_ray_test(TESTS_DIR / "e2e" / "test_ray_job.py")
