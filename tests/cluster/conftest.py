@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -52,8 +53,15 @@ class Server:
         return values
 
 
+def _serving_replicas(url: str) -> int:
+    """Engine replicas with series in ``/metrics`` (each pushes once it serves)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return len(set(re.findall(r'replica="([^"]+)"', text)))
+
+
 def start_cluster(engine: dict, cluster: dict, app_name: str):
-    """Starts Ray + Serve + the app; returns (url, teardown)."""
+    """Starts Ray + Serve + the app; returns (url, teardown) once every engine replica serves
+    (``/health`` answers once any does; each replica's series in ``/metrics`` says it does)."""
     import ray
     from ray import serve
 
@@ -66,9 +74,13 @@ def start_cluster(engine: dict, cluster: dict, app_name: str):
     serve.run(app, name=app_name, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    num_replicas = cluster.get("num_replicas", 1)
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            if (
+                httpx.get(f"{url}/health", timeout=5).status_code == 200
+                and _serving_replicas(url) >= num_replicas
+            ):
                 break
         except httpx.HTTPError:
             pass
