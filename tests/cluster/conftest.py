@@ -53,10 +53,21 @@ class Server:
         return values
 
 
-def _serving_replicas(url: str) -> int:
-    """Engine replicas with series in ``/metrics`` (each pushes once it serves)."""
+def serving_replicas(url: str) -> int:
+    """Engine replicas with series in ``/metrics``: each pushes once it serves, and a replica
+    that stopped pushing (killed) drops out after ``cluster.metrics.STALE_AFTER_S``."""
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return len(set(re.findall(r'replica="([^"]+)"', text)))
+
+
+def wait_for_replica_series(url: str, num_replicas: int, timeout_s: float) -> None:
+    """Waits until ``/metrics`` has the series of exactly ``num_replicas`` engine replicas
+    (after a replica was replaced: the new one pushed, the dead one's went stale)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := serving_replicas(url)) != num_replicas:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/metrics shows {found} replicas, not {num_replicas}")
+        time.sleep(0.5)
 
 
 def start_cluster(engine: dict, cluster: dict, app_name: str):
@@ -79,7 +90,7 @@ def start_cluster(engine: dict, cluster: dict, app_name: str):
         try:
             if (
                 httpx.get(f"{url}/health", timeout=5).status_code == 200
-                and _serving_replicas(url) >= num_replicas
+                and serving_replicas(url) >= num_replicas
             ):
                 break
         except httpx.HTTPError:

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from tests.cluster.conftest import wait_for_replica_series
+
 MAX_TOKENS = 300
 PROMPT = "Failover check: keep counting " + " ".join(str(i) for i in range(40))
 # Serve's replacement of a killed replica on a loaded 2-core machine (model load included).
@@ -111,3 +113,5 @@ def test_a_stream_survives_its_replica_being_killed(tiny_server):
         assert usage["prompt_tokens"] == expected_usage["prompt_tokens"]
     finally:
         wait_for_two_replicas()
+        # the package's other tests count one metric series per replica
+        wait_for_replica_series(tiny_server.url, 2, REPLACEMENT_TIMEOUT_S)
