@@ -97,8 +97,11 @@ def is_ray_test(path: Path) -> bool:
     return relative.startswith(RAY_TEST_PATHS)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Puts every Ray test in the ``ray`` xdist group (a no-op marker without xdist)."""
+    """Puts every Ray test in the ``ray`` xdist group (a no-op marker without xdist). First:
+    xdist's own hook turns the group marks into node ids, and this conftest is registered
+    before it, so without ``tryfirst`` xdist would run first and see no marks."""
     for item in items:
         if is_ray_test(Path(str(item.fspath))):
             item.add_marker(pytest.mark.xdist_group("ray"))

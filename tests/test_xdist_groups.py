@@ -35,3 +35,19 @@ def test_unit_tests_stay_outside_the_ray_group():
     assert not is_ray_test(TESTS_DIR / "worker" / "test_determinism.py")
     assert is_ray_test(TESTS_DIR / "cluster" / "tiny" / "test_batch.py")
     assert is_ray_test(TESTS_DIR / "e2e" / "test_ray_job.py")
+
+
+def test_xdist_sees_the_group_in_the_node_ids():
+    """Under ``-n 2 --dist loadgroup`` a Ray test's node id carries ``@ray`` (xdist reads the
+    marks in its own collection hook, so ours must run before it)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
+         "loadgroup", "-v", "tests/cluster/test_responses.py", "-k", "sse_event or usage"],
+        cwd=TESTS_DIR.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    passed = [line for line in result.stdout.splitlines() if "PASSED" in line]
+    assert passed, result.stdout[-2000:] + result.stderr[-2000:]
+    assert all(line.rstrip().endswith("@ray") for line in passed), passed
