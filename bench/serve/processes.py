@@ -82,8 +82,8 @@ class Server:
         """CPU seconds (user + system) of each live process of the tree, keyed by what the
         process is: its name in Ray's process title (``ray::ProxyActor``, ``ray::ServeReplica
         :app:EngineReplica``), else its command's program and module (``python -m
-        worker.engine_process``); processes of one kind add up. For ``--cpu-breakdown``: the
-        difference of two snapshots says which process of a served run used the cores."""
+        worker.engine_process``); processes of one kind add up. The difference of two snapshots
+        (``http_load.cpu_breakdown``) says which process of a served run used the cores."""
         import psutil
 
         totals: dict[str, float] = {}

@@ -113,7 +113,7 @@ def start_servers(
             servers[0].wait_ready(
                 base + "/health",
                 args.startup_timeout_s,
-                ready=(lambda: _metrics_replicas(base) >= replicas) if replicas > 1 else None,
+                ready=(lambda: replicas_in_metrics(base) >= replicas) if replicas > 1 else None,
             )
 
         return base, ready
@@ -173,8 +173,9 @@ def _gguf_path() -> Path:
     return _bundled_gguf("smollm2")[0]
 
 
-def _metrics_replicas(base_url: str) -> int:
-    """How many distinct replicas prefixserve's /metrics reports."""
+def replicas_in_metrics(base_url: str) -> int:
+    """How many distinct engine replicas prefixserve's /metrics reports (each pushes its series
+    once it serves; a killed one's go stale); 0 when the server does not answer."""
     import re
 
     import httpx

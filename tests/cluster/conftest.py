@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass
 
 import httpx
+
+from bench.serve.systems import replicas_in_metrics
 
 API_KEY = "test-key-" + os.urandom(4).hex()
 # Replica startup on a loaded 2-core CI machine: model load plus Serve's health checks.
@@ -53,18 +54,11 @@ class Server:
         return values
 
 
-def serving_replicas(url: str) -> int:
-    """Engine replicas with series in ``/metrics``: each pushes once it serves, and a replica
-    that stopped pushing (killed) drops out after ``cluster.metrics.STALE_AFTER_S``."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return len(set(re.findall(r'replica="([^"]+)"', text)))
-
-
 def wait_for_replica_series(url: str, num_replicas: int, timeout_s: float) -> None:
     """Waits until ``/metrics`` has the series of exactly ``num_replicas`` engine replicas
     (after a replica was replaced: the new one pushed, the dead one's went stale)."""
     deadline = time.monotonic() + timeout_s
-    while (found := serving_replicas(url)) != num_replicas:
+    while (found := replicas_in_metrics(url)) != num_replicas:
         if time.monotonic() > deadline:
             raise AssertionError(f"/metrics shows {found} replicas, not {num_replicas}")
         time.sleep(0.5)
@@ -90,7 +84,7 @@ def start_cluster(engine: dict, cluster: dict, app_name: str):
         try:
             if (
                 httpx.get(f"{url}/health", timeout=5).status_code == 200
-                and serving_replicas(url) >= num_replicas
+                and replicas_in_metrics(url) >= num_replicas
             ):
                 break
         except httpx.HTTPError:
