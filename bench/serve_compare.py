@@ -26,7 +26,9 @@ Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurren
 Reported per (workload, size, policy): output tok/s, TTFT p50/p90/p99, cached-token ratio,
 the cached tokens served and the oracle's (every distinct prefix block prefilled once per
 cluster, from the requests' chat-template token ids: ``oracle_cached_tokens``), served/oracle,
-requests per replica and their max/mean. The verdict, per (workload, size): prefix beats every
+the placement's (what the replicas the requests went to would serve with caches that never
+evict: ``bench/cache_accounting.py``, which splits a shortfall into routing's copies and what
+the engines lost after routing), requests per replica and their max/mean. The verdict, per (workload, size): prefix beats every
 other policy on output tok/s and on each TTFT percentile, and serves >= 90% of the oracle's
 cached tokens. Writes ``bench/results/serve_compare_<tag>.json`` (header: machine, date,
 command, load averages), ``.md`` (tables and verdicts) and ``.png`` (grouped bars: sizes on the
@@ -57,6 +59,11 @@ if __package__ in (None, ""):
 
 import httpx
 
+from bench.cache_accounting import (
+    cache_breakdown,
+    distinct_prefix_blocks,
+    oracle_cached_tokens,
+)
 from bench.loadgen import cli as loadgen_cli
 from bench.sim.report import machine_name
 
@@ -141,37 +148,6 @@ def overflow_workload(
     return Workload("overflow", tuple(reqs), max_tokens, desc)
 
 
-def oracle_cached_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]:
-    """Per prompt, the tokens an ideal cluster serves from cache: its leading full blocks that
-    an earlier prompt (in send order) already had, i.e. each distinct prefix block prefilled
-    once per cluster, capped as the engine caps hits (the last prompt token is always computed:
-    at most ``(len - 1) // block_size`` blocks)."""
-    seen: set = set()
-    out = []
-    for ids in prompts:
-        keys, parent = [], None
-        for start in range(0, len(ids) - block_size + 1, block_size):
-            parent = hash((parent, tuple(ids[start : start + block_size])))
-            keys.append(parent)
-        num_hit = 0
-        while num_hit < len(keys) and keys[num_hit] in seen:
-            num_hit += 1
-        out.append(min(num_hit, (len(ids) - 1) // block_size) * block_size)
-        seen.update(keys)
-    return out
-
-
-def distinct_prefix_blocks(prompts: Sequence[Sequence[int]], block_size: int) -> int:
-    """Full blocks shared by at least two prompts (what a cache must hold to serve every hit)."""
-    counts: dict = {}
-    for ids in prompts:
-        parent = None
-        for start in range(0, len(ids) - block_size + 1, block_size):
-            parent = hash((parent, tuple(ids[start : start + block_size])))
-            counts[parent] = counts.get(parent, 0) + 1
-    return sum(1 for n in counts.values() if n > 1)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -226,6 +202,16 @@ def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -
     result = compute_result(outputs, stats, PERCENTILES)
     sent = [len(r.token_ids) for r in workload.requests]
     result["prompt_ids_match_server"] = result["input_lens"] == sent
+    result["requests"] = [  # in send order, for the cache breakdown
+        {
+            "conversation_id": o.conversation_id,
+            "replica": o.replica,
+            "cached_tokens": o.cached_tokens,
+            "start_s": round(o.start_s, 4),
+            "ttft_s": round(o.ttft_s, 4),
+        }
+        for o in sorted(outputs, key=lambda o: o.start_s)
+    ]
     return result
 
 
@@ -278,6 +264,15 @@ def make_row(base: dict, name: str, workload, result: dict, replicas: int, block
         row["oracle_cached_tokens"] = oracle
         row["served_of_oracle"] = (row["total_cached_tokens"] or 0) / oracle if oracle else None
         row["prompt_ids_match_server"] = result.get("prompt_ids_match_server")
+        sent = result.get("requests")
+        if sent:
+            row["requests"] = sent
+            row["cache"] = cache_breakdown(
+                [workload.requests[r["conversation_id"]].token_ids for r in sent],
+                [r["replica"] for r in sent],
+                [r["cached_tokens"] for r in sent],
+                block_size,
+            )
     return row
 
 
@@ -333,8 +328,9 @@ def markdown(rows: Sequence[dict]) -> str:
             f"### {workload}",
             "",
             "| replicas | policy | ok | out tok/s | TTFT p50 / p90 / p99 ms | cached ratio | "
-            "cached tok | oracle tok | served/oracle | per replica | max/mean | verdict |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "cached tok | placement tok | oracle tok | served/oracle | per replica | "
+            "max/mean | verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for (name, size), group in groups(rows).items():
             if name != workload:
@@ -342,16 +338,17 @@ def markdown(rows: Sequence[dict]) -> str:
             v = verdict(group)
             for r in group:
                 if "error" in r:
-                    out.append(f"| {size} | {r['policy']} | error: {r['error']} |" + " |" * 9)
+                    out.append(f"| {size} | {r['policy']} | error: {r['error']} |" + " |" * 10)
                     continue
                 oracle = r.get("oracle_cached_tokens")
                 share = r.get("served_of_oracle")
+                placement = (r.get("cache") or {}).get("placement_cached_tokens", "n/a")
                 out.append(
                     f"| {size} | {r['policy']} | {r['completed']}/{r['completed'] + r['failed']} "
                     f"| {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} / "
                     f"{r['p90_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                     f"{(r['cached_token_ratio'] or 0):.3f} | {r['total_cached_tokens']} | "
-                    f"{'n/a' if oracle is None else oracle} | "
+                    f"{placement} | {'n/a' if oracle is None else oracle} | "
                     f"{'n/a' if share is None else f'{share:.1%}'} | "
                     f"{' '.join(str(c) for c in (r['replica_request_counts'] or {}).values())} | "
                     f"{r['max_mean_load'] or 0:.2f} | {_verdict_cell(r, v)} |"

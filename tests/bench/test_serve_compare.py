@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench import cache_accounting as ca
 from bench import serve_compare as sc
 
 B = 4  # block size of these tests
@@ -14,25 +15,53 @@ def test_oracle_counts_each_distinct_prefix_block_once():
     a = list(range(10))  # 2 full blocks + 2 tokens
     b = list(range(8)) + [99, 98, 97, 96, 95]  # shares a's 2 blocks, then its own
     c = [7] * 9  # nothing shared
-    assert sc.oracle_cached_tokens([a, b, c], B) == [0, 8, 0]
+    assert ca.oracle_cached_tokens([a, b, c], B) == [0, 8, 0]
     # The third copy of a prompt hits as much as the second: the prefix is prefilled once.
-    assert sc.oracle_cached_tokens([a, a, a], B) == [0, 8, 8]
+    assert ca.oracle_cached_tokens([a, a, a], B) == [0, 8, 8]
 
 
 def test_oracle_is_prefix_chained_and_capped_like_the_engine():
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     b = [0, 0, 0, 0, 5, 6, 7, 8]  # same second block, different first: no hit
-    assert sc.oracle_cached_tokens([a, b], B) == [0, 0]
+    assert ca.oracle_cached_tokens([a, b], B) == [0, 0]
     # A whole-prompt repeat: the last token is always computed, so 1 block, not 2.
-    assert sc.oracle_cached_tokens([a, a], B) == [0, 4]
-    assert sc.oracle_cached_tokens([a + [9], a + [9]], B) == [0, 8]
+    assert ca.oracle_cached_tokens([a, a], B) == [0, 4]
+    assert ca.oracle_cached_tokens([a + [9], a + [9]], B) == [0, 8]
 
 
 def test_distinct_prefix_blocks_counts_shared_blocks_only():
     a = list(range(12))
     b = list(range(8)) + [50, 51, 52, 53]
-    assert sc.distinct_prefix_blocks([a, b, [9] * 8], B) == 2
-    assert sc.distinct_prefix_blocks([a], B) == 0
+    assert ca.distinct_prefix_blocks([a, b, [9] * 8], B) == 2
+    assert ca.distinct_prefix_blocks([a], B) == 0
+
+
+
+def test_placement_counts_a_prefix_once_per_replica_it_was_sent_to():
+    a = list(range(8)) + [90, 91]  # 2 shared blocks + its own tokens
+    b = list(range(8)) + [80, 81]
+    c = list(range(8)) + [70, 71]
+    # All on one replica: the placement is the oracle.
+    assert ca.placement_cached_tokens([a, b, c], ["r1"] * 3, B) == [0, 8, 8]
+    # The second sent elsewhere prefills the prefix again; the third hits where the first ran.
+    assert ca.placement_cached_tokens([a, b, c], ["r1", "r2", "r1"], B) == [0, 0, 8]
+    # A request whose replica is unknown hits nothing and seeds nothing.
+    assert ca.placement_cached_tokens([a, b, c], [None, None, "r1"], B) == [0, 0, 0]
+
+
+def test_cache_breakdown_splits_the_shortfall_into_placement_and_after_routing():
+    a = list(range(8)) + [90, 91]
+    b = list(range(8)) + [80, 81]
+    c = list(range(8)) + [70, 71]
+    d = [5] * 10  # shares nothing
+    got = ca.cache_breakdown([a, b, c, d], ["r1", "r2", "r1", "r2"], [0, 0, 4, None], B)
+    assert got["oracle_cached_tokens"] == 16  # b and c hit both blocks
+    assert got["placement_cached_tokens"] == 8  # only c, on r1 after a
+    assert got["served_cached_tokens"] == 4  # the engine served one of those blocks
+    assert got["lost_to_placement_tokens"] == 8
+    assert got["lost_after_routing_tokens"] == 4
+    # Shared blocks per replica: both were sent a, b or c's 2 blocks; d's are nobody's twice.
+    assert got["shared_prefix_blocks_by_replica"] == {"r1": 2, "r2": 2}
 
 
 def _row(policy, tok_s, p50, p90, p99, served=None, size=2, workload="engine", failed=0):
