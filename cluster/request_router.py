@@ -4,8 +4,9 @@ Owns the per-request decision of every ``DeploymentHandle`` to ``EngineReplica``
 ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (hashed once at
 the ingress) and prompt length from the call's arguments, builds one
 ``router.policy.ReplicaView`` per candidate from the replica's Serve routing stats
-(``EngineReplica.record_routing_stats``) plus this router's own count of requests it sent
-that have not finished (counted from the decision on), and lets ``Router.route`` decide: one
+(``EngineReplica.record_routing_stats``) plus the requests this router sent it that have not
+finished, counted from the decision on, with the prompt tokens each will prefill there
+(``cluster.inflight``), and lets ``Router.route`` decide: one
 index lookup, the configured policy (``prefix`` by default, or
 ``round_robin``/``least_loaded``/``pow2``), a speculative entry for the chosen replica. Other
 calls (``describe``) carry no blocks and go by load.
@@ -39,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.index_actor import make_cluster_index
+from cluster.inflight import InflightLedger
 from cluster.metrics import register_request_router, request_routers
 from cluster.serve_compat import (
     ask_to_back_off,
@@ -60,10 +62,8 @@ ROUTER_CLASS_PATH = "cluster.request_router:PrefixAwareRequestRouter"
 # A one-line summary of the router metrics in the replica log this often, for clusters that
 # scrape no /metrics; rare enough to be noise-free.
 METRICS_LOG_PERIOD_S = 60.0
-# A decision counts as in flight on its replica from the moment it is made: Serve confirms
-# (on_request_routed) only after the replica accepted, a round trip later, and a burst
-# decided meanwhile would all pile onto one replica. One never confirmed (the caller gave
-# up before it was sent) stops counting after this long.
+# A decision never confirmed by Serve (the caller gave up before it was sent) stops counting
+# as in flight on its replica after this long (``cluster.inflight``).
 UNCONFIRMED_DECISION_TTL_S = 5.0
 KV_PULL_KWARG = "kv_pull"
 """The ``generate`` keyword that carries a pull order to the replica (``kv_pull_order``)."""
@@ -108,11 +108,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._load_policy = make_policy(self.config)
         """Decides, with no index, until the Redis namespace (the model) is known."""
         self._router_lock = threading.Lock()
-        self._inflight_lock = threading.Lock()
-        self._inflight_by_request: dict[str, str] = {}
-        self._inflight_by_replica: dict[str, int] = {}
-        self._unconfirmed: dict[str, tuple[str, float]] = {}
-        """Internal request id -> (replica decided on, monotonic expiry) until Serve sends it."""
+        self._inflight = InflightLedger(UNCONFIRMED_DECISION_TTL_S)
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
         """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
@@ -136,22 +132,15 @@ class PrefixAwareRequestRouter(RequestRouter):
         return self._router
 
     def _views(self, replicas: list[RunningReplica]) -> list[ReplicaView]:
-        now_s = time.monotonic()
-        with self._inflight_lock:
-            counts = dict(self._inflight_by_replica)
-            for key, (unique_id, expiry_s) in list(self._unconfirmed.items()):
-                if expiry_s <= now_s:
-                    del self._unconfirmed[key]
-                else:
-                    counts[unique_id] = counts.get(unique_id, 0) + 1
-        return [
-            ReplicaView(
-                r.replica_id.unique_id,
-                ReplicaStats.from_dict(r.routing_stats or {}),
-                counts.get(r.replica_id.unique_id, 0),
+        inflight = self._inflight.snapshot()
+        views = []
+        for r in replicas:
+            prefill_tokens = inflight.get(r.replica_id.unique_id, ())
+            stats = ReplicaStats.from_dict(r.routing_stats or {})
+            views.append(
+                ReplicaView(r.replica_id.unique_id, stats, len(prefill_tokens), prefill_tokens)
             )
-            for r in replicas
-        ]
+        return views
 
     async def choose_replicas(
         self,
@@ -175,9 +164,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None and hashes:  # a generate call: the order travels in it
             set_request_kwarg(pending_request, KV_PULL_KWARG, kv_pull_order(decision))
         if pending_request is not None:
-            expiry_s = time.monotonic() + UNCONFIRMED_DECISION_TTL_S
-            with self._inflight_lock:
-                self._unconfirmed[request_key(pending_request)] = (decision.replica_id, expiry_s)
+            matched_tokens = decision.matched_blocks * self.config.block_size
+            prefill_tokens = max(0, num_prompt_tokens - matched_tokens)
+            self._inflight.decided(request_key(pending_request), decision.replica_id, prefill_tokens)
         self._maybe_log_metrics()
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]
@@ -200,26 +189,10 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------ in-flight bookkeeping
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
-        key = request_key(pending_request)
-        unique_id = replica_id.unique_id
-        with self._inflight_lock:
-            self._unconfirmed.pop(key, None)
-            if key in self._inflight_by_request:
-                return
-            self._inflight_by_request[key] = unique_id
-            self._inflight_by_replica[unique_id] = self._inflight_by_replica.get(unique_id, 0) + 1
+        self._inflight.routed(request_key(pending_request), replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        with self._inflight_lock:
-            self._unconfirmed.pop(internal_request_id, None)
-            unique_id = self._inflight_by_request.pop(internal_request_id, None)
-            if unique_id is None:
-                return
-            left = self._inflight_by_replica.get(unique_id, 1) - 1
-            if left > 0:
-                self._inflight_by_replica[unique_id] = left
-            else:
-                self._inflight_by_replica.pop(unique_id, None)
+        self._inflight.completed(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {rid.unique_id for rid in self.curr_replicas}

@@ -11,8 +11,8 @@ The TTFT model: ``queue_s + miss_cost_factor * miss_tokens / prefill_rate + host
 host_rate + remote_tokens / pull_rate + (one decode step if the replica is busy)``, where
 ``remote_tokens`` are prompt tokens past the replica's own match that a peer holds and it
 would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses),
-and ``queue_s = queued_prefill_tokens / prefill_rate + (waiting + unreported in-flight) *
-step_s``: chunked
+and ``queue_s = (queued_prefill_tokens + unreported in-flight prefill tokens) /
+prefill_rate + (waiting + unreported in-flight) * step_s``: chunked
 prefill shares each step with the running decodes. Unmeasured rates fall back to the
 configured defaults. Every policy's ``choose`` raises ``ValueError`` on an empty candidate
 list or a negative prompt length.
@@ -65,6 +65,10 @@ class ReplicaView:
     replica_id: str
     stats: ReplicaStats
     num_inflight: int = 0
+    inflight_prefill_tokens: tuple[int, ...] = ()
+    """Prompt tokens each of the router's in-flight requests on the replica will prefill
+    there, oldest decision first (empty when the caller does not track them): the newest
+    ``unreported(view)`` of them are priced as queued prefill the stats do not show yet."""
 
 
 @dataclass(frozen=True)
@@ -126,10 +130,12 @@ class TTFTModel:
     def queue_s(self, view: ReplicaView) -> float:
         """Wait before this replica starts a new prefill: the prompt tokens queued ahead, plus
         one decode step per request ahead (chunked prefill shares each step with the running
-        decodes). Requests the router sent that the stats do not show yet count as waiting."""
+        decodes). Requests the router sent that the stats do not show yet count as waiting,
+        with the prefill they queued when the view carries it."""
         stats = view.stats
         num_ahead = stats.num_waiting + unreported(view)
-        return stats.num_queued_prefill_tokens / self.prefill_tokens_per_s(
+        num_queued_tokens = stats.num_queued_prefill_tokens + unreported_prefill_tokens(view)
+        return num_queued_tokens / self.prefill_tokens_per_s(
             stats
         ) + num_ahead * self.decode_step_s(stats)
 
@@ -227,3 +233,12 @@ def replica_load(view: ReplicaView) -> int:
 def unreported(view: ReplicaView) -> int:
     """Requests the router sent that the replica's stats do not show yet."""
     return max(0, view.num_inflight - view.stats.num_waiting - view.stats.num_running)
+
+
+def unreported_prefill_tokens(view: ReplicaView) -> int:
+    """Prompt tokens the router's newest ``unreported(view)`` in-flight requests will prefill
+    on the replica (0 when the view carries none)."""
+    num_unreported = unreported(view)
+    if not num_unreported:
+        return 0
+    return sum(view.inflight_prefill_tokens[-num_unreported:])

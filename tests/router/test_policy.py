@@ -167,6 +167,46 @@ def test_measured_rates_beat_defaults_and_inflight_requests_count_as_queue():
     assert policy.choose(blocks, 1024, loaded, {}).replica_id != first.replica_id
 
 
+
+def test_a_burst_of_cold_prompts_between_two_stats_reports_spreads_by_queued_prefill():
+    """Stats arrive once a second; the decisions of a burst see the same stale stats. Each
+    request the router sent since is priced with the prefill it queued, so a replica with a
+    faster measured prefill rate takes one cold prompt, not the whole burst (issue 19: 7 of 8
+    went to one of three replicas when they counted only as decode steps)."""
+    policy = make_policy(dataclasses.replace(CONFIG, max_load_ratio=None))
+    rates = {"fast": 1500.0, "slow-1": 1000.0, "slow-2": 1000.0}
+    sent: dict[str, list[int]] = {name: [] for name in rates}
+    for first_token in range(6):
+        views = [
+            ReplicaView(
+                name,
+                ReplicaStats(prefill_tokens_per_s=rate),
+                len(sent[name]),
+                tuple(sent[name]),
+            )
+            for name, rate in rates.items()
+        ]
+        decision = policy.choose(prompt_blocks(first_token + 100, 32), 512, views, {})
+        sent[decision.replica_id].append(512)
+    counts = {name: len(tokens) for name, tokens in sent.items()}
+    # Shares follow the rates (1.5 : 1 : 1 of 6 is 2.6 : 1.7 : 1.7); as decode steps only,
+    # the fast replica took all 6.
+    assert counts["fast"] <= 3 and min(counts.values()) >= 1, counts
+
+
+def test_only_the_requests_the_stats_do_not_show_add_their_prefill():
+    model = TTFTModel(CONFIG)
+    rate = CONFIG.default_prefill_tokens_per_s
+    # The stats show one request (the older one): only the newest, 100 tokens, is unreported.
+    view = ReplicaView("a", ReplicaStats(num_running=1), 2, (8000, 100))
+    step_s = CONFIG.default_decode_step_s
+    assert model.queue_s(view) == pytest.approx(100 / rate + step_s)
+    # Without the tokens (a caller that does not track them) it is one decode step each.
+    assert model.queue_s(ReplicaView("a", ReplicaStats(num_running=1), 2)) == pytest.approx(
+        step_s
+    )
+
+
 def test_baselines_behind_the_same_interface():
     replicas = [idle("a", num_running=2), idle("b"), idle("c", num_waiting=1)]
     blocks = prompt_blocks(5)

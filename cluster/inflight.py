@@ -1,0 +1,83 @@
+"""What one request router has sent each engine replica and not yet seen finish.
+
+Owns the in-flight bookkeeping of ``cluster.request_router``. A decision counts on its replica
+from the moment it is made: Serve confirms it (``on_request_routed``) only after the replica
+accepted, a round trip later, and a burst decided meanwhile would otherwise all pile onto one
+replica. Confirmation moves the entry to the replica Serve actually used (it falls through to
+another when the chosen one is full); Serve's completion removes it; a decision never
+confirmed (the caller gave up before it was sent) stops counting after ``ttl_s``.
+
+Each entry carries the prompt tokens the request will prefill on its replica (the prompt less
+the blocks the router matched there), so the policy prices the requests the replica's routing
+stats do not show yet (they arrive once a second) with the prefill they queued, not as one
+decode step each: without that, a burst of cold prompts all went to the replica whose
+measured prefill rate was highest until the load bound stopped it (7 of 8 on one of three
+replicas in a real run, issue 19).
+
+Thread-safe (one lock; Serve calls the router from its event loop and routing threads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class _Entry:
+    replica_id: str
+    prefill_tokens: int
+    order: int
+    """When it was decided (a counter): ``snapshot`` lists a replica's entries oldest first."""
+    expiry_s: float | None
+    """Monotonic time an unconfirmed decision stops counting; None once Serve confirmed it."""
+
+
+class InflightLedger:
+    """Requests in flight per replica, with the prompt tokens each will prefill there."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._order = itertools.count()
+
+    def decided(self, key: str, replica_id: str, prefill_tokens: int) -> None:
+        """The router chose ``replica_id`` for request ``key`` (again, on a retry: the newer
+        decision replaces the older)."""
+        expiry_s = time.monotonic() + self.ttl_s
+        with self._lock:
+            self._entries[key] = _Entry(replica_id, prefill_tokens, next(self._order), expiry_s)
+
+    def routed(self, key: str, replica_id: str) -> None:
+        """Serve sent request ``key`` to ``replica_id``: it counts there until completed. An
+        entry already confirmed stays as it is (Serve confirms a request once)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:  # its decision expired first: count it, prefill unknown
+                self._entries[key] = _Entry(replica_id, 0, next(self._order), None)
+            elif entry.expiry_s is not None:
+                entry.replica_id, entry.expiry_s = replica_id, None
+
+    def completed(self, key: str) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def snapshot(self) -> dict[str, tuple[int, ...]]:
+        """Replica id -> the prefill tokens of its in-flight requests, oldest decision first
+        (the count is the tuple's length); expired unconfirmed decisions are dropped."""
+        now_s = time.monotonic()
+        by_replica: dict[str, list[tuple[int, int]]] = {}
+        with self._lock:
+            expired = [
+                k for k, e in self._entries.items() if e.expiry_s is not None and e.expiry_s <= now_s
+            ]
+            for key in expired:
+                del self._entries[key]
+            for entry in self._entries.values():
+                by_replica.setdefault(entry.replica_id, []).append(
+                    (entry.order, entry.prefill_tokens)
+                )
+        return {r: tuple(tokens for _, tokens in sorted(rows)) for r, rows in by_replica.items()}

@@ -1,0 +1,50 @@
+"""cluster.inflight.InflightLedger: a request router's in-flight requests per replica."""
+
+from __future__ import annotations
+
+import time
+
+from cluster.inflight import InflightLedger
+
+
+def test_a_decision_counts_on_its_replica_until_completed():
+    ledger = InflightLedger(ttl_s=60.0)
+    ledger.decided("r1", "a", 500)
+    ledger.decided("r2", "a", 20)
+    ledger.decided("r3", "b", 300)
+    assert ledger.snapshot() == {"a": (500, 20), "b": (300,)}
+    ledger.routed("r1", "a")
+    ledger.completed("r1")
+    assert ledger.snapshot() == {"a": (20,), "b": (300,)}
+
+
+def test_serve_falling_through_to_another_replica_moves_the_entry_keeping_its_order():
+    ledger = InflightLedger(ttl_s=60.0)
+    ledger.decided("r1", "a", 500)
+    ledger.decided("r2", "b", 40)
+    ledger.routed("r1", "b")  # the chosen replica was full: Serve used b
+    assert ledger.snapshot() == {"b": (500, 40)}
+    ledger.routed("r1", "a")  # a second confirmation changes nothing
+    assert ledger.snapshot() == {"b": (500, 40)}
+
+
+def test_a_retried_decision_replaces_the_first():
+    ledger = InflightLedger(ttl_s=60.0)
+    ledger.decided("r1", "a", 500)
+    ledger.decided("r1", "b", 480)
+    assert ledger.snapshot() == {"b": (480,)}
+
+
+def test_unconfirmed_decisions_expire_confirmed_ones_do_not():
+    ledger = InflightLedger(ttl_s=0.05)
+    ledger.decided("gave-up", "a", 500)
+    ledger.decided("sent", "a", 100)
+    ledger.routed("sent", "a")
+    time.sleep(0.1)
+    assert ledger.snapshot() == {"a": (100,)}
+    ledger.routed("late", "c")  # confirmed after its decision expired: counted, prefill unknown
+    assert ledger.snapshot() == {"a": (100,), "c": (0,)}
+    ledger.completed("never-seen")  # harmless
+    ledger.completed("sent")
+    ledger.completed("late")
+    assert ledger.snapshot() == {}
