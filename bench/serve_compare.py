@@ -28,11 +28,13 @@ the cached tokens served and the oracle's (every distinct prefix block prefilled
 cluster, from the requests' chat-template token ids: ``oracle_cached_tokens``), served/oracle,
 the placement's (what the replicas the requests went to would serve with caches that never
 evict: ``bench/cache_accounting.py``, which splits a shortfall into routing's copies and what
-the engines lost after routing), requests per replica and their max/mean. The verdict, per (workload, size): prefix beats every
-other policy on output tok/s and on each TTFT percentile, and serves >= 90% of the oracle's
-cached tokens. Writes ``bench/results/serve_compare_<tag>.json`` (header: machine, date,
-command, load averages), ``.md`` (tables and verdicts) and ``.png`` (grouped bars: sizes on the
-x axis, one bar per policy). Each replica's torch runs ``--threads-per-replica`` threads.
+the engines lost after routing), requests per replica and their max/mean. The verdict, per
+(workload, size): prefix beats every other policy on output tok/s and on each TTFT
+percentile, and serves >= 90% of the oracle's cached tokens. Writes
+``bench/results/serve_compare_<tag>.json`` (header: machine, date, command, load averages,
+per request its replica and cached tokens), ``.md`` (tables and verdicts) and ``.png``
+(grouped bars: sizes on the x axis, one bar per policy). Each replica's torch runs
+``--threads-per-replica`` threads.
 
 Failure modes: a cluster that is not healthy within ``--startup-timeout-s`` is stopped and its
 rows carry an ``error``; the other clusters still run; the exit status is then 1.

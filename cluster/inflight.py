@@ -72,7 +72,9 @@ class InflightLedger:
         by_replica: dict[str, list[tuple[int, int]]] = {}
         with self._lock:
             expired = [
-                k for k, e in self._entries.items() if e.expiry_s is not None and e.expiry_s <= now_s
+                k
+                for k, e in self._entries.items()
+                if e.expiry_s is not None and e.expiry_s <= now_s
             ]
             for key in expired:
                 del self._entries[key]

@@ -166,7 +166,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None:
             matched_tokens = decision.matched_blocks * self.config.block_size
             prefill_tokens = max(0, num_prompt_tokens - matched_tokens)
-            self._inflight.decided(request_key(pending_request), decision.replica_id, prefill_tokens)
+            self._inflight.decided(
+                request_key(pending_request), decision.replica_id, prefill_tokens
+            )
         self._maybe_log_metrics()
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]
