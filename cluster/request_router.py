@@ -53,7 +53,7 @@ from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Decision, ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
-from router.routing import Router
+from router.routing import Lookup, Router
 
 log = logging.getLogger("ray.serve")
 check_serve_internals()  # a Ray without what serve_compat needs fails here, saying which
@@ -152,15 +152,18 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         hashes, num_prompt_tokens = request_blocks(pending_request)
-        views = self._views(candidate_replicas)
         router = self._get_router(candidate_replicas)
+        lookup = Lookup({})
+        if router is not None and hashes:  # one index round trip: off the event loop
+            lookup = await asyncio.to_thread(router.lookup, hashes)
+        # From here to the ledger entry nothing awaits: concurrent decisions (a burst) each
+        # see the ones before them, in the views and in the router's recent decisions.
+        views = self._views(candidate_replicas)
         if router is None:
             decision = self._load_policy.choose(hashes, num_prompt_tokens, views, {})
             self.metrics.record_decision(self.config.policy, RoutingReason.FALLBACK, len(hashes), 0)
-        elif hashes:  # one index round trip: off the event loop
-            decision = await asyncio.to_thread(router.route, hashes, num_prompt_tokens, views)
         else:
-            decision = router.route([], num_prompt_tokens, views)
+            decision = router.decide(hashes, num_prompt_tokens, views, lookup)
         if pending_request is not None and hashes:  # a generate call: the order travels in it
             set_request_kwarg(pending_request, KV_PULL_KWARG, kv_pull_order(decision))
         if pending_request is not None:

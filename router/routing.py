@@ -1,11 +1,15 @@
 """Router: one router process's decision path (index lookup + policy + speculation + metrics).
 
-Owns what happens per request: hash the prompt (block hash v1), one index lookup, the
-configured policy, then for the ``prefix`` policy a speculative entry of the request's
-blocks on the chosen replica, so siblings that arrive before its KV events still find it.
-The speculative write happens off the request path by default, in one daemon thread (a
-sibling arriving within that write's round trip misses it, events arrive a step later
-anyway); ``flush`` waits for pending writes and ``close`` stops the thread.
+Owns what happens per request: hash the prompt (block hash v1), one index lookup
+(``lookup``), then the decision (``decide``): the configured policy and, for the ``prefix``
+policy, a speculative entry of the request's blocks on the chosen replica, so siblings that
+arrive before its KV events still find it. ``route`` is both. The speculative write happens
+off the request path by default, in one daemon thread; until it lands (and for its TTL) the
+router's own ``RecentDecisions`` answers for it, merged into every lookup's matches at
+decision time, so a sibling decided a moment later in the same process follows it even when
+the two lookups ran concurrently. ``flush`` waits for pending writes and ``close`` stops the
+thread. A caller that decides concurrently (the Serve request router) runs ``lookup`` off its
+event loop and ``decide`` on it, so decisions see each other.
 
 How it fails: an unavailable index (``IndexUnavailableError``) is absorbed by
 ``FallbackIndex``: the decision is made by load alone and its reason is ``fallback``. A
@@ -20,7 +24,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from router.config import RouterConfig
 from router.index import FallbackIndex, PrefixIndex, make_index
@@ -28,6 +33,7 @@ from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Decision, ReplicaView, RoutingReason
 from router.protocol import BlockHash, hash_blocks
+from router.recent_decisions import RecentDecisions, merge_matches
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +45,28 @@ WRITER_POLL_S = 0.1
 
 
 class _SpeculativeWriter:
-    """Records speculative entries in a daemon thread, started on first use."""
+    """Records speculative entries in a daemon thread, started on first use, in order; calls
+    ``landed`` with each entry's decision number once written (or failed, or empty)."""
 
-    def __init__(self, index: FallbackIndex, ttl_s: float, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        index: FallbackIndex,
+        ttl_s: float,
+        metrics: RouterMetrics,
+        landed: Callable[[int], None],
+    ) -> None:
         self._index = index
         self._ttl_s = ttl_s
         self._metrics = metrics
+        self._landed = landed
         self._queue: queue.Queue = queue.Queue(maxsize=SPECULATIVE_QUEUE_SIZE)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def submit(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
+    def submit(self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int) -> None:
         if self._stop.is_set():  # closed: nobody drains the queue any more
-            self._index.record_speculative(replica_id, block_hashes, self._ttl_s)
+            self._write(replica_id, block_hashes, seq)
             return
         if self._thread is None:
             with self._start_lock:
@@ -62,7 +76,7 @@ class _SpeculativeWriter:
                     )
                     self._thread.start()
         try:
-            self._queue.put_nowait((replica_id, block_hashes))
+            self._queue.put_nowait((replica_id, block_hashes, seq))
         except queue.Full:
             self._metrics.record_dropped_speculation()
 
@@ -73,14 +87,16 @@ class _SpeculativeWriter:
             except queue.Empty:
                 continue
             self._write(*item)
+            self._queue.task_done()
 
-    def _write(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
+    def _write(self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int) -> None:
         try:
-            self._index.record_speculative(replica_id, block_hashes, self._ttl_s)
+            if block_hashes:
+                self._index.record_speculative(replica_id, block_hashes, self._ttl_s)
         except Exception:  # a bug must not kill the thread and leave flush() hanging
             logger.exception("speculative entry for %s failed", replica_id)
         finally:
-            self._queue.task_done()
+            self._landed(seq)
 
     def flush(self) -> None:
         self._queue.join()
@@ -95,6 +111,17 @@ class _SpeculativeWriter:
             except queue.Empty:
                 return
             self._write(*item)
+            self._queue.task_done()
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What ``Router.lookup`` found: the index's matches (None: unreachable) and how far this
+    router's speculative writes had landed when it asked (``RecentDecisions.landed_mark``)."""
+
+    matches: dict | None
+    recent_mark: int | None = None
+    """None when the lookup took no mark (no blocks, or a policy that keeps no history)."""
 
 
 class Router:
@@ -119,8 +146,11 @@ class Router:
             self.metrics = metrics if metrics is not None else RouterMetrics()
             self.index = FallbackIndex(inner, config.redis_retry_interval_s, self.metrics)
         self.policy = make_policy(config)
+        self._recent = (
+            RecentDecisions(config.speculative_ttl_s) if self.policy.name == "prefix" else None
+        )
         self._writer = (
-            _SpeculativeWriter(self.index, config.speculative_ttl_s, self.metrics)
+            _SpeculativeWriter(self.index, config.speculative_ttl_s, self.metrics, self._landed)
             if speculate_in_background
             else None
         )
@@ -143,29 +173,63 @@ class Router:
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
     ) -> Decision:
-        matches: dict | None = {}
-        if block_hashes:
-            start_s = time.perf_counter()
-            matches = self.index.match_or_none(block_hashes)
-            self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
+        """``lookup`` then ``decide``."""
+        return self.decide(block_hashes, num_prompt_tokens, replicas, self.lookup(block_hashes))
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> Lookup:
+        """The index's matches for the blocks (one round trip; None when it is unreachable)."""
+        if not block_hashes:
+            return Lookup({})
+        mark = self._recent.landed_mark() if self._recent is not None else None
+        start_s = time.perf_counter()
+        matches = self.index.match_or_none(block_hashes)
+        self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
+        return Lookup(matches, mark)
+
+    def decide(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_prompt_tokens: int,
+        replicas: Sequence[ReplicaView],
+        lookup: Lookup,
+    ) -> Decision:
+        """The policy's choice given ``lookup``'s answer (no index: by load, reason
+        ``fallback``), with this router's decisions the lookup could not see merged in; no
+        I/O but the speculative write when not in the background."""
+        matches = lookup.matches
+        if self._recent is not None and lookup.recent_mark is not None:
+            recent = self._recent.match(block_hashes, after=lookup.recent_mark)
+            if matches is not None:
+                matches = merge_matches(matches, recent)
         decision = self.policy.choose(block_hashes, num_prompt_tokens, replicas, matches or {})
         if matches is None:
             decision = dataclasses.replace(decision, reason=RoutingReason.FALLBACK)
-        elif self.policy.name == "prefix" and block_hashes:
+        elif self._recent is not None and block_hashes:
             held = matches.get(decision.replica_id)
             num_held = 0 if held is None else held.device_blocks
-            if num_held < len(block_hashes):
-                self._speculate(decision.replica_id, block_hashes[num_held:])
+            seq = self._recent.record(decision.replica_id, block_hashes)
+            self._speculate(decision.replica_id, block_hashes[num_held:], seq)
         self.metrics.record_decision(
             self.policy.name, decision.reason, len(block_hashes), decision.matched_blocks
         )
         return decision
 
-    def _speculate(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        if self._writer is None:
-            self.index.record_speculative(replica_id, block_hashes, self.config.speculative_ttl_s)
-        else:
-            self._writer.submit(replica_id, list(block_hashes))
+    def _speculate(self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int) -> None:
+        """Write the entry (an empty one only marks decision ``seq`` as landed)."""
+        if self._writer is not None:
+            self._writer.submit(replica_id, list(block_hashes), seq)
+            return
+        try:
+            if block_hashes:
+                self.index.record_speculative(
+                    replica_id, block_hashes, self.config.speculative_ttl_s
+                )
+        finally:
+            self._landed(seq)
+
+    def _landed(self, seq: int) -> None:
+        if self._recent is not None:
+            self._recent.landed(seq)
 
     def flush(self) -> None:
         """Wait until every speculative entry submitted so far is written."""

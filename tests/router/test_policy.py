@@ -167,7 +167,6 @@ def test_measured_rates_beat_defaults_and_inflight_requests_count_as_queue():
     assert policy.choose(blocks, 1024, loaded, {}).replica_id != first.replica_id
 
 
-
 def test_a_burst_of_cold_prompts_between_two_stats_reports_spreads_by_queued_prefill():
     """Stats arrive once a second; the decisions of a burst see the same stale stats. Each
     request the router sent since is priced with the prefill it queued, so a replica with a
@@ -202,9 +201,7 @@ def test_only_the_requests_the_stats_do_not_show_add_their_prefill():
     step_s = CONFIG.default_decode_step_s
     assert model.queue_s(view) == pytest.approx(100 / rate + step_s)
     # Without the tokens (a caller that does not track them) it is one decode step each.
-    assert model.queue_s(ReplicaView("a", ReplicaStats(num_running=1), 2)) == pytest.approx(
-        step_s
-    )
+    assert model.queue_s(ReplicaView("a", ReplicaStats(num_running=1), 2)) == pytest.approx(step_s)
 
 
 def test_baselines_behind_the_same_interface():

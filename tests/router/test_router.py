@@ -78,6 +78,9 @@ def test_dead_replica_stops_attracting_its_prefix_at_once(make_router, clock):
     router.index.heartbeat("b", 0)
     router.index.apply(batch("a", 0, stored(blocks)))
     assert router.route(blocks, 256, views("a", "b")).replica_id == "a"
+    # The decision's speculative write lands (a round trip; until then the router's own
+    # record of it counts, whatever the index knows): the index alone answers from here.
+    router.flush()
     clock.advance(CONFIG.heartbeat_timeout_s - 1.0)
     router.index.heartbeat("b", 0)
     clock.advance(1.5)  # "a" is past its deadline; Serve still lists it
@@ -95,6 +98,7 @@ def test_restarted_replica_entries_are_dropped(make_router):
     router.index.heartbeat("a", 0)
     router.index.apply(batch("a", 0, stored(blocks)))
     assert router.route(blocks, 256, views("a", "b")).reason == "prefix"
+    router.flush()  # its speculative write landed before the restart
     router.index.heartbeat("a", 1)  # new engine, empty cache
     decision = router.route(blocks, 256, views("a", "b"))
     assert decision.matched_blocks == 0

@@ -1,0 +1,143 @@
+"""This router's own ``prefix`` decisions that a lookup could not have seen in the index yet.
+
+Owns ``RecentDecisions`` and ``merge_matches``. Each decision's blocks go to the index as a
+speculative entry (``routing.Router``), written from a background thread a round trip later,
+while the lookups of a burst run concurrently: siblings decided in the same instant (a burst
+sharing one system prompt, an agent's parallel calls) would each find the prefix nowhere and
+be spread over the replicas by load, each prefilling it. So every decision is numbered and
+kept here until its write has landed and no lookup that started before could still need it;
+a lookup notes how far the writes had landed when it started (``landed_mark``, which
+registers it until its ``match``), and at decision time the decisions after that
+mark are merged into its matches (``match``): exactly what the index could not have told it.
+Decisions the index already holds are left to the index, which also knows when their replica
+died or restarted.
+
+Thread-safe (one lock). Bounded: entries older than ``ttl_s`` (the speculative TTL: a write
+that never landed, e.g. dropped from a full queue) stop counting and are dropped, as are the
+registrations of lookups never matched (their caller was cancelled), and past ``max_blocks``
+the oldest entries go; either only means the index's answer decides alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+from router.index_types import Match, ReplicaId
+from router.protocol import BlockHash
+
+DEFAULT_MAX_BLOCKS = 1 << 16
+
+
+class RecentDecisions:
+    """Block hash -> the replicas recent decisions sent it to, by decision number."""
+
+    def __init__(
+        self,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._max_blocks = max_blocks
+        self._lock = threading.Lock()
+        self._holders: OrderedDict[BlockHash, dict[ReplicaId, tuple[int, float]]] = OrderedDict()
+        """Block -> replica -> (decision number, expiry); the newest decisions last."""
+        self._last_seq = 0
+        self._landed_seq = 0
+        self._open_marks: dict[int, tuple[int, float]] = {}
+        """Mark -> (lookups holding it, when the last took it): started and not yet matched,
+        so the entries after the mark must stay."""
+
+    def record(self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash]) -> int:
+        """A decision sent these blocks to ``replica_id``; returns its number, which the
+        caller passes to ``landed`` once the index holds the decision."""
+        expiry_s = self._clock() + self.ttl_s
+        with self._lock:
+            self._last_seq += 1
+            seq = self._last_seq
+            for block_hash in block_hashes:
+                holders = self._holders.pop(block_hash, None) or {}
+                holders[replica_id] = (seq, expiry_s)
+                self._holders[block_hash] = holders
+            while len(self._holders) > self._max_blocks:
+                self._holders.popitem(last=False)
+        return seq
+
+    def landed(self, seq: int) -> None:
+        """The index holds every decision up to number ``seq`` (writes land in order)."""
+        with self._lock:
+            self._landed_seq = max(self._landed_seq, seq)
+            self._prune()
+
+    def landed_mark(self) -> int:
+        """The number up to which the index holds every decision: a lookup starting now sees
+        those, and ``match(..., after=mark)`` adds the rest. Registers the lookup until its
+        ``match`` (or ``release``)."""
+        now_s = self._clock()
+        with self._lock:
+            mark = self._landed_seq
+            count, _ = self._open_marks.get(mark, (0, now_s))
+            self._open_marks[mark] = (count + 1, now_s)
+            return mark
+
+    def match(self, block_hashes: Sequence[BlockHash], after: int) -> dict[ReplicaId, Match]:
+        """Per replica, the leading blocks of ``block_hashes`` that decisions numbered above
+        ``after`` (and unexpired) sent there; releases the lookup that took mark ``after``."""
+        now_s = self._clock()
+        counts: dict[ReplicaId, int] = {}
+        with self._lock:
+            for i, block_hash in enumerate(block_hashes):
+                holders = self._holders.get(block_hash) or {}
+                live = {r for r, (seq, exp_s) in holders.items() if seq > after and exp_s > now_s}
+                if i == 0:
+                    counts = dict.fromkeys(live, 0)
+                extended = False
+                for replica_id, num_blocks in counts.items():
+                    if num_blocks == i and replica_id in live:
+                        counts[replica_id] = i + 1
+                        extended = True
+                if not extended:
+                    break
+            self._release(after)  # after reading: what it saw may go now
+            self._prune()
+        return {r: Match(n) for r, n in counts.items() if n > 0}
+
+    def _release(self, mark: int) -> None:
+        count, taken_s = self._open_marks.get(mark, (0, 0.0))
+        if count > 1:
+            self._open_marks[mark] = (count - 1, taken_s)
+        else:
+            self._open_marks.pop(mark, None)
+
+    def _prune(self) -> None:
+        """Drop the oldest entries that every open lookup can see in the index already, or
+        that expired; and the registrations older than the TTL (lookups never matched)."""
+        now_s = self._clock()
+        for mark, (_, taken_s) in list(self._open_marks.items()):
+            if now_s - taken_s > self.ttl_s:
+                del self._open_marks[mark]
+        keep_after = min([self._landed_seq, *self._open_marks])
+        while self._holders:
+            holders = next(iter(self._holders.values()))
+            newest_seq = max(seq for seq, _ in holders.values())
+            latest_expiry_s = max(expiry_s for _, expiry_s in holders.values())
+            if newest_seq > keep_after and latest_expiry_s > now_s:
+                return
+            self._holders.popitem(last=False)
+
+
+def merge_matches(
+    index: Mapping[ReplicaId, Match], recent: Mapping[ReplicaId, Match]
+) -> dict[ReplicaId, Match]:
+    """The index's matches, with a replica's recent-decision run where it is longer than all
+    the index counts there (device and host tiers)."""
+    merged = dict(index)
+    for replica_id, match in recent.items():
+        known = merged.get(replica_id)
+        if known is None or match.device_blocks > known.num_blocks:
+            merged[replica_id] = match
+    return merged

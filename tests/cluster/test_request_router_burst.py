@@ -1,0 +1,85 @@
+"""The request router under a burst, without Ray: decisions whose index lookups ran at the
+same time still see each other (issue 19's real 3-replica run sent 7 of a burst's 8 cold
+prompts to one replica).
+
+``PrefixAwareRequestRouter`` itself, driven with Serve's ``PendingRequest`` and stand-ins for
+``RunningReplica`` whose routing stats are stale (Serve refreshes them once a second); the
+index is an ``EmbeddedIndex`` whose answers arrive 20 ms after it was asked, so every lookup
+of the burst is in flight before the first decision is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+from cluster.request_router import PrefixAwareRequestRouter
+from router.embedded_index import EmbeddedIndex
+from router.protocol import hash_blocks
+from router.routing import Router
+from tests.cluster.test_kv_pull_request_path import pending, running
+
+BLOCK_SIZE = 16
+MODEL_ID = "burst-model"
+NUM_PROMPT_TOKENS = 480  # 30 blocks
+LOOKUP_S = 0.02
+
+
+class SlowIndex(EmbeddedIndex):
+    """Answers with what it held when asked, ``LOOKUP_S`` later (a round trip)."""
+
+    def match(self, block_hashes):
+        answer = super().match(block_hashes)
+        time.sleep(LOOKUP_S)
+        return answer
+
+
+def request_router(replica_ids) -> PrefixAwareRequestRouter:
+    router = object.__new__(PrefixAwareRequestRouter)  # Serve's own __init__ needs a cluster
+    router.initialize_state({"block_size": BLOCK_SIZE, "max_load_ratio": None})
+    index = SlowIndex()
+    for replica_id in replica_ids:  # live: the index counts their (speculative) entries
+        index.heartbeat(replica_id, 0)
+    router._router = Router(router.config, MODEL_ID, index=index, speculate_in_background=False)
+    return router
+
+
+def prompt(first_token: int) -> tuple[list[int], list[bytes]]:
+    ids = [first_token] + [7] * (NUM_PROMPT_TOKENS - 1)
+    return ids, hash_blocks(ids, BLOCK_SIZE, MODEL_ID, None)
+
+
+def burst(router, candidates, prompts) -> list[str]:
+    """Every prompt's decision, made concurrently; the chosen replica of each."""
+
+    async def main():
+        calls = [pending(f"r{i}", ids, hashes) for i, (ids, hashes) in enumerate(prompts)]
+        ranks = await asyncio.gather(*(router.choose_replicas(candidates, c) for c in calls))
+        return [r[0][0].replica_id.unique_id for r in ranks]
+
+    return asyncio.run(main())
+
+
+def test_a_burst_of_cold_prompts_spreads_by_the_prefill_each_decision_queued():
+    # The last stats say every replica is idle; "fast" measured a 1.5x prefill rate.
+    candidates = [
+        running("fast", prefill_tokens_per_s=300.0),
+        running("slow-1", prefill_tokens_per_s=200.0),
+        running("slow-2", prefill_tokens_per_s=200.0),
+    ]
+    router = request_router(["fast", "slow-1", "slow-2"])
+    chosen = burst(router, candidates, [prompt(100 + i) for i in range(6)])
+    counts = collections.Counter(chosen)
+    # As one decode step each, all 6 went to "fast"; priced by their prefill, ~2.6 : 1.7 : 1.7.
+    assert counts["fast"] <= 3 and len(counts) == 3, counts
+
+
+def test_siblings_in_one_burst_follow_the_first_one():
+    candidates = [running(name, prefill_tokens_per_s=200.0) for name in ("a", "b", "c")]
+    shared = prompt(5)
+    chosen = burst(request_router("abc"), candidates, [shared] * 3 + [prompt(6)])
+    # The shared prompt's three copies go where the first went (they would prefill it once
+    # there); the cold prompt goes elsewhere.
+    assert len(set(chosen[:3])) == 1, chosen
+    assert chosen[3] != chosen[0], chosen
