@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +99,23 @@ def kv_pull_order(decision: Decision) -> dict | None:
     }
 
 
+def pooled_prefill_rate(all_stats: list[ReplicaStats]) -> list[ReplicaStats]:
+    """The replicas' stats with one prefill rate: the median of those measured.
+
+    One deployment's replicas run one engine configuration on one kind of hardware; what
+    their measured prefill rates differ by is the load and contention while they measured
+    (on a shared CPU a busy replica measured 190 tokens/s, an idle one 80). Priced per
+    replica, a replica that measured slow looked dear for every cold prompt, got none and
+    never measured again (a 3-replica run sent 40, 20 and 4 of 64 requests), and one that has
+    measured nothing yet looked as fast as the configured default. Unchanged when no replica
+    has measured."""
+    rates = [s.prefill_tokens_per_s for s in all_stats if s.prefill_tokens_per_s > 0]
+    if not rates:
+        return all_stats
+    rate = statistics.median(rates)
+    return [dataclasses.replace(s, prefill_tokens_per_s=rate) for s in all_stats]
+
+
 class PrefixAwareRequestRouter(RequestRouter):
     """Routes each request where the configured policy says (predicted TTFT by default)."""
 
@@ -133,10 +151,12 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _views(self, replicas: list[RunningReplica]) -> list[ReplicaView]:
         inflight = self._inflight.snapshot()
+        all_stats = pooled_prefill_rate(
+            [ReplicaStats.from_dict(r.routing_stats or {}) for r in replicas]
+        )
         views = []
-        for r in replicas:
+        for r, stats in zip(replicas, all_stats, strict=True):
             prefill_tokens = inflight.get(r.replica_id.unique_id, ())
-            stats = ReplicaStats.from_dict(r.routing_stats or {})
             views.append(
                 ReplicaView(r.replica_id.unique_id, stats, len(prefill_tokens), prefill_tokens)
             )

@@ -14,9 +14,9 @@ import asyncio
 import collections
 import time
 
-from cluster.request_router import PrefixAwareRequestRouter
+from cluster.request_router import PrefixAwareRequestRouter, pooled_prefill_rate
 from router.embedded_index import EmbeddedIndex
-from router.protocol import hash_blocks
+from router.protocol import ReplicaStats, hash_blocks
 from router.routing import Router
 from tests.cluster.test_kv_pull_request_path import pending, running
 
@@ -83,3 +83,27 @@ def test_siblings_in_one_burst_follow_the_first_one():
     # there); the cold prompt goes elsewhere.
     assert len(set(chosen[:3])) == 1, chosen
     assert chosen[3] != chosen[0], chosen
+
+
+def test_replicas_are_priced_at_one_prefill_rate_the_median_of_those_measured():
+    stats = [
+        ReplicaStats(prefill_tokens_per_s=190.0, num_running=8),
+        ReplicaStats(prefill_tokens_per_s=80.0),
+        ReplicaStats(prefill_tokens_per_s=120.0),
+        ReplicaStats(),  # measured nothing yet
+    ]
+    pooled = pooled_prefill_rate(stats)
+    assert [s.prefill_tokens_per_s for s in pooled] == [120.0] * 4
+    assert pooled[0].num_running == 8  # the rest is each replica's own
+    assert pooled_prefill_rate([ReplicaStats()]) == [ReplicaStats()]
+
+
+def test_a_replica_that_measured_a_slow_prefill_still_gets_cold_prompts():
+    # "busy" measured fast while batching, "idle" slow while contended: by their own rates
+    # the idle replica looked dear for every cold prompt and was never tried again.
+    candidates = [
+        running("busy", prefill_tokens_per_s=190.0, num_running=3),
+        running("idle", prefill_tokens_per_s=80.0),
+    ]
+    chosen = burst(request_router(["busy", "idle"]), candidates, [prompt(200)])
+    assert chosen == ["idle"]
