@@ -100,20 +100,23 @@ def kv_pull_order(decision: Decision) -> dict | None:
 
 
 def pooled_prefill_rate(all_stats: list[ReplicaStats]) -> list[ReplicaStats]:
-    """The replicas' stats with one prefill rate: the median of those measured.
+    """The replicas' stats with one prefill rate for those that measured one: the median.
 
     One deployment's replicas run one engine configuration on one kind of hardware; what
     their measured prefill rates differ by is the load and contention while they measured
     (on a shared CPU a busy replica measured 190 tokens/s, an idle one 80). Priced per
     replica, a replica that measured slow looked dear for every cold prompt, got none and
-    never measured again (a 3-replica run sent 40, 20 and 4 of 64 requests), and one that has
-    measured nothing yet looked as fast as the configured default. Unchanged when no replica
-    has measured."""
+    never measured again (a 3-replica run sent 40, 20 and 4 of 64 requests). A replica that
+    has measured nothing keeps 0, the model's configured default: it is idle, so it gets
+    requests and measures."""
     rates = [s.prefill_tokens_per_s for s in all_stats if s.prefill_tokens_per_s > 0]
     if not rates:
         return all_stats
     rate = statistics.median(rates)
-    return [dataclasses.replace(s, prefill_tokens_per_s=rate) for s in all_stats]
+    return [
+        dataclasses.replace(s, prefill_tokens_per_s=rate) if s.prefill_tokens_per_s > 0 else s
+        for s in all_stats
+    ]
 
 
 class PrefixAwareRequestRouter(RequestRouter):

@@ -85,7 +85,7 @@ def test_siblings_in_one_burst_follow_the_first_one():
     assert chosen[3] != chosen[0], chosen
 
 
-def test_replicas_are_priced_at_one_prefill_rate_the_median_of_those_measured():
+def test_replicas_that_measured_are_priced_at_one_rate_the_median():
     stats = [
         ReplicaStats(prefill_tokens_per_s=190.0, num_running=8),
         ReplicaStats(prefill_tokens_per_s=80.0),
@@ -93,7 +93,8 @@ def test_replicas_are_priced_at_one_prefill_rate_the_median_of_those_measured():
         ReplicaStats(),  # measured nothing yet
     ]
     pooled = pooled_prefill_rate(stats)
-    assert [s.prefill_tokens_per_s for s in pooled] == [120.0] * 4
+    # The median of 190, 80 and 120; the replica that measured nothing keeps the default.
+    assert [s.prefill_tokens_per_s for s in pooled] == [120.0, 120.0, 120.0, 0.0]
     assert pooled[0].num_running == 8  # the rest is each replica's own
     assert pooled_prefill_rate([ReplicaStats()]) == [ReplicaStats()]
 
