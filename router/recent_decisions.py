@@ -76,7 +76,7 @@ class RecentDecisions:
     def landed_mark(self) -> int:
         """The number up to which the index holds every decision: a lookup starting now sees
         those, and ``match(..., after=mark)`` adds the rest. Registers the lookup until its
-        ``match`` (or ``release``)."""
+        ``match`` (or, never matched, for ``ttl_s``)."""
         now_s = self._clock()
         with self._lock:
             mark = self._landed_seq

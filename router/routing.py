@@ -198,6 +198,7 @@ class Router:
         I/O but the speculative write when not in the background."""
         matches = lookup.matches
         if self._recent is not None and lookup.recent_mark is not None:
+            # Also when the index was unreachable: matching releases the lookup's mark.
             recent = self._recent.match(block_hashes, after=lookup.recent_mark)
             if matches is not None:
                 matches = merge_matches(matches, recent)
