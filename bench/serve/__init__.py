@@ -39,8 +39,11 @@ Per (system, concurrency): output tok/s (output tokens / wall time from first se
 finish), requests/s, TTFT p50/p90/p99, ITL and TPOT means, cached-token ratio (from
 ``usage.prompt_tokens_details.cached_tokens``), failures, CPU seconds of the server's process
 tree (the offline child's own) during the run, and whether each greedy output equals the
-offline engine's at the same concurrency. Writes ``<out-dir>/serve_<UTC date>[_quick].json``
-and ``.png`` and prints a markdown table.
+offline engine's at the same concurrency. ``--idle-s S`` also measures each HTTP system's
+processes over S idle seconds after the warm-up (``idle_cpu_s``: CPU seconds per second with
+no request in flight, by process in ``idle_cpu_s_by_process``): on a machine whose cores the
+engine fills, the server's floor that every run pays.
+Writes ``<out-dir>/serve_<UTC date>[_quick].json`` and ``.png`` and prints a markdown table.
 
 Failure modes: a server that does not answer ``GET /health`` within ``--startup-timeout-s``,
 exits early or fails its warm-up is stopped and its row gets an ``error``; the other systems

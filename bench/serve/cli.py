@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default none)",
     )
     ap.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.0,
+        help="before loading each HTTP system, measure what its processes use over this many "
+        "idle seconds (the server's CPU floor with no requests; default 0: off)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="smoke run: 8 requests, 16 tokens, concurrency 1,4"
     )
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -116,6 +123,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, name, value)
     if min(args.num_requests, args.max_tokens, args.threads, args.c1_requests) < 1:
         ap.error("--num-requests, --max-tokens, --threads and --c1-requests must be >= 1")
+    if args.idle_s < 0:
+        ap.error("--idle-s must be >= 0")
     try:
         args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError:

@@ -110,15 +110,42 @@ def warm_up(base_url: str, model: str | None, n: int = 1, patience_s: float = 12
             time.sleep(2.0)
 
 
-def cpu_breakdown(before: list[dict], after: list[dict]) -> dict[str, float]:
+def cpu_breakdown(
+    before: list[dict], after: list[dict], min_cpu_s: float = 0.05
+) -> dict[str, float]:
     """CPU seconds each kind of process used between two ``Server.cpu_by_process`` snapshots
-    (one per server), largest first; a process started in between counts from zero, one that
-    ended in between is left out (its time is in the tree's total only)."""
+    (one per server), largest first, rounded to 0.1 s (unrounded when ``min_cpu_s`` is 0) and
+    those under ``min_cpu_s`` left out; a process started in between counts from zero, one
+    that ended in between is left out (its time is in the tree's total only)."""
     used: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
         for label, cpu_s in a.items():
             used[label] = used.get(label, 0.0) + cpu_s - b.get(label, 0.0)
-    return {k: round(v, 1) for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+    ordered = sorted(used.items(), key=lambda kv: -kv[1])
+    if min_cpu_s <= 0:
+        return {k: v for k, v in ordered if v > 0}
+    return {k: round(v, 1) for k, v in ordered if v >= min_cpu_s}
+
+
+def measure_idle(servers: Sequence[Server], idle_s: float) -> dict:
+    """What the servers' processes use with no request in flight, over ``idle_s`` seconds:
+    ``idle_cpu_s`` (all of them) and ``idle_cpu_s_by_process``, both per second of idling.
+
+    A served run's processes share the cores with the engine, so this floor (a Ray cluster's
+    controller, GCS, raylet and agents; the deployments' metrics and heartbeats) is paid by
+    every run whatever the serving path does."""
+    before = [s.cpu_by_process() for s in servers]
+    t0 = time.monotonic()
+    time.sleep(idle_s)
+    elapsed_s = time.monotonic() - t0
+    used = cpu_breakdown(before, [s.cpu_by_process() for s in servers], min_cpu_s=0.0)
+    return {
+        "idle_s": round(elapsed_s, 1),
+        "idle_cpu_s": round(sum(used.values()) / elapsed_s, 3),
+        "idle_cpu_s_by_process": {
+            k: round(v / elapsed_s, 3) for k, v in used.items() if v / elapsed_s >= 0.0005
+        },
+    }
 
 
 def run_http_system(run: Run, args, workload: Sequence[ChatRequest]) -> dict:
@@ -133,6 +160,8 @@ def run_http_system(run: Run, args, workload: Sequence[ChatRequest]) -> dict:
         row["command"] = " | ".join(s.command for s in servers)
         model = _model_name(base)
         warm_up(base, model, run.replicas)
+        if args.idle_s > 0:
+            row.update(measure_idle(servers, args.idle_s))
         cpu0 = sum(s.cpu_seconds() for s in servers)
         by_process0 = [s.cpu_by_process() for s in servers]
         records, duration = asyncio.run(

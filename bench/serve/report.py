@@ -28,13 +28,13 @@ def markdown(rows: Sequence[dict]) -> str:
     lines = [
         "| system | c | reqs | ok/fail | out tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL ms "
         "| TPOT ms "
-        "| cached | CPU s | = offline | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached | CPU s | idle CPU s/s | = offline | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| {r['label']} | {r['concurrency']} | {r['num_requests']} |"
         if "error" in r:
-            lines.append(f"{head} | | | | | | | | | error: {r['error'][:160]} |")
+            lines.append(f"{head} | | | | | | | | | | error: {r['error'][:160]} |")
             continue
         same = r.get("same_as_offline")
         lines.append(
@@ -43,7 +43,7 @@ def markdown(rows: Sequence[dict]) -> str:
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['itl_mean_ms']:.1f} | "
             f"{r['tpot_mean_ms']:.1f} | {_fmt(r.get('cached_token_ratio'), 3) or 'n/a'} | "
-            f"{_fmt(r.get('cpu_s'), 0)} | "
+            f"{_fmt(r.get('cpu_s'), 0)} | {_fmt(r.get('idle_cpu_s'), 3)} | "
             f"{'' if same is None else f'{same:.0%}'} | {'; '.join(r.get('errors') or [])[:120]} |"
         )
     return "\n".join(lines)

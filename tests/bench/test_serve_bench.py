@@ -194,3 +194,26 @@ def test_cpu_breakdown_is_the_difference_largest_first():
     before = [{"engine": 10.0, "ingress": 1.0, "gone": 3.0}]
     after = [{"engine": 40.0, "ingress": 3.5, "new": 0.5, "idle": 0.01}]
     assert cpu_breakdown(before, after) == {"engine": 30.0, "ingress": 2.5, "new": 0.5}
+
+
+def test_idle_measurement_reports_per_second_rates(monkeypatch):
+    from bench.serve import http_load
+
+    class FakeServer:  # two snapshots: 0.2 CPU-s of the controller over the idle time
+        def __init__(self):
+            self.snapshots = iter([{"ctl": 1.0, "engine": 5.0}, {"ctl": 1.2, "engine": 5.0}])
+
+        def cpu_by_process(self):
+            return next(self.snapshots)
+
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(http_load.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(http_load.time, "sleep", lambda s: None)
+    idle = http_load.measure_idle([FakeServer()], 2.0)
+    assert idle == {
+        "idle_s": 2.0,
+        "idle_cpu_s": pytest.approx(0.1),
+        "idle_cpu_s_by_process": {"ctl": pytest.approx(0.1)},
+    }
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--idle-s", "-1"])

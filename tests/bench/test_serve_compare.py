@@ -36,7 +36,6 @@ def test_distinct_prefix_blocks_counts_shared_blocks_only():
     assert ca.distinct_prefix_blocks([a], B) == 0
 
 
-
 def test_placement_counts_a_prefix_once_per_replica_it_was_sent_to():
     a = list(range(8)) + [90, 91]  # 2 shared blocks + its own tokens
     b = list(range(8)) + [80, 81]
