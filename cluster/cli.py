@@ -6,7 +6,10 @@ default), validates them before touching Ray (a bad flag exits with status 2 and
 message naming the field), starts a local Ray instance or joins ``--address``, runs the
 application and blocks until SIGINT/SIGTERM. Then it drains (in-flight requests get
 ``DRAIN_TIMEOUT_S`` to finish; the rest end with finish_reason ``abort`` and ``[DONE]``),
-deletes the application and, if it started Ray itself, shuts Serve and Ray down.
+deletes the application and, if it started Ray itself, shuts Serve and Ray down. A SIGTERM
+sent to the whole process group (``timeout``, systemd's default stop) also stops the Ray it
+started, leaving nothing to drain: the command then exits at once (``_exit_when_own_ray_ends``)
+instead of waiting a minute for a GCS that stopped answering.
 
 This module owns the entry point, the subcommand dispatch and that Ray lifecycle; the flag
 table lives in ``cluster/cli_flags.py`` and the parsing of flags and ``--config`` files in
@@ -43,6 +46,8 @@ from cluster.priority import lower_ray_system_priority
 DRAIN_TIMEOUT_S = 5.0
 # A call to the metrics hub during shutdown; it answers in milliseconds unless wedged.
 DRAIN_CALL_TIMEOUT_S = 5.0
+# While shutting down: how often the command checks that the Ray it started is still there.
+RAY_WATCH_PERIOD_S = 0.2
 # --detach: model download and load on the cluster, then Serve's health checks; a one-token
 # completion then proves the app routes (each probe waits this long for its answer).
 DETACH_READY_TIMEOUT_S = 1800.0
@@ -77,6 +82,55 @@ def _wait_for_signal() -> None:
         signal.signal(signum, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
+
+
+def _child_pids() -> set[int] | None:
+    """This process's children, from Linux's /proc; None where that cannot be read."""
+    try:
+        children: set[int] = set()
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+    except OSError:
+        return None
+    return children
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _exit_when_own_ray_ends(ray_children: set[int], stop_watching: threading.Event) -> None:
+    """While this command shuts down the Ray it started (``ray_children``: the GCS, raylet,
+    dashboard and monitors, this process's children), ends the command at once if one of
+    them exits, until ``stop_watching`` is set.
+
+    Ray's processes ignore SIGINT, so Ctrl-C in a terminal drains as usual. SIGTERM sent to
+    the whole process group (``timeout``, ``kill -- -PGID``, systemd's default stop) also
+    reaches them: the dashboard and log monitor exit and the GCS stops answering, and every
+    Ray call after that waits a minute for the GCS before the process dies with an error.
+    Nothing is left to drain then; the rest of Ray ends with this process (Ray ties its
+    processes' lives to their parent's)."""
+
+    def watch() -> None:
+        while not stop_watching.wait(RAY_WATCH_PERIOD_S):
+            if not all(_running(pid) for pid in ray_children):
+                print(
+                    "prefixserve: Ray's processes ended with the signal (it went to the whole "
+                    "process group); in-flight requests were cut off. Signal this process "
+                    "alone to drain them.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(0)
+
+    threading.Thread(target=watch, name="watch-own-ray", daemon=True).start()
 
 
 def _drain(app_name: str) -> None:
@@ -182,6 +236,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     else:
         shown_url = url
     detached = False
+    stop_watching = threading.Event()
     try:
         serve.start(
             http_options={"host": cluster.host, "port": cluster.port},
@@ -218,8 +273,11 @@ def run_serve(ns: argparse.Namespace) -> int:
             f"{shown_url}/v1 (Ctrl-C to stop)",
             flush=True,
         )
+        ray_children = _child_pids() if started_ray else None
         _wait_for_signal()
         print("prefixserve: shutting down", flush=True)
+        if ray_children:
+            _exit_when_own_ray_ends(ray_children, stop_watching)
         _drain(cluster.app_name)
     finally:
         if detached:
@@ -231,6 +289,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                 if started_ray:
                     serve.shutdown()
             finally:
+                stop_watching.set()  # ray.shutdown() ends the GCS itself
                 ray.shutdown()
     print("prefixserve: stopped", flush=True)
     return 0
