@@ -3,7 +3,9 @@
 The JSON is ``{"header": {...}, "rows": [...]}``; the header names the machine, the date, the
 command line and the cost rates used; every row holds at least ``workload``, ``policy``,
 ``replicas``, ``hit_rate``, ``oracle_hit_rate``, ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``,
-``throughput_tok_s`` and ``max_mean_load`` (our policy's rows say ``policy: "prefix"``).
+``throughput_tok_s`` and ``max_mean_load`` (our policy's rows say ``policy: "prefix"``), and
+newer files ``pooled_hit_rate`` (the oracle with the cluster's capacity: one LRU cache of all
+the replicas' blocks), which tells a workload that does not fit from routing that loses hits.
 ``verdicts`` states, per (workload, replicas), where ours misses the issue's bars: 95% of the
 oracle hit rate, max/mean load 1.2, the lowest p90 TTFT. Plotting uses matplotlib's Agg
 backend (no display needed); a missing matplotlib raises ``ImportError`` at plot time only.
@@ -88,6 +90,7 @@ def ours_summary(rows: Sequence[dict]) -> list[dict]:
                 "workload": workload,
                 "replicas": replicas,
                 "hit_of_oracle": ours["hit_rate"] / oracle if oracle else 1.0,
+                "hit_of_pooled": _of(ours["hit_rate"], ours.get("pooled_hit_rate")),
                 "max_mean_load": ours["max_mean_load"],
                 "p90_rank": 1
                 + sum(r["ttft_p90_s"] * (1 + P90_TIE_REL) < ours["ttft_p90_s"] for r in group),
@@ -97,14 +100,23 @@ def ours_summary(rows: Sequence[dict]) -> list[dict]:
     return summary
 
 
+def _of(hit_rate: float, reference: float | None) -> float | None:
+    """``hit_rate`` as a fraction of ``reference`` (None without one: older result files)."""
+    if reference is None:
+        return None
+    return hit_rate / reference if reference else 1.0
+
+
 def summary_table(summary: Sequence[dict]) -> str:
     lines = [
-        "| workload | replicas | hit % of oracle | max/mean | p90 rank |",
-        "|---|---|---|---|---|",
+        "| workload | replicas | hit % of oracle | hit % of pooled LRU | max/mean | p90 rank |",
+        "|---|---|---|---|---|---|",
     ]
     for s in summary:
+        pooled = s.get("hit_of_pooled")
         lines.append(
             f"| {s['workload']} | {s['replicas']} | {s['hit_of_oracle']:.1%} | "
+            f"{'-' if pooled is None else f'{pooled:.1%}'} | "
             f"{s['max_mean_load']:.2f} | {s['p90_rank']} of {s['num_policies']} |"
         )
     return "\n".join(lines)
@@ -112,13 +124,16 @@ def summary_table(summary: Sequence[dict]) -> str:
 
 def markdown_table(rows: Sequence[dict]) -> str:
     head = (
-        "| workload | replicas | policy | hit | oracle | p50 s | p90 s | p99 s | tok/s | max/mean |"
+        "| workload | replicas | policy | hit | oracle | pooled LRU | p50 s | p90 s | p99 s "
+        "| tok/s | max/mean |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
+        pooled = r.get("pooled_hit_rate")
         lines.append(
             f"| {r['workload']} | {r['replicas']} | {r['policy']} | {r['hit_rate']:.3f} | "
-            f"{r['oracle_hit_rate']:.3f} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | "
+            f"{r['oracle_hit_rate']:.3f} | {'-' if pooled is None else f'{pooled:.3f}'} | "
+            f"{r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | "
             f"{r['ttft_p99_s']:.2f} | {r['throughput_tok_s']:.0f} | {r['max_mean_load']:.2f} |"
         )
     return "\n".join(lines)

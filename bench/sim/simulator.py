@@ -45,9 +45,9 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from bench.sim.cache import BlockId, BlockPool, OracleCache
+from bench.sim.cache import BlockId, BlockPool, LRUBlockCache, OracleCache
 from bench.sim.calibration import DEFAULT_RATES, EngineRates, PullRates
 from bench.sim.workloads import Request, Workload
 
@@ -126,6 +126,11 @@ class SimResult:
     """Prompt tokens pulled from peers / all prompt tokens (part of ``hit_rate``)."""
     num_dedup_deferrals: int = 0
     """Times a prefill start passed over a request whose next block was in flight."""
+    pooled_hit_rate: float = 0.0
+    """Hit rate of one LRU cache as large as all the replicas' device (and host) caches
+    together, seeing every request at its arrival: the oracle with the cluster's capacity.
+    Where it is below ``oracle_hit_rate`` the workload does not fit; what lies between it and
+    ``hit_rate`` is what splitting the capacity over replicas (and copies) costs."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -248,6 +253,11 @@ class Simulator:
         records: list[RequestRecord | None] = [None] * len(requests)
         oracle = OracleCache()
         oracle_hit_tokens = 0
+        config = self.config
+        pooled = LRUBlockCache(
+            config.num_replicas * (config.capacity_blocks + config.host_capacity_blocks)
+        )
+        pooled_hit_tokens = 0
         next_arrival = 0
         while next_arrival < len(requests) or self._events:
             if next_arrival < len(requests) and (
@@ -257,6 +267,8 @@ class Simulator:
                 next_arrival += 1
                 self.now_s = req.arrival_s
                 oracle_hit_tokens += self._cached_tokens(req, oracle.hit_blocks(req.block_ids))
+                pooled_hit_tokens += self._cached_tokens(req, pooled.match(req.block_ids))
+                pooled.touch_request(req.block_ids)
                 records[req.request_id] = self._route(req)
                 if progress is not None:
                     progress(1)
@@ -270,7 +282,11 @@ class Simulator:
             else:
                 replica, req = payload
                 self._finish_decode(replica, req, records)
-        return self._summarize(workload, records, oracle_hit_tokens, time.perf_counter() - started)
+        result = self._summarize(
+            workload, records, oracle_hit_tokens, time.perf_counter() - started
+        )
+        prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+        return replace(result, pooled_hit_rate=pooled_hit_tokens / prompt_tokens)
 
     def _route(self, req: Request) -> RequestRecord:
         chosen = self.policy.choose(self, req)

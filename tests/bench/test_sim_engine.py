@@ -171,3 +171,17 @@ def test_simulated_baselines_are_the_routers_and_break_ties_alike():
         sim_policy.choose = checked
         result = sim.run(Workload("hand", tuple(requests), "hand-checked"))
         assert result.policy == sim_policy.name and not mismatches
+
+
+def test_pooled_reference_is_the_oracle_with_the_clusters_capacity():
+    # Two replicas of 2 blocks each: the pooled cache holds 4 blocks.
+    a = Request(0, 0.0, (1, 2), 8, 1)
+    b = Request(1, 1.0, (3, 4), 8, 1)
+    c = Request(2, 2.0, (1, 2), 8, 1)  # 2 blocks seen since: still in a 4-block cache
+    d = Request(3, 3.0, (5, 6, 7), 12, 1)  # evicts the 3 least recent blocks: 4, 3 and 2
+    e = Request(4, 4.0, (1, 2), 8, 1)  # the pooled cache still holds its head block only
+    result = _run([a, b, c, d, e], RoundRobinPolicy(), num_replicas=2, capacity_blocks=2)
+    prompt_tokens = 8 * 4 + 12
+    assert result.oracle_hit_rate == pytest.approx((7 + 7) / prompt_tokens)  # c and e
+    assert result.pooled_hit_rate == pytest.approx((7 + 4) / prompt_tokens)
+    assert result.hit_rate <= result.oracle_hit_rate
