@@ -18,6 +18,8 @@ import time
 import httpx
 import pytest
 
+from cluster.cli import _running
+
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 240.0
@@ -39,15 +41,6 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _cmdline(pid: int) -> str:
