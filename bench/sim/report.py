@@ -177,7 +177,12 @@ def plot_results(rows: Sequence[dict], out_prefix: Path, subtitle: str) -> list[
     replica_counts = sorted({r["replicas"] for r in rows})
     paths = []
     for metric, title, fname in (
-        ("hit_rate", "Cached-token hit rate (dashed: oracle, one infinite cache)", "hit_rate"),
+        (
+            "hit_rate",
+            "Cached-token hit rate (dashed: oracle, one infinite cache; dotted: one LRU cache "
+            "of the whole cluster's capacity, where lower)",
+            "hit_rate",
+        ),
         ("ttft_p90_s", "p90 time to first token, seconds (log scale, lower is better)", "ttft_p90"),
     ):
         num_cols = min(3, len(workloads))
@@ -193,6 +198,9 @@ def plot_results(rows: Sequence[dict], out_prefix: Path, subtitle: str) -> list[
             if metric == "hit_rate":
                 oracle = max(r["oracle_hit_rate"] for r in rows if r["workload"] == workload)
                 ax.axhline(oracle, color="black", linestyle="--", linewidth=1)
+                pooled = [r.get("pooled_hit_rate") for r in rows if r["workload"] == workload]
+                if None not in pooled and min(pooled) < oracle - 0.001:  # the workload overflows
+                    ax.axhline(min(pooled), color="black", linestyle=":", linewidth=1)
                 ax.set_ylim(0, 1)
             else:
                 ax.set_yscale("log")
