@@ -110,21 +110,20 @@ def warm_up(base_url: str, model: str | None, n: int = 1, patience_s: float = 12
             time.sleep(2.0)
 
 
-def cpu_breakdown(
-    before: list[dict], after: list[dict], min_cpu_s: float = 0.05
-) -> dict[str, float]:
-    """CPU seconds each kind of process used between two ``Server.cpu_by_process`` snapshots
-    (one per server), largest first, rounded to 0.1 s (unrounded when ``min_cpu_s`` is 0) and
-    those under ``min_cpu_s`` left out; a process started in between counts from zero, one
-    that ended in between is left out (its time is in the tree's total only)."""
+def _cpu_used(before: list[dict], after: list[dict]) -> list[tuple[str, float]]:
+    """(kind of process, CPU seconds) between two ``Server.cpu_by_process`` snapshots (one
+    per server), largest first; a process started in between counts from zero, one that ended
+    in between is left out (its time is in the tree's total only)."""
     used: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
         for label, cpu_s in a.items():
             used[label] = used.get(label, 0.0) + cpu_s - b.get(label, 0.0)
-    ordered = sorted(used.items(), key=lambda kv: -kv[1])
-    if min_cpu_s <= 0:
-        return {k: v for k, v in ordered if v > 0}
-    return {k: round(v, 1) for k, v in ordered if v >= min_cpu_s}
+    return sorted(used.items(), key=lambda kv: -kv[1])
+
+
+def cpu_breakdown(before: list[dict], after: list[dict]) -> dict[str, float]:
+    """``_cpu_used`` rounded to 0.1 s, those under 0.05 s left out."""
+    return {k: round(v, 1) for k, v in _cpu_used(before, after) if v >= 0.05}
 
 
 def measure_idle(servers: Sequence[Server], idle_s: float) -> dict:
@@ -138,13 +137,13 @@ def measure_idle(servers: Sequence[Server], idle_s: float) -> dict:
     t0 = time.monotonic()
     time.sleep(idle_s)
     elapsed_s = time.monotonic() - t0
-    used = cpu_breakdown(before, [s.cpu_by_process() for s in servers], min_cpu_s=0.0)
+    per_s = [
+        (k, v / elapsed_s) for k, v in _cpu_used(before, [s.cpu_by_process() for s in servers])
+    ]
     return {
         "idle_s": round(elapsed_s, 1),
-        "idle_cpu_s": round(sum(used.values()) / elapsed_s, 3),
-        "idle_cpu_s_by_process": {
-            k: round(v / elapsed_s, 3) for k, v in used.items() if v / elapsed_s >= 0.0005
-        },
+        "idle_cpu_s": round(sum(v for _, v in per_s if v > 0), 3),
+        "idle_cpu_s_by_process": {k: round(v, 3) for k, v in per_s if v >= 0.0005},
     }
 
 

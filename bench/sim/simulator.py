@@ -45,7 +45,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from bench.sim.cache import BlockId, BlockPool, LRUBlockCache, OracleCache
 from bench.sim.calibration import DEFAULT_RATES, EngineRates, PullRates
@@ -282,11 +282,8 @@ class Simulator:
             else:
                 replica, req = payload
                 self._finish_decode(replica, req, records)
-        result = self._summarize(
-            workload, records, oracle_hit_tokens, time.perf_counter() - started
-        )
-        prompt_tokens = sum(r.num_prompt_tokens for r in requests)
-        return replace(result, pooled_hit_rate=pooled_hit_tokens / prompt_tokens)
+        wall_s = time.perf_counter() - started
+        return self._summarize(workload, records, oracle_hit_tokens, pooled_hit_tokens, wall_s)
 
     def _route(self, req: Request) -> RequestRecord:
         chosen = self.policy.choose(self, req)
@@ -482,7 +479,9 @@ class Simulator:
         if done is not None:
             done(self, req, replica.index)
 
-    def _summarize(self, workload: Workload, records, oracle_hit_tokens: int, wall_s: float):
+    def _summarize(
+        self, workload: Workload, records, oracle_hit_tokens: int, pooled_hit_tokens: int, wall_s
+    ):
         requests = workload.requests
         prompt_tokens = sum(r.num_prompt_tokens for r in requests)
         output_tokens = sum(r.num_output_tokens for r in requests)
@@ -498,6 +497,7 @@ class Simulator:
             pulled_token_rate=sum(rec.num_pulled_tokens for rec in records) / prompt_tokens,
             num_dedup_deferrals=self.num_dedup_deferrals,
             oracle_hit_rate=oracle_hit_tokens / prompt_tokens,
+            pooled_hit_rate=pooled_hit_tokens / prompt_tokens,
             ttft_p50_s=percentile(ttfts, 50),
             ttft_p90_s=percentile(ttfts, 90),
             ttft_p99_s=percentile(ttfts, 99),
