@@ -113,6 +113,12 @@ FLAGS = [
         "engine",
     ),
     (
+        "--prefill-order", "engine", "prefill_order", str,
+        "Which prefill work a step serves first: shortest_first (fewest tokens left to compute; "
+        "the oldest still gets half of each step) or fcfs (arrival order).",
+        "engine",
+    ),
+    (
         "--enable-prefix-caching", "engine", "enable_prefix_caching", None,
         "Reuse KV blocks of shared prefixes.",
         "engine",

@@ -45,6 +45,7 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 """More ranks than any single node holds GPUs; a larger value is surely a typo."""
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO = "auto"
+PREFILL_ORDERS = ("shortest_first", "fcfs")
 BF16_MIN_CAPABILITY = (8, 0)
 """Ampere and later compute bfloat16 natively; older GPUs emulate it slowly, so float16 there."""
 
@@ -99,6 +100,9 @@ class EngineConfig:
     """Most requests running (holding KV blocks) at once."""
     max_num_batched_tokens: int = 512
     """Token budget of one step: prefill chunks and decodes share it."""
+    prefill_order: str = "shortest_first"
+    """Which prefill work gets a step's budget first: ``shortest_first`` (fewest tokens left,
+    the oldest guaranteed half a step) or ``fcfs`` (arrival order): ``worker/scheduler.py``."""
     enable_prefix_caching: bool = True
     dtype: str = AUTO
     """``float32``, ``float16``, ``bfloat16`` or ``auto`` (see the module docstring)."""
@@ -151,6 +155,11 @@ class EngineConfig:
             self.max_num_batched_tokens >= self.block_size,
             "max_num_batched_tokens",
             f"must be at least block_size ({self.block_size}), got {self.max_num_batched_tokens}",
+        )
+        need(
+            self.prefill_order in PREFILL_ORDERS,
+            "prefill_order",
+            f"must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}",
         )
         need(
             self.dtype in _DTYPES or self.dtype == AUTO,

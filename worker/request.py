@@ -77,6 +77,8 @@ class Request:
         self.first_scheduled_time: float | None = None
         """When the scheduler first admitted it (``time.monotonic()``); kept across preemption."""
         self.num_preemptions = 0
+        self.num_prefill_skips = 0
+        """Steps in which a younger request's prefill overtook this one (``scheduler.py``)."""
         self.grammar: GrammarMatcher | None = None
         """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
         self._salt = (model_id, cache_salt)

@@ -1,16 +1,24 @@
 """``Scheduler``: decides which requests compute how many tokens this step.
 
 Token-budget continuous batching in the style of vLLM v1. Each step has a budget of
-``max_num_batched_tokens``; running requests are served first (a decode costs 1 token, a
-prefill chunk up to the rest of the budget), then waiting requests are admitted strictly
-first-come first-served while the budget, ``max_num_seqs`` and free blocks allow.
+``max_num_batched_tokens``; decodes (1 token each) come first, and prefill work (a running
+request's next chunk, or admitting a waiting request) shares the rest in the order
+``prefill_order`` gives:
+
+- ``fcfs``: running requests in admission order, then waiting ones strictly first-come
+  first-served while the budget, ``max_num_seqs`` and free blocks allow (vLLM v1's order).
+- ``shortest_first`` (the default): fewest tokens left to compute first, ties in arrival
+  order. A request whose prompt is mostly a prefix-cache hit is not stuck behind a cold
+  prompt's chunks (SGLang's longest-prefix-match order has the same aim), and equal prompts
+  go one after the other rather than sharing steps, which would delay them all. A request
+  overtaken ``MAX_PREFILL_SKIPS`` times goes first from then on, so none starves.
 
 - Chunked prefill: a prompt longer than the remaining budget is computed over several steps.
 - Preemption by recompute: when a running request needs a block and none is free, the latest
   admitted running request is preempted: its blocks are freed (they stay in the prefix cache,
   so the recompute is mostly a cache hit) and it goes back to the head of the queue.
-- No starvation: admission stops at the first waiting request that does not fit, so later
-  requests (even ones whose prefix is already cached) never overtake it.
+- No starvation for blocks: admission stops at the first waiting request (in either order)
+  that does not fit in the free blocks, so requests after it never take the blocks it needs.
 - In-flight prefix dedup: a waiting request whose next prompt block another running request
   is computing right now waits for it (and then finds it in the prefix cache) instead of
   computing it a second time; requests behind it are admitted meanwhile, as SGLang does. The
@@ -19,6 +27,7 @@ first-come first-served while the budget, ``max_num_seqs`` and free blocks allow
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,6 +63,12 @@ class SchedulerCounters:
     """Admissions passed over because the request's next prompt block was being computed."""
 
 
+MAX_PREFILL_SKIPS = 16
+"""With ``shortest_first``: a request overtaken this many steps (left out of a step in which a
+younger request got prefill tokens) goes first from then on, for the budget and for blocks, so
+a long prompt under a steady stream of short ones still gets its turn."""
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool):
         self.config = config
@@ -81,26 +96,106 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         preempted_now: set[Request] = set()  # requests hash by identity
-        for req in list(self.running):
+        if self.config.prefill_order == "fcfs":
+            budget = self._continue_running(batch, list(self.running), budget, preempted_now)
+            if not preempted_now:
+                self._admit(batch, budget)
+            return batch
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        budget = self._continue_running(batch, decoding, budget, preempted_now)
+        prefilling = [r for r in self.running if r not in decoding]
+        self._shortest_first(batch, prefilling, budget, preempted_now)
+        return batch
+
+    def _continue_running(
+        self, batch: ScheduledBatch, requests: list[Request], budget: int, preempted_now: set
+    ) -> int:
+        """Give each running request its next tokens in turn, preempting the newest running
+        request when blocks run out; returns the budget left."""
+        for req in requests:
             if budget == 0:
                 break
             if req in preempted_now:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._grow(req, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted_now.add(victim)
-                if victim is req:
-                    break
-            if req.status != Status.RUNNING:
+            if not self._grow_or_preempt(req, num_new, batch, preempted_now):
                 continue
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-        if not preempted_now:
-            self._admit(batch, budget)
-        return batch
+        return budget
+
+    def _grow_or_preempt(
+        self, req: Request, num_new: int, batch: ScheduledBatch, preempted_now: set
+    ) -> bool:
+        """Make ``req`` hold blocks for ``num_new`` more tokens, preempting the newest running
+        request not already in this step's batch while blocks are short. False when ``req``
+        itself was the one preempted."""
+        scheduled = set(batch.requests)
+        while not self._grow(req, num_new):
+            victim = [r for r in self.running if r not in scheduled][-1]  # req is among them
+            self._preempt(victim)
+            preempted_now.add(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _shortest_first(
+        self, batch: ScheduledBatch, prefilling: list[Request], budget: int, preempted_now: set
+    ) -> None:
+        """Prefill work for ``prefill_order="shortest_first"`` (see the module docstring)."""
+        in_flight = self._blocks_in_flight()
+        # Waiting requests compete only while a seat is free and no one was preempted this step,
+        # and only the first max_num_seqs of them (a bounded look-ahead keeps a step's planning
+        # cost flat in the queue depth).
+        seats_free = len(self.running) < self.config.max_num_seqs and not preempted_now
+        lookahead = self.config.max_num_seqs if seats_free else 0
+        window = list(itertools.islice(self.waiting, lookahead))
+
+        def priority(req: Request) -> tuple[bool, int, float]:
+            starving = req.num_prefill_skips >= MAX_PREFILL_SKIPS
+            if req.status == Status.RUNNING:
+                left = req.num_tokens - req.num_computed_tokens
+            else:
+                left = req.num_tokens - self._cached_prefix_tokens(req)
+            # Starving ones first, oldest first; then fewest tokens left, ties by arrival.
+            return (not starving, left if not starving else 0, req.arrival_time)
+
+        admitting = True  # until a waiting request does not fit: none after it may take blocks
+        candidates = sorted([*prefilling, *window], key=priority)
+        for req in candidates:
+            if budget <= 0:
+                break
+            if req in preempted_now:
+                continue
+            if req.status == Status.RUNNING:
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if self._grow_or_preempt(req, num_new, batch, preempted_now):
+                    batch.requests.append(req)
+                    batch.num_new_tokens.append(num_new)
+                    budget -= num_new
+                admitting = admitting and not preempted_now  # a step that preempted admits none
+            elif admitting and len(self.running) < self.config.max_num_seqs:
+                num_new = self._admit_one(batch, req, budget, in_flight)
+                admitting = num_new is not None
+                budget -= num_new or 0
+        # A request left out while a younger one got prefill tokens was overtaken: one skip.
+        served = set(batch.requests)
+        youngest = max((r.arrival_time for r in candidates if r in served), default=None)
+        for req in candidates:
+            if youngest is not None and req not in served and req.arrival_time < youngest:
+                req.num_prefill_skips += 1
+
+    def _cached_prefix_tokens(self, req: Request) -> int:
+        """Prompt tokens a waiting request would find in the device prefix cache now."""
+        hashes = req.block_hashes[: self._max_hit_blocks(req)]
+        return len(self.pool.find_cached_prefix(hashes, req.all_token_ids)) * self.pool.block_size
+
+    def _max_hit_blocks(self, req: Request) -> int:
+        # Never a full hit: the last token is recomputed so the step yields its logits.
+        if req.needs_prompt_logits:
+            return 0  # prompt logprobs need every prompt position's logits
+        return (req.num_tokens - 1) // self.pool.block_size
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Make ``req`` hold blocks for ``num_computed_tokens + num_new`` tokens."""
@@ -136,42 +231,48 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            # Never a full hit: the last token is recomputed so the step yields its logits.
-            max_hit_blocks = (req.num_tokens - 1) // self.pool.block_size
-            if req.needs_prompt_logits:
-                max_hit_blocks = 0  # prompt logprobs need every prompt position's logits
-            hashes = req.block_hashes[:max_hit_blocks]
-            hits = self.pool.find_cached_prefix(hashes, req.all_token_ids)
-            if len(hits) < len(hashes) and hashes[len(hits)] in in_flight:
-                self.counters.num_dedup_deferrals += 1
-                continue
-            self.pool.touch(hits)
-            host_hits = self.pool.load_host_prefix(hashes, req.all_token_ids, start=len(hits))
-            hits += host_hits
-            num_hit_tokens = len(hits) * self.pool.block_size
-            num_new = min(req.num_tokens - num_hit_tokens, budget)
-            needed = cdiv(num_hit_tokens + num_new, self.pool.block_size) - len(hits)
-            try:
-                fresh = self.pool.allocate(needed)
-            except NoFreeBlocksError:
-                self.pool.free(hits)
+            num_new = self._admit_one(batch, req, budget, in_flight)
+            if num_new is None:
                 break
-            self.waiting.remove(req)
-            req.blocks = hits + fresh
-            req.num_computed_tokens = num_hit_tokens
-            req.status = Status.RUNNING
-            if req.num_cached_tokens is None:
-                req.first_scheduled_time = time.monotonic()
-                req.num_cached_tokens = min(num_hit_tokens, len(req.prompt_token_ids))
-                self.counters.prefix_cache_queries_tokens += len(req.prompt_token_ids)
-                self.counters.prefix_cache_hits_tokens += req.num_cached_tokens
-                self.counters.host_cache_hits_tokens += len(host_hits) * self.pool.block_size
-            self.running.append(req)
-            if self.pool.enable_prefix_caching:
-                in_flight.update(self._uncomputed_hashes(req))
-            batch.requests.append(req)
-            batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _admit_one(
+        self, batch: ScheduledBatch, req: Request, budget: int, in_flight: set[BlockHash]
+    ) -> int | None:
+        """Admit ``req`` with up to ``budget`` new tokens: the number scheduled, 0 when it
+        waits for a prompt block in flight, None when its blocks do not fit."""
+        hashes = req.block_hashes[: self._max_hit_blocks(req)]
+        hits = self.pool.find_cached_prefix(hashes, req.all_token_ids)
+        if len(hits) < len(hashes) and hashes[len(hits)] in in_flight:
+            self.counters.num_dedup_deferrals += 1
+            return 0
+        self.pool.touch(hits)
+        host_hits = self.pool.load_host_prefix(hashes, req.all_token_ids, start=len(hits))
+        hits += host_hits
+        num_hit_tokens = len(hits) * self.pool.block_size
+        num_new = min(req.num_tokens - num_hit_tokens, budget)
+        needed = cdiv(num_hit_tokens + num_new, self.pool.block_size) - len(hits)
+        try:
+            fresh = self.pool.allocate(needed)
+        except NoFreeBlocksError:
+            self.pool.free(hits)
+            return None
+        self.waiting.remove(req)
+        req.blocks = hits + fresh
+        req.num_computed_tokens = num_hit_tokens
+        req.status = Status.RUNNING
+        if req.num_cached_tokens is None:
+            req.first_scheduled_time = time.monotonic()
+            req.num_cached_tokens = min(num_hit_tokens, len(req.prompt_token_ids))
+            self.counters.prefix_cache_queries_tokens += len(req.prompt_token_ids)
+            self.counters.prefix_cache_hits_tokens += req.num_cached_tokens
+            self.counters.host_cache_hits_tokens += len(host_hits) * self.pool.block_size
+        self.running.append(req)
+        if self.pool.enable_prefix_caching:
+            in_flight.update(self._uncomputed_hashes(req))
+        batch.requests.append(req)
+        batch.num_new_tokens.append(num_new)
+        return num_new
 
     def _blocks_in_flight(self) -> set[BlockHash]:
         """Hashes of the prompt blocks running requests hold but have not computed yet."""

@@ -2,9 +2,10 @@
 driven by hand the way ``LLMEngine.step`` drives them (schedule -> commit_computed -> sample ->
 finish), with made-up tokens standing in for the model's.
 
-Covers first-come first-served admission without starvation, which request preemption picks
-and how it comes back, the per-step token budget and ``max_num_seqs``, in-flight prefix dedup
-(siblings of an ``n > 1`` request included), never a full prefix-cache hit, and
+Covers both prefill orders (``fcfs``: arrival order without starvation; ``shortest_first``:
+fewest tokens left first, with its starvation bound), which request preemption picks and how
+it comes back, the per-step token budget and ``max_num_seqs``, in-flight prefix dedup (siblings
+of an ``n > 1`` request included), never a full prefix-cache hit, and
 ``queued_prefill_tokens``.
 """
 
@@ -13,11 +14,13 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
+
 from worker.block_pool import BlockPool
-from worker.config import EngineConfig
+from worker.config import PREFILL_ORDERS, EngineConfig
 from worker.request import Request, Status, cdiv
 from worker.sampling_params import SamplingParams
-from worker.scheduler import ScheduledBatch, Scheduler
+from worker.scheduler import MAX_PREFILL_SKIPS, ScheduledBatch, Scheduler
 
 BS = 8
 """Block size of every test here: the smallest ``EngineConfig`` accepts, so cases stay small."""
@@ -36,6 +39,7 @@ def make_scheduler(
     budget: int = 64,
     max_num_seqs: int = 16,
     enable_prefix_caching: bool = True,
+    prefill_order: str = EngineConfig.prefill_order,
 ) -> Scheduler:
     config = EngineConfig(
         block_size=BS,
@@ -43,6 +47,7 @@ def make_scheduler(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
+        prefill_order=prefill_order,
     )
     return Scheduler(config, BlockPool(num_blocks, BS, enable_prefix_caching))
 
@@ -101,8 +106,8 @@ def run_until_idle(sched: Scheduler, max_steps: int = 1000) -> list[ScheduledBat
 
 
 # -- (1) first come, first served --------------------------------------------------------------
-def test_admits_in_arrival_order_and_chunks_the_one_the_budget_cuts():
-    sched = make_scheduler(budget=48)
+def test_fcfs_admits_in_arrival_order_and_chunks_the_one_the_budget_cuts():
+    sched = make_scheduler(budget=48, prefill_order="fcfs")
     a, b, c = (
         make_request("a", tokens(20)),
         make_request("b", tokens(20)),
@@ -113,7 +118,7 @@ def test_admits_in_arrival_order_and_chunks_the_one_the_budget_cuts():
     assert plan(step(sched)) == [("a", 20), ("b", 20), ("c", 5)]
     assert ids(sched.running) == ["a", "b", "c"]
 
-    sched = make_scheduler(budget=32)
+    sched = make_scheduler(budget=32, prefill_order="fcfs")
     a, b, c = (
         make_request("a", tokens(20)),
         make_request("b", tokens(20)),
@@ -126,8 +131,8 @@ def test_admits_in_arrival_order_and_chunks_the_one_the_budget_cuts():
     assert ids(sched.waiting) == ["c"]
 
 
-def test_later_short_request_never_overtakes_a_waiting_one_that_does_not_fit():
-    sched = make_scheduler(num_blocks=7)
+def test_fcfs_later_short_request_never_overtakes_a_waiting_one_that_does_not_fit():
+    sched = make_scheduler(num_blocks=7, prefill_order="fcfs")
     running = make_request("running", tokens(30), max_tokens=3)  # 4 blocks to the end
     sched.add(running)
     step(sched)
@@ -144,8 +149,8 @@ def test_later_short_request_never_overtakes_a_waiting_one_that_does_not_fit():
     assert short.num_cached_tokens == BS
 
 
-def test_waiting_request_is_admitted_with_whatever_budget_is_left():
-    sched = make_scheduler(budget=16)
+def test_fcfs_waiting_request_is_admitted_with_whatever_budget_is_left():
+    sched = make_scheduler(budget=16, prefill_order="fcfs")
     decoders = [make_request(f"d{i}", tokens(5), max_tokens=50) for i in range(2)]
     for r in decoders:
         sched.add(r)
@@ -193,8 +198,9 @@ def test_out_of_blocks_in_decode_preempts_the_newest_running_request():
     assert sched.pool.num_free_blocks == sched.pool.num_blocks
 
 
-def test_no_admission_in_a_step_that_preempted():
-    sched = make_scheduler(num_blocks=6)
+@pytest.mark.parametrize("order", PREFILL_ORDERS)
+def test_no_admission_in_a_step_that_preempted(order):
+    sched = make_scheduler(num_blocks=6, prefill_order=order)
     a = make_request("a", tokens(23), max_tokens=10)
     b = make_request("b", tokens(23), max_tokens=10)
     sched.add(a)
@@ -207,8 +213,11 @@ def test_no_admission_in_a_step_that_preempted():
     # two left, but a step that preempted admits nobody.
     assert plan(step(sched)) == [("a", 1)]
     assert sched.pool.num_free_blocks == 2 and ids(sched.waiting) == ["b", "c"]
-    # Next step b (4 blocks now) still does not fit, and c never overtakes it.
-    assert plan(step(sched)) == [("a", 1)]
+    if order == "fcfs":  # next step b (4 blocks now) still does not fit; c never overtakes it
+        assert plan(step(sched)) == [("a", 1)]
+    else:  # c, with fewer tokens to compute, goes first and fits; b waits for blocks
+        assert plan(step(sched)) == [("a", 1), ("c", 3)]
+        assert ids(sched.waiting) == ["b"] and b.num_prefill_skips == 1
 
 
 def test_a_request_alone_without_a_block_preempts_itself():
@@ -221,6 +230,21 @@ def test_a_request_alone_without_a_block_preempts_itself():
     # With no other victim, a is the newest running request: it goes back to the queue.
     assert not step(sched)
     assert a.status == Status.WAITING and ids(sched.waiting) == ["a"] and a.blocks == []
+
+
+def test_shortest_first_never_preempts_a_request_already_in_the_step():
+    """Decodes are planned before prefills; a prefill then short of a block may preempt only a
+    request not yet in the step's batch (here itself), never the decode already planned."""
+    sched = make_scheduler(num_blocks=5, budget=16)
+    old, new = make_request("old", tokens(40)), make_request("new", tokens(4), max_tokens=20)
+    sched.add(old)
+    assert plan(step(sched)) == [("old", 16)]
+    sched.add(new)
+    assert plan(step(sched)) == [("new", 4), ("old", 12)]  # old: 4 blocks, new: 1; pool full
+    batch = step(sched)  # old needs a fifth block; new, the newest, is already planned
+    assert plan(batch) == [("new", 1)]
+    assert old.status == Status.WAITING and old.num_preemptions == 1
+    assert new.status == Status.RUNNING and new.blocks
 
 
 # -- (3) the token budget and max_num_seqs --------------------------------------------------------
@@ -254,10 +278,13 @@ def test_max_num_seqs_caps_running_requests():
     assert ("r2", 4) in plan(step(sched))
 
 
-def test_random_load_respects_budget_and_max_num_seqs(test_seed):
+@pytest.mark.parametrize("order", PREFILL_ORDERS)
+def test_random_load_respects_budget_and_max_num_seqs(test_seed, order):
     rng = random.Random(test_seed)
     budget, max_num_seqs = 24, 4
-    sched = make_scheduler(num_blocks=20, budget=budget, max_num_seqs=max_num_seqs)
+    sched = make_scheduler(
+        num_blocks=20, budget=budget, max_num_seqs=max_num_seqs, prefill_order=order
+    )
     shared = tokens(2 * BS)
     pending = [
         make_request(
@@ -290,8 +317,8 @@ def make_group(name: str, prompt: list[int], n: int) -> list[Request]:
     return [make_request(name, prompt, index=i) for i in range(n)]
 
 
-def test_siblings_wait_for_the_prompt_in_flight_and_others_go_ahead():
-    sched = make_scheduler(budget=16)
+def test_fcfs_siblings_wait_for_the_prompt_in_flight_and_others_go_ahead():
+    sched = make_scheduler(budget=16, prefill_order="fcfs")
     first, s1, s2 = make_group("g", tokens(40), 3)
     other = make_request("other", tokens(2))
     for r in (first, s1, s2, other):
@@ -326,10 +353,11 @@ def test_sibling_of_a_finished_first_does_not_wait():
     assert batch.requests == [second] and batch.num_new_tokens == [20]
 
 
-def test_requests_sharing_a_prefix_submitted_at_once_prefill_it_once():
+@pytest.mark.parametrize("order", PREFILL_ORDERS)
+def test_requests_sharing_a_prefix_submitted_at_once_prefill_it_once(order):
     """N requests with one long common prefix and their own tails, all arriving in one step:
     the prefix is computed once, every later request hits it, nobody is blocked for good."""
-    sched = make_scheduler(num_blocks=128, budget=64, max_num_seqs=8)
+    sched = make_scheduler(num_blocks=128, budget=64, max_num_seqs=8, prefill_order=order)
     prefix = tokens(6 * BS)
     group = [make_request(f"r{i}", prefix + tokens(5), max_tokens=3) for i in range(6)]
     for r in group:
@@ -343,8 +371,8 @@ def test_requests_sharing_a_prefix_submitted_at_once_prefill_it_once():
     assert sched.pool.num_free_blocks == sched.pool.num_blocks
 
 
-def test_a_deferred_request_lets_an_unrelated_one_in_and_is_admitted_when_the_block_lands():
-    sched = make_scheduler(budget=48)
+def test_fcfs_deferred_request_lets_an_unrelated_one_in_and_is_admitted_when_the_block_lands():
+    sched = make_scheduler(budget=48, prefill_order="fcfs")
     prefix = tokens(4 * BS)
     a = make_request("a", prefix + tokens(3))
     b = make_request("b", prefix + tokens(3))
@@ -400,7 +428,7 @@ def test_no_hits_when_prefix_caching_is_off():
 
 # -- (6) queued_prefill_tokens ------------------------------------------------------------------
 def test_queued_prefill_tokens_counts_waiting_prompts_and_not_decodes():
-    sched = make_scheduler(budget=16)
+    sched = make_scheduler(budget=16, prefill_order="fcfs")
     assert sched.queued_prefill_tokens() == 0
     a, b = (
         make_request("a", tokens(40), max_tokens=20),
@@ -422,12 +450,63 @@ def test_queued_prefill_tokens_counts_waiting_prompts_and_not_decodes():
 
 
 def test_queued_prefill_tokens_counts_every_token_a_partial_prefill_still_needs():
-    sched = make_scheduler(budget=16)
+    sched = make_scheduler(budget=16, prefill_order="fcfs")
     a, b = make_request("a", tokens(40)), make_request("b", tokens(10))
     sched.add(a)
     sched.add(b)
     assert plan(step(sched)) == [("a", 16)]
     assert sched.queued_prefill_tokens() == (40 - 16) + 10
+
+
+# -- (7) prefill order: shortest_first (the default) ---------------------------------------------
+def test_shortest_first_serves_a_mostly_cached_prompt_before_a_cold_prompts_chunks():
+    """With fcfs a request whose prompt is mostly cached waits until the cold prompt ahead of
+    it has finished prefilling; with shortest_first it gets its first token the next step."""
+    steps_to_first_token = {}
+    for order in PREFILL_ORDERS:
+        sched = make_scheduler(budget=16, prefill_order=order)
+        system = tokens(4 * BS)
+        sched.add(make_request("warm", system + tokens(2), max_tokens=1))
+        run_until_idle(sched)
+        sched.add(make_request("cold", tokens(64)))
+        step(sched)  # the cold prompt's first chunk
+        hit = make_request("hit", system + tokens(3))
+        sched.add(hit)
+        n = 0
+        while not hit.output_token_ids:
+            step(sched)
+            n += 1
+        assert hit.num_cached_tokens == 4 * BS
+        steps_to_first_token[order] = n
+    assert steps_to_first_token == {"shortest_first": 1, "fcfs": 4}
+
+
+def test_shortest_first_runs_equal_prompts_one_after_the_other():
+    """Sharing steps between equal prompts would delay both; the older one goes first."""
+    sched = make_scheduler(budget=16)
+    for name in "ab":
+        sched.add(make_request(name, tokens(40)))
+    plans = [plan(step(sched)) for _ in range(3)]
+    assert plans == [[("a", 16)], [("a", 16)], [("a", 8), ("b", 8)]]
+
+
+def test_shortest_first_a_long_prompt_under_a_stream_of_short_ones_gets_its_turn():
+    """A short request arriving before every step fills the budget alone: the long prompt is
+    overtaken until MAX_PREFILL_SKIPS, then goes first and finishes its prefill."""
+    sched = make_scheduler(budget=16)
+    long = make_request("long", tokens(48), max_tokens=1)
+    sched.add(long)
+    steps = 0
+    while not long.output_token_ids:
+        sched.add(make_request(f"s{steps}", tokens(16), max_tokens=1))
+        batch = step(sched)
+        steps += 1
+        if steps <= MAX_PREFILL_SKIPS:
+            assert long not in batch.requests and long.num_prefill_skips == steps
+        assert steps < 100, "the long prompt starves"
+    assert steps == MAX_PREFILL_SKIPS + 48 // 16
+    run_until_idle(sched)  # the short ones that piled up meanwhile all finish
+    assert sched.pool.num_free_blocks == sched.pool.num_blocks
 
 
 def test_cdiv_rounds_up():
