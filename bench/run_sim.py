@@ -30,6 +30,7 @@ from bench.sim import baselines, report
 from bench.sim.calibration import load_pull_rates, load_rates
 from bench.sim.simulator import SimConfig, Simulator
 from bench.sim.workloads import WORKLOADS, WorkloadScale
+from worker.config import PREFILL_ORDERS, EngineConfig
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -109,6 +110,12 @@ def parse_args(argv):
         help="with --kv-pulls: prefix prices a pull at this many times its transfer time "
         "(default: bench/sim/ours.py PULL_PRICE_FACTOR)",
     )
+    p.add_argument(
+        "--prefill-order",
+        choices=PREFILL_ORDERS,
+        default=EngineConfig.prefill_order,
+        help="the replicas' engine prefill order (EngineConfig.prefill_order)",
+    )
     p.add_argument("--small", action="store_true", help="16 replicas, 20 requests each")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default=None, help="file name suffix (default: the UTC date)")
@@ -150,6 +157,7 @@ def run(args) -> tuple[list[dict], dict]:
                         rates,
                         args.seed,
                         pull,
+                        args.prefill_order,
                     )
                     result = Simulator(config, POLICIES[policy_name](args)).run(
                         workload, bar.update
@@ -167,6 +175,7 @@ def run(args) -> tuple[list[dict], dict]:
             "requests_per_replica": args.requests_per_replica,
             "offered_load": args.offered_load,
             "seed": args.seed,
+            "prefill_order": args.prefill_order,
             "speculative": not args.no_speculative,
             "kv_pull": None if pull is None else dataclasses.asdict(pull),
             "prefix_pull_price_factor": None if pull is None else _pull_price_factor(args),

@@ -1,8 +1,13 @@
 """The discrete-event routing simulator: replicas with LRU block caches, queues and costs.
 
 Model of one replica (documented simplifications, shared by every policy alike):
-- Prefill is one FCFS server. A request's prefill starts when the previous one ends; its cache
-  hit is looked up *then* (so a request queued behind a same-prefix request hits). Its service
+- Prefill is one server. A request's prefill starts when the previous one ends; its cache
+  hit is looked up *then* (so a request queued behind a same-prefix request hits). Which queued
+  request goes next follows ``SimConfig.prefill_order``, as the engine's scheduler does: the
+  fewest uncached tokens first (``shortest_first``, with the engine's starvation bound
+  ``MAX_PREFILL_SKIPS``) or arrival order (``fcfs``). A request's prefill is not split between
+  others' (the engine interleaves chunks; with one prefill at a time the order is what counts).
+  Its service
   time is ``uncached / prefill_rate + host / host_to_device_rate`` plus, per chunk of
   ``max_num_batched_tokens``, one decode step of the requests already running (chunked prefill
   shares each step with decodes). At least one token is always computed (the last prompt token).
@@ -50,6 +55,8 @@ from dataclasses import dataclass, field
 from bench.sim.cache import BlockId, BlockPool, LRUBlockCache, OracleCache
 from bench.sim.calibration import DEFAULT_RATES, EngineRates, PullRates
 from bench.sim.workloads import Request, Workload
+from worker.config import PREFILL_ORDERS, EngineConfig
+from worker.scheduler import MAX_PREFILL_SKIPS
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,15 @@ class SimConfig:
     seed: int = 0
     pull: PullRates | None = None
     """KV pulls from peer replicas at this rate; None: no pulls (each replica computes its own)."""
+    prefill_order: str = EngineConfig.prefill_order
+    """Which queued request a replica prefills next: the engine's ``prefill_order``."""
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "capacity_blocks", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SimConfig.{name} must be positive")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"SimConfig.prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
         if self.host_capacity_blocks < 0:
             raise ValueError("SimConfig.host_capacity_blocks must be >= 0")
 
@@ -93,6 +104,8 @@ class SimReplica:
     """request id -> pulls it made (bounded by ``_MAX_PULLS_PER_REQUEST``)."""
     pull_pins: dict = field(default_factory=dict)
     """request id -> blocks its finished pull pinned, released when its prefill starts."""
+    prefill_skips: dict = field(default_factory=dict)
+    """request id -> prefill starts of younger requests that overtook it (shortest_first)."""
     version: int = 0
     """Bumped on every state change, so adapters can cache what they derive from the state."""
 
@@ -168,6 +181,7 @@ class Simulator:
         """Blocks some replica's prefill is computing now -> how many (pulls on only)."""
         self.waiters: dict[BlockId, set[int]] = {}
         """Block being computed -> replicas with a request waiting for it (pulls on only)."""
+        self._fcfs = config.prefill_order == "fcfs"
 
     def _make_replica(self, i: int) -> SimReplica:
         device, host = self.holders, self.host_holders
@@ -378,9 +392,9 @@ class Simulator:
         this is also where a request is checked again (as vLLM's KV connector is asked at
         admission): one that a peer could now give more blocks than the replica holds goes to
         the pull link instead (at most ``_MAX_PULLS_PER_REQUEST`` times)."""
-        if not replica.in_flight and self.config.pull is None:
+        if not replica.in_flight and self.config.pull is None and self._fcfs:
             return replica.queue[0]
-        for req in list(replica.queue):
+        for req in self._prefill_order(replica):
             device, host = replica.cache.match(req.block_ids)
             num_held = device + host
             if self._cached_tokens(req, num_held) < self._cached_tokens(req, len(req.block_ids)):
@@ -400,11 +414,37 @@ class Simulator:
                     if not replica.pulling:
                         self._start_pull(replica)
                     continue
+            if not self._fcfs:
+                self._count_skips(replica, req)
             if req is not replica.queue[0]:
                 replica.queue.remove(req)
                 replica.queue.appendleft(req)
             return req
         return None
+
+    def _prefill_order(self, replica: SimReplica) -> list[Request]:
+        """The queue in the order the engine's scheduler would serve it (a copy)."""
+        if self._fcfs:
+            return list(replica.queue)
+        skips = replica.prefill_skips
+
+        def priority(req: Request) -> tuple[bool, int, int]:
+            if skips.get(req.request_id, 0) >= MAX_PREFILL_SKIPS:
+                return (False, 0, req.request_id)  # starving: first, oldest first
+            device, host = replica.cache.match(req.block_ids)
+            uncached = req.num_prompt_tokens - self._cached_tokens(req, device + host)
+            return (True, uncached, req.request_id)
+
+        return sorted(replica.queue, key=priority)
+
+    @staticmethod
+    def _count_skips(replica: SimReplica, chosen: Request) -> None:
+        """Every queued request older than the one starting its prefill was overtaken once."""
+        for req in replica.queue:
+            if req.request_id < chosen.request_id:
+                replica.prefill_skips[req.request_id] = (
+                    replica.prefill_skips.get(req.request_id, 0) + 1
+                )
 
     def _start_prefill(self, replica: SimReplica) -> None:
         req = self._next_prefill(replica)
@@ -438,6 +478,7 @@ class Simulator:
     def _finish_prefill(self, payload, records) -> None:
         replica, num_hit_blocks, num_cached_tokens = payload
         req = replica.queue.popleft()
+        replica.prefill_skips.pop(req.request_id, None)
         record = records[req.request_id]
         record.num_cached_tokens = num_cached_tokens
         record.ttft_s = self.now_s - req.arrival_s

@@ -26,8 +26,10 @@ class FirstReplica:
         return 0
 
 
-def _run(requests, policy=None, num_replicas=1, capacity_blocks=64):
-    config = SimConfig(num_replicas, capacity_blocks, block_size=4, rates=RATES)
+def _run(requests, policy=None, num_replicas=1, capacity_blocks=64, prefill_order="fcfs"):
+    config = SimConfig(
+        num_replicas, capacity_blocks, block_size=4, rates=RATES, prefill_order=prefill_order
+    )
     workload = Workload("hand", tuple(requests), "hand-checked")
     return Simulator(config, policy or FirstReplica()).run(workload)
 
@@ -56,6 +58,22 @@ def test_prefills_queue_in_arrival_order_and_share_steps_with_running_decodes():
     ttft_b = (0.2 + 0.08 + 0.01) - 0.05  # starts at 0.2, 8 tokens + one shared decode step
     assert result.ttft_p50_s == pytest.approx((0.2 + ttft_b) / 2)
     assert result.ttft_p99_s == pytest.approx(0.2 + (ttft_b - 0.2) * 0.99)
+
+
+def test_shortest_first_starts_a_mostly_cached_prompt_before_a_cold_one_queued_earlier():
+    warm = Request(0, 0.0, (1, 2, 3, 4, 5), 20, 1)  # 0.2 s, caches blocks 1-5
+    running = Request(1, 1.0, (7, 8), 8, 1)  # 0.08 s: the server is busy when the others come
+    cold = Request(2, 1.01, (9, 10, 11, 12, 13), 20, 1)  # 0.2 s
+    hit = Request(3, 1.02, (1, 2, 3, 4, 5, 6), 22, 1)  # 20 cached: 0.02 s
+    ttft = {}
+    for order in ("fcfs", "shortest_first"):
+        result = _run([warm, running, cold, hit], prefill_order=order)
+        ttft[order] = result.ttft_mean_s * 4 - 0.2 - 0.08  # cold's TTFT + hit's
+    # Each starts with one request in decode: its prefill shares one 0.01 s step. fcfs: cold
+    # starts at 1.08 (TTFT 0.28), hit at 1.29 (0.30); shortest_first: hit at 1.08 (0.09),
+    # then cold at 1.11 (0.31).
+    assert ttft["fcfs"] == pytest.approx(0.28 + 0.30)
+    assert ttft["shortest_first"] == pytest.approx(0.09 + 0.31)
 
 
 def test_a_request_queued_behind_its_prefix_hits_it():

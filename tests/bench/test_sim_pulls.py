@@ -43,7 +43,8 @@ class ByRequest:
 
 
 def _sim(placement, pull=PULL, num_replicas=2):
-    config = SimConfig(num_replicas, 64, block_size=4, rates=RATES, pull=pull)
+    # The hand-checked timelines below follow arrival order (prefill_order="fcfs").
+    config = SimConfig(num_replicas, 64, block_size=4, rates=RATES, pull=pull, prefill_order="fcfs")
     return Simulator(config, ByRequest(placement))
 
 
