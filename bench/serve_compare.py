@@ -32,9 +32,9 @@ the engines lost after routing), requests per replica and their max/mean. The ve
 (workload, size): prefix beats every other policy on output tok/s and on each TTFT
 percentile, and serves >= 90% of the oracle's cached tokens. Writes
 ``bench/results/serve_compare_<tag>.json`` (header: machine, date, command, load averages,
-per request its replica and cached tokens), ``.md`` (tables and verdicts) and ``.png``
-(grouped bars: sizes on the x axis, one bar per policy). Each replica's torch runs
-``--threads-per-replica`` threads.
+per request its replica, cached tokens, start, TTFT and latency), ``.md`` (tables and
+verdicts) and ``.png`` (grouped bars: sizes on the x axis, one bar per policy). Each
+replica's torch runs ``--threads-per-replica`` threads.
 
 Failure modes: a cluster that is not healthy within ``--startup-timeout-s`` is stopped and its
 rows carry an ``error``; the other clusters still run; the exit status is then 1.
@@ -211,6 +211,7 @@ def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -
             "cached_tokens": o.cached_tokens,
             "start_s": round(o.start_s, 4),
             "ttft_s": round(o.ttft_s, 4),
+            "latency_s": round(o.latency_s, 4),
         }
         for o in sorted(outputs, key=lambda o: o.start_s)
     ]

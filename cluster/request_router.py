@@ -195,6 +195,16 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._inflight.decided(
                 request_key(pending_request), decision.replica_id, prefill_tokens
             )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "routed %d blocks to %s (%s, matched %d, predicted TTFT %.3f s); saw %s",
+                len(hashes),
+                decision.replica_id,
+                decision.reason,
+                decision.matched_blocks,
+                decision.predicted_ttft_s,
+                _describe(views, lookup.matches or {}),
+            )
         self._maybe_log_metrics()
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]
@@ -235,6 +245,20 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._removals.shutdown(wait=False)
         if self._router is not None:
             self._router.close()
+
+
+def _describe(views: list[ReplicaView], matches: dict) -> str:
+    """What a decision saw, per replica (the debug log): waiting + running requests, the
+    router's in-flight count, queued prefill tokens, the index's device + host blocks."""
+    parts = []
+    for view in views:
+        stats, match = view.stats, matches.get(view.replica_id)
+        held = "-" if match is None else f"{match.device_blocks}+{match.host_blocks}"
+        parts.append(
+            f"{view.replica_id}: {stats.num_waiting}w+{stats.num_running}r inflight "
+            f"{view.num_inflight} queued {stats.num_queued_prefill_tokens} held {held}"
+        )
+    return "; ".join(parts)
 
 
 def _merge(total: dict, snapshot: dict) -> dict:
