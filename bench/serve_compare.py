@@ -23,6 +23,11 @@ Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurren
   hold them all.
 - ``loadgen``: the load generator's own dataset, flags after ``--`` (no oracle: no token ids).
 
+``--repeats N`` runs every (size, policy) cluster N times, the policies interleaved (prefix,
+round robin, least loaded, prefix, ...) so that a drift in the shared machine's speed lands on
+every policy alike; each figure is then the median of the N runs (the table lists every run
+too, and the plot draws the min-max range), and the verdict compares the medians.
+
 Reported per (workload, size, policy): output tok/s, TTFT p50/p90/p99, cached-token ratio,
 the cached tokens served and the oracle's (every distinct prefix block prefilled once per
 cluster, from the requests' chat-template token ids: ``oracle_cached_tokens``), served/oracle,
@@ -49,6 +54,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -303,6 +309,58 @@ def verdict(rows: Sequence[dict]) -> dict:
     return {"passed": passed, "figures": figures, "oracle": oracle_ok}
 
 
+# Figures a summary row takes the median of, over a (workload, size, policy)'s runs.
+MEDIAN_KEYS = (
+    "output_throughput",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_ttft_ms",
+    "mean_tpot_ms",
+    "duration",
+    "cached_token_ratio",
+    "total_cached_tokens",
+    "served_of_oracle",
+    "max_mean_load",
+)
+
+
+def summarize(rows: Sequence[dict]) -> list[dict]:
+    """One row per (workload, size, policy): its run's row when it ran once, else the median of
+    every ``MEDIAN_KEYS`` figure over the runs that did not error, with ``runs`` (how many),
+    ``ranges`` (figure -> [min, max]) and ``failed`` summed. Errored runs are left out; a cell
+    whose runs all errored keeps the first error row."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["workload"], r["replicas"], r["policy"]), []).append(r)
+    out = []
+    for runs in cells.values():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            out.append(runs[0])
+            continue
+        if len(runs) == 1:
+            out.append({**ok[0], "runs": 1})
+            continue
+        summary = {k: v for k, v in ok[0].items() if k not in ("requests", "cache", "repeat")}
+        summary["runs"] = len(ok)
+        summary["failed"] = sum(r["failed"] or 0 for r in ok)
+        summary["completed"] = sum(r["completed"] or 0 for r in ok)
+        summary["ranges"] = {}
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in ok if r.get(key) is not None]
+            if values:
+                summary[key] = statistics.median(values)
+                summary["ranges"][key] = [min(values), max(values)]
+        placements = [(r.get("cache") or {}).get("placement_cached_tokens") for r in ok]
+        placements = [p for p in placements if p is not None]
+        if placements:
+            summary["cache"] = {"placement_cached_tokens": statistics.median(placements)}
+        summary["replica_request_counts"] = None  # differs by run: the runs table has them
+        out.append(summary)
+    return out
+
+
 def groups(rows: Sequence[dict]) -> dict:
     out: dict = {}
     for r in rows:
@@ -353,11 +411,39 @@ def markdown(rows: Sequence[dict]) -> str:
                     f"{(r['cached_token_ratio'] or 0):.3f} | {r['total_cached_tokens']} | "
                     f"{placement} | {'n/a' if oracle is None else oracle} | "
                     f"{'n/a' if share is None else f'{share:.1%}'} | "
-                    f"{' '.join(str(c) for c in (r['replica_request_counts'] or {}).values())} | "
+                    f"{_per_replica(r)} | "
                     f"{r['max_mean_load'] or 0:.2f} | {_verdict_cell(r, v)} |"
                 )
         out.append("")
     return "\n".join(out)
+
+
+def _per_replica(row: dict) -> str:
+    counts = row.get("replica_request_counts")
+    if counts is None and row.get("runs", 1) > 1:
+        return f"{row['runs']} runs"
+    return " ".join(str(c) for c in (counts or {}).values())
+
+
+def runs_markdown(rows: Sequence[dict]) -> str:
+    """Every run's figures, in the order they ran (the median table's sources)."""
+    out = [
+        "| workload | replicas | policy | run | out tok/s | TTFT p50 / p90 / p99 ms | "
+        "served/oracle | per replica |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['workload']} | {r['replicas']} | {r['policy']} | {r.get('repeat', 1)} |"
+        if "error" in r:
+            out.append(f"{head} error: {r['error']} | | | |")
+            continue
+        share = r.get("served_of_oracle")
+        out.append(
+            f"{head} {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} / "
+            f"{r['p90_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+            f"{'n/a' if share is None else f'{share:.1%}'} | {_per_replica(r)} |"
+        )
+    return "\n".join(out) + "\n"
 
 
 def plot(rows: Sequence[dict], path: Path, subtitle: str) -> None:
@@ -391,7 +477,14 @@ def plot(rows: Sequence[dict], path: Path, subtitle: str) -> None:
                 }
                 xs = [s + (k - (len(policies) - 1) / 2) * width for s in range(len(sizes))]
                 ys = [(cell[s].get(key) or 0) * scale if s in cell else 0 for s in sizes]
-                ax.bar(xs, ys, width, label=policy, color=colors.get(policy))
+                spans = [(cell.get(s) or {}).get("ranges", {}).get(key) for s in sizes]
+                yerr = None
+                if any(spans):  # the runs' min-max around the median
+                    yerr = [
+                        [y - (sp[0] * scale if sp else y) for y, sp in zip(ys, spans, strict=True)],
+                        [(sp[1] * scale if sp else y) - y for y, sp in zip(ys, spans, strict=True)],
+                    ]
+                ax.bar(xs, ys, width, label=policy, color=colors.get(policy), yerr=yerr, capsize=3)
             if key == "served_of_oracle":
                 ax.axhline(ORACLE_BAR, color="k", lw=0.8, ls="--")
                 ax.set_ylim(0, 1.05)
@@ -428,6 +521,12 @@ def parse_args(argv):
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=None)
     p.add_argument("--replicas", type=int, nargs="+", default=None, help="default: 2 3")
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every (size, policy), interleaved; figures are their medians",
+    )
     p.add_argument("--engine-requests", type=int, default=64)
     p.add_argument("--overflow-groups", type=int, default=16)
     p.add_argument("--overflow-prompts-per-group", type=int, default=4)
@@ -450,6 +549,8 @@ def parse_args(argv):
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="server logs (not results)")
     p.add_argument("loadgen_args", nargs="*", help="with --workload loadgen: its flags after --")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     args.workload = args.workload or ["engine", "overflow"]
     args.replicas = args.replicas or ([2] if args.quick else [2, 3])
     args.policies = args.policies or (["prefix", "round_robin"] if args.quick else list(POLICIES))
@@ -485,9 +586,14 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     rows = []
     for replicas in args.replicas:
-        for policy in args.policies:
-            rows += run_cluster(args, replicas, policy, workloads, args.loadgen_args)
-    verdicts = [{"workload": w, "replicas": n, **verdict(g)} for (w, n), g in groups(rows).items()]
+        for repeat in range(1, args.repeats + 1):
+            for policy in args.policies:
+                run = run_cluster(args, replicas, policy, workloads, args.loadgen_args)
+                rows += [{**r, "repeat": repeat} for r in run]
+    summary = summarize(rows)
+    verdicts = [
+        {"workload": w, "replicas": n, **verdict(g)} for (w, n), g in groups(summary).items()
+    ]
     header = {
         "machine": machine_name(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -495,6 +601,7 @@ def main(argv=None) -> int:
         "replicas": args.replicas,
         "policies": args.policies,
         "concurrency": args.concurrency,
+        "repeats": args.repeats,
         "threads_per_replica": args.threads_per_replica,
         "engine_flags": engine_flags(args),
         "workloads": workload_info,
@@ -503,8 +610,17 @@ def main(argv=None) -> int:
         "note": "shared 2-core machine: other work ran alongside (see the load averages)",
     }
     path = args.out_dir / f"serve_compare_{args.tag}.json"
-    path.write_text(json.dumps({"header": header, "verdicts": verdicts, "rows": rows}, indent=1))
-    table = markdown(rows)
+    path.write_text(
+        json.dumps(
+            {"header": header, "verdicts": verdicts, "summary": summary, "rows": rows}, indent=1
+        )
+    )
+    table = markdown(summary)
+    if args.repeats > 1:
+        table = (
+            f"Medians of {args.repeats} runs per (size, policy), interleaved; the verdict "
+            f"compares the medians.\n\n{table}\n### Every run\n\n{runs_markdown(rows)}"
+        )
     passed = sum(v["passed"] for v in verdicts)
     (args.out_dir / f"serve_compare_{args.tag}.md").write_text(
         f"# Real run: {header['date']}, {header['machine']}\n\n`{header['command']}`\n\n"
@@ -520,7 +636,9 @@ def main(argv=None) -> int:
             f"{header['machine']} {header['date']}, {args.threads_per_replica} thread/replica, "
             f"concurrency {args.concurrency}, load avg {header['loadavg_start'][0]:.1f}"
         )
-        plot(rows, args.out_dir / f"serve_compare_{args.tag}.png", subtitle)
+        if args.repeats > 1:
+            subtitle += f", median of {args.repeats} runs (bars: min-max)"
+        plot(summary, args.out_dir / f"serve_compare_{args.tag}.png", subtitle)
     print(f"wrote {path}")
     return 0 if all("error" not in r for r in rows) else 1
 

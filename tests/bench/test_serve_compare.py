@@ -135,6 +135,43 @@ def test_markdown_has_one_table_per_workload_and_the_verdict_on_prefix_rows():
     assert all(line.count("|") == header_cells for line in lines), "ragged table"
 
 
+def test_repeats_are_summarized_by_their_medians_and_the_verdict_compares_those():
+    runs = [
+        # prefix wins two of three runs on tok/s, loses one badly: the median still wins
+        {**_row("prefix", 60.0, 100, 200, 300, served=0.95), "repeat": 1},
+        {**_row("round_robin", 55.0, 150, 250, 350, served=0.5), "repeat": 1},
+        {**_row("prefix", 40.0, 110, 190, 310, served=0.93), "repeat": 2},
+        {**_row("round_robin", 50.0, 160, 260, 340, served=0.5), "repeat": 2},
+        {**_row("prefix", 58.0, 90, 210, 290, served=0.97), "repeat": 3},
+        {**_row("round_robin", 57.0, 140, 240, 360, served=0.5), "repeat": 3},
+        {"workload": "engine", "replicas": 2, "policy": "round_robin", "error": "x", "repeat": 4},
+    ]
+    summary = sc.summarize(runs)
+    assert [r["policy"] for r in summary] == ["prefix", "round_robin"]
+    prefix, rr = summary
+    assert prefix["runs"] == 3 and rr["runs"] == 3  # the errored run is left out
+    assert prefix["output_throughput"] == 58.0 and prefix["median_ttft_ms"] == 100
+    assert prefix["ranges"]["output_throughput"] == [40.0, 60.0]
+    assert prefix["served_of_oracle"] == 0.95 and prefix["completed"] == 3 * 64
+    assert rr["output_throughput"] == 55.0
+    assert "requests" not in prefix and prefix["replica_request_counts"] is None
+    assert sc.verdict(summary)["passed"]  # yet run 2 alone would fail on tok/s
+    assert not sc.verdict([r for r in runs if r.get("repeat") == 2])["passed"]
+    # One run: the row as it is; a cell whose runs all errored: its error row.
+    single = sc.summarize([_row("prefix", 1.0, 1, 2, 3)])[0]
+    assert single["runs"] == 1 and single["replica_request_counts"] == {
+        "replica-a": 32,
+        "replica-b": 32,
+    }
+    errored = {"workload": "engine", "replicas": 2, "policy": "prefix", "error": "boom"}
+    assert sc.summarize([errored, dict(errored)]) == [errored]
+    table = sc.markdown(summary)
+    assert "| 3 runs |" in table and "PASS" in table
+    runs_table = sc.runs_markdown(runs).splitlines()
+    assert len(runs_table) == 2 + len(runs) and "error: x" in runs_table[-1]
+    assert all(line.count("|") == runs_table[0].count("|") for line in runs_table[:-1])
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [
@@ -145,6 +182,9 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "x.png"
     sc.plot(rows, path, "test")
     assert path.read_bytes()[:4] == b"\x89PNG"
+    repeated = sc.summarize([{**r, "repeat": k} for r in rows for k in (1, 2)])
+    sc.plot(repeated, tmp_path / "ranges.png", "test")  # error bars from the runs' ranges
+    assert (tmp_path / "ranges.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_arguments_defaults_and_quick():
@@ -153,6 +193,9 @@ def test_arguments_defaults_and_quick():
     assert args.policies == list(sc.POLICIES) and args.concurrency == 8
     assert args.num_kv_blocks == sc.OVERFLOW_NUM_KV_BLOCKS
     assert "--num-kv-blocks 320" in sc.engine_flags(args)
+    assert args.repeats == 1
+    with pytest.raises(SystemExit):
+        sc.parse_args(["--repeats", "0"])
     quick = sc.parse_args(["--quick"])
     assert quick.replicas == [2] and quick.tag.endswith("_quick")
     engine_only = sc.parse_args(["--workload", "engine", "--replicas", "3"])
