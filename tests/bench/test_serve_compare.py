@@ -1,5 +1,5 @@
-"""bench/serve_compare.py without a cluster: the oracle's cached tokens, the verdict, the
-markdown table, the plot and the arguments."""
+"""bench/serve_compare.py without a cluster: the oracle's cached tokens, the report (verdict,
+medians over runs, tables, plot: bench/serve_compare_report.py) and the arguments."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from bench import cache_accounting as ca
 from bench import serve_compare as sc
+from bench import serve_compare_report as report
 
 B = 4  # block size of these tests
 
@@ -89,11 +90,11 @@ def test_verdict_passes_only_when_prefix_beats_every_rival_on_every_figure():
         _row("round_robin", 50.0, 150, 250, 350),
         _row("least_loaded", 55.0, 120, 220, 320),
     ]
-    v = sc.verdict(rows)
+    v = report.verdict(rows)
     assert v["passed"] and all(v["figures"].values()) and v["oracle"] is True
     # One rival ahead on one figure (p99) fails that figure and the verdict.
     rows[2] = _row("least_loaded", 55.0, 120, 220, 290)
-    v = sc.verdict(rows)
+    v = report.verdict(rows)
     assert not v["passed"] and v["figures"] == {
         "tok/s": True,
         "p50": True,
@@ -102,16 +103,17 @@ def test_verdict_passes_only_when_prefix_beats_every_rival_on_every_figure():
     }
     # A tie is not a win.
     rows[2] = _row("least_loaded", 60.0, 120, 220, 320)
-    assert not sc.verdict(rows)["figures"]["tok/s"]
+    assert not report.verdict(rows)["figures"]["tok/s"]
 
 
 def test_verdict_needs_ninety_percent_of_the_oracle_and_no_failures():
     rivals = [_row("round_robin", 50.0, 150, 250, 350)]
-    assert not sc.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.89), *rivals])["passed"]
-    assert sc.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.90), *rivals])["passed"]
-    assert not sc.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.99, failed=1), *rivals])["passed"]
+    assert not report.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.89), *rivals])["passed"]
+    assert report.verdict([_row("prefix", 60.0, 1, 2, 3, served=0.90), *rivals])["passed"]
+    with_failures = _row("prefix", 60.0, 1, 2, 3, served=0.99, failed=1)
+    assert not report.verdict([with_failures, *rivals])["passed"]
     errored = {"workload": "engine", "replicas": 2, "policy": "prefix", "error": "not healthy"}
-    assert not sc.verdict([errored, *rivals])["passed"]
+    assert not report.verdict([errored, *rivals])["passed"]
 
 
 def test_markdown_has_one_table_per_workload_and_the_verdict_on_prefix_rows():
@@ -122,7 +124,7 @@ def test_markdown_has_one_table_per_workload_and_the_verdict_on_prefix_rows():
         _row("round_robin", 50.0, 150, 250, 350, served=0.4, size=3, workload="overflow"),
         {"workload": "overflow", "replicas": 3, "policy": "least_loaded", "error": "boom"},
     ]
-    text = sc.markdown(rows)
+    text = report.markdown(rows)
     assert text.count("### ") == 2 and "### engine" in text and "### overflow" in text
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     prefix_2 = next(line for line in lines if line.startswith("| 2 | prefix"))
@@ -146,7 +148,7 @@ def test_repeats_are_summarized_by_their_medians_and_the_verdict_compares_those(
         {**_row("round_robin", 57.0, 140, 240, 360, served=0.5), "repeat": 3},
         {"workload": "engine", "replicas": 2, "policy": "round_robin", "error": "x", "repeat": 4},
     ]
-    summary = sc.summarize(runs)
+    summary = report.summarize(runs)
     assert [r["policy"] for r in summary] == ["prefix", "round_robin"]
     prefix, rr = summary
     assert prefix["runs"] == 3 and rr["runs"] == 3  # the errored run is left out
@@ -155,19 +157,19 @@ def test_repeats_are_summarized_by_their_medians_and_the_verdict_compares_those(
     assert prefix["served_of_oracle"] == 0.95 and prefix["completed"] == 3 * 64
     assert rr["output_throughput"] == 55.0
     assert "requests" not in prefix and prefix["replica_request_counts"] is None
-    assert sc.verdict(summary)["passed"]  # yet run 2 alone would fail on tok/s
-    assert not sc.verdict([r for r in runs if r.get("repeat") == 2])["passed"]
+    assert report.verdict(summary)["passed"]  # yet run 2 alone would fail on tok/s
+    assert not report.verdict([r for r in runs if r.get("repeat") == 2])["passed"]
     # One run: the row as it is; a cell whose runs all errored: its error row.
-    single = sc.summarize([_row("prefix", 1.0, 1, 2, 3)])[0]
+    single = report.summarize([_row("prefix", 1.0, 1, 2, 3)])[0]
     assert single["runs"] == 1 and single["replica_request_counts"] == {
         "replica-a": 32,
         "replica-b": 32,
     }
     errored = {"workload": "engine", "replicas": 2, "policy": "prefix", "error": "boom"}
-    assert sc.summarize([errored, dict(errored)]) == [errored]
-    table = sc.markdown(summary)
+    assert report.summarize([errored, dict(errored)]) == [errored]
+    table = report.markdown(summary)
     assert "| 3 runs |" in table and "PASS" in table
-    runs_table = sc.runs_markdown(runs).splitlines()
+    runs_table = report.runs_markdown(runs).splitlines()
     assert len(runs_table) == 2 + len(runs) and "error: x" in runs_table[-1]
     assert all(line.count("|") == runs_table[0].count("|") for line in runs_table[:-1])
 
@@ -180,10 +182,10 @@ def test_plot_writes_a_png(tmp_path):
         for s in (2, 3)
     ]
     path = tmp_path / "x.png"
-    sc.plot(rows, path, "test")
+    report.plot(rows, path, "test")
     assert path.read_bytes()[:4] == b"\x89PNG"
-    repeated = sc.summarize([{**r, "repeat": k} for r in rows for k in (1, 2)])
-    sc.plot(repeated, tmp_path / "ranges.png", "test")  # error bars from the runs' ranges
+    repeated = report.summarize([{**r, "repeat": k} for r in rows for k in (1, 2)])
+    report.plot(repeated, tmp_path / "ranges.png", "test")  # error bars from the runs' ranges
     assert (tmp_path / "ranges.png").read_bytes()[:4] == b"\x89PNG"
 
 
