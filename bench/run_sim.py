@@ -5,6 +5,7 @@
     python bench/run_sim.py --replicas 128 --workloads llmd_shared_prefix_73 \
         --policies prefix random
     python bench/run_sim.py --kv-pulls --tag 20261124_pulls   # replicas pull KV from peers
+    python bench/run_sim.py --kv-pulls --host-capacity-blocks 512   # and a host tier each
 
 Writes ``bench/results/sim_<date>.json`` (header: machine, date, command, rates) and
 ``sim_<date>_hit_rate.png`` / ``sim_<date>_ttft_p90.png``, prints a markdown table and the

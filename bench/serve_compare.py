@@ -367,20 +367,8 @@ def main(argv=None) -> int:
         }
         if name == "overflow" and args.num_kv_blocks and blocks <= args.num_kv_blocks:
             print(f"warning: {blocks} prefix blocks fit in one replica's {args.num_kv_blocks}")
-    load_start = os.getloadavg()
-    rows = []
-    for replicas in args.replicas:
-        for repeat in range(1, args.repeats + 1):
-            for policy in args.policies:
-                run = run_cluster(args, replicas, policy, workloads, args.loadgen_args)
-                rows += [{**r, "repeat": repeat} for r in run]
-    summary = summarize(rows)
-    verdicts = [
-        {"workload": w, "replicas": n, **verdict(g)} for (w, n), g in groups(summary).items()
-    ]
     header = {
         "machine": machine_name(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python " + shlex.join(["bench/serve_compare.py", *argv]),
         "replicas": args.replicas,
         "policies": args.policies,
@@ -389,9 +377,33 @@ def main(argv=None) -> int:
         "threads_per_replica": args.threads_per_replica,
         "engine_flags": engine_flags(args),
         "workloads": workload_info,
-        "loadavg_start": [round(x, 2) for x in load_start],
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "note": "shared 2-core machine: other work ran alongside (see the load averages)",
+    }
+    rows = []
+    for replicas in args.replicas:
+        for repeat in range(1, args.repeats + 1):
+            for policy in args.policies:
+                run = run_cluster(args, replicas, policy, workloads, args.loadgen_args)
+                rows += [{**r, "repeat": repeat} for r in run]
+                write_report(args, header, rows)  # so far: an interrupted run keeps its rows
+    table = write_report(args, header, rows, with_plot=True)
+    print(table)
+    print(f"wrote {args.out_dir / f'serve_compare_{args.tag}.json'}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def write_report(args, header: dict, rows: list[dict], with_plot: bool = False) -> str:
+    """``serve_compare_<tag>.json`` and ``.md`` (and with ``with_plot`` the ``.png``) of the
+    rows so far; returns the tables."""
+    summary = summarize(rows)
+    verdicts = [
+        {"workload": w, "replicas": n, **verdict(g)} for (w, n), g in groups(summary).items()
+    ]
+    header = {
+        **header,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     path = args.out_dir / f"serve_compare_{args.tag}.json"
     path.write_text(
@@ -414,8 +426,7 @@ def main(argv=None) -> int:
         f"{header['loadavg_end']}. Verdict: prefix passes {passed} of {len(verdicts)} "
         f"(workload, size) cells.\n\n{table}\n"
     )
-    print(table)
-    if any("error" not in r for r in rows):
+    if with_plot and any("error" not in r for r in rows):
         subtitle = (
             f"{header['machine']} {header['date']}, {args.threads_per_replica} thread/replica, "
             f"concurrency {args.concurrency}, load avg {header['loadavg_start'][0]:.1f}"
@@ -423,8 +434,7 @@ def main(argv=None) -> int:
         if args.repeats > 1:
             subtitle += f", median of {args.repeats} runs (bars: min-max)"
         plot(summary, args.out_dir / f"serve_compare_{args.tag}.png", subtitle)
-    print(f"wrote {path}")
-    return 0 if all("error" not in r for r in rows) else 1
+    return table
 
 
 if __name__ == "__main__":

@@ -244,6 +244,8 @@ def test_serve_compare_runs_every_policy_against_a_launched_server(tmp_path):
             "--policies",
             "prefix",
             "round_robin",
+            "--repeats",
+            "2",
             "--launch",
             launch,
             "--out-dir",
@@ -268,8 +270,16 @@ def test_serve_compare_runs_every_policy_against_a_launched_server(tmp_path):
         ]
     )
     assert code == 0
-    rows = json.loads((tmp_path / "serve_compare_t.json").read_text())["rows"]
+    result = json.loads((tmp_path / "serve_compare_t.json").read_text())
+    rows, summary = result["rows"], result["summary"]
     assert "| prefix |" in (tmp_path / "serve_compare_t.md").read_text()
-    assert [r["policy"] for r in rows] == ["prefix", "round_robin"]
+    # Each policy twice, interleaved; one median row per policy.
+    assert [(r["policy"], r["repeat"]) for r in rows] == [
+        ("prefix", 1),
+        ("round_robin", 1),
+        ("prefix", 2),
+        ("round_robin", 2),
+    ]
     assert all(r["completed"] == 4 and r["cached_token_ratio"] > 0 for r in rows)
+    assert [(r["policy"], r["runs"]) for r in summary] == [("prefix", 2), ("round_robin", 2)]
     assert (tmp_path / "serve_compare_t.png").stat().st_size > 0
