@@ -71,7 +71,15 @@ from bench.cache_accounting import (
     oracle_cached_tokens,
 )
 from bench.loadgen import cli as loadgen_cli
-from bench.serve_compare_report import groups, markdown, plot, runs_markdown, summarize, verdict
+from bench.serve_compare_report import (
+    busy_fractions,
+    groups,
+    markdown,
+    plot,
+    runs_markdown,
+    summarize,
+    verdict,
+)
 from bench.sim.report import machine_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -272,6 +280,7 @@ def make_row(base: dict, name: str, workload, result: dict, replicas: int, block
                 [r["cached_tokens"] for r in sent],
                 block_size,
             )
+            row["replica_busy_fraction"] = busy_fractions(sent)
     return row
 
 

@@ -26,6 +26,29 @@ FIGURES = (
 )
 
 
+def busy_fractions(requests: Sequence[dict]) -> dict[str, float]:
+    """Replica -> the share of the run (first request's start to last request's end) during
+    which it had at least one of ``requests`` (``replica``, ``start_s``, ``latency_s``) open.
+    On a machine whose cores the replicas share, a policy that leaves one idle gives the others
+    its core: this is how to see it."""
+    spans = [(r["start_s"], r["start_s"] + r["latency_s"], r["replica"]) for r in requests]
+    if not spans:
+        return {}
+    run_s = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    busy: dict[str, float] = {}
+    for replica in dict.fromkeys(rep for _, _, rep in spans):
+        covered_s, open_start, open_end = 0.0, None, None
+        for start, end in sorted((s, e) for s, e, rep in spans if rep == replica):
+            if open_end is None or start > open_end:
+                covered_s += 0.0 if open_end is None else open_end - open_start
+                open_start, open_end = start, end
+            else:
+                open_end = max(open_end, end)
+        covered_s += open_end - open_start
+        busy[replica] = round(covered_s / run_s, 3) if run_s > 0 else 1.0
+    return busy
+
+
 def verdict(rows: Sequence[dict]) -> dict:
     """For one (workload, size): does prefix beat every other policy on each figure, and does it
     serve >= ``ORACLE_BAR`` of the oracle's cached tokens? ``passed`` is all of them."""
@@ -163,19 +186,20 @@ def runs_markdown(rows: Sequence[dict]) -> str:
     """Every run's figures, in the order they ran (the median table's sources)."""
     out = [
         "| workload | replicas | policy | run | out tok/s | TTFT p50 / p90 / p99 ms | "
-        "served/oracle | per replica |",
-        "|---|---|---|---|---|---|---|---|",
+        "served/oracle | per replica | busy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| {r['workload']} | {r['replicas']} | {r['policy']} | {r.get('repeat', 1)} |"
         if "error" in r:
-            out.append(f"{head} error: {r['error']} | | | |")
+            out.append(f"{head} error: {r['error']} | | | | |")
             continue
         share = r.get("served_of_oracle")
         out.append(
             f"{head} {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} / "
             f"{r['p90_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
-            f"{'n/a' if share is None else f'{share:.1%}'} | {_per_replica(r)} |"
+            f"{'n/a' if share is None else f'{share:.1%}'} | {_per_replica(r)} | "
+            f"{' '.join(f'{b:.2f}' for b in (r.get('replica_busy_fraction') or {}).values())} |"
         )
     return "\n".join(out) + "\n"
 

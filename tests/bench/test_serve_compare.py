@@ -174,6 +174,19 @@ def test_repeats_are_summarized_by_their_medians_and_the_verdict_compares_those(
     assert all(line.count("|") == runs_table[0].count("|") for line in runs_table[:-1])
 
 
+def test_busy_fraction_is_the_share_of_the_run_a_replica_had_a_request_open():
+    def req(replica, start_s, latency_s):
+        return {"replica": replica, "start_s": start_s, "latency_s": latency_s}
+
+    # The run spans 0-10 s. a: open 0-4 and 3-6 (overlapping) then 8-10 -> 8 s; b: 2-3 -> 1 s.
+    reqs = [req("a", 0.0, 4.0), req("a", 3.0, 3.0), req("b", 2.0, 1.0), req("a", 8.0, 2.0)]
+    assert report.busy_fractions(reqs) == {"a": 0.8, "b": 0.1}
+    assert report.busy_fractions([]) == {}
+    assert "| 0.80 0.10 |" in report.runs_markdown(
+        [{**_row("prefix", 1.0, 1, 2, 3), "replica_busy_fraction": {"a": 0.8, "b": 0.1}}]
+    )
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [
