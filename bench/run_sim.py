@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     path = report.write_results(rows, header, args.out_dir / f"sim_{tag}.json")
     print(report.markdown_table(rows))
     if not args.no_plots:
-        subtitle = f"{header['machine']}, {header['date']}, rates: {header['rates']['source']}"
+        subtitle = report.plot_subtitle(header)
         for png in report.plot_results(rows, args.out_dir / f"sim_{tag}", subtitle):
             print(f"wrote {png}")
     print(f"wrote {path} in {header['wall_s']} s")

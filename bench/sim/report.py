@@ -5,7 +5,8 @@ command line and the cost rates used; every row holds at least ``workload``, ``p
 ``replicas``, ``hit_rate``, ``oracle_hit_rate``, ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``,
 ``throughput_tok_s`` and ``max_mean_load`` (our policy's rows say ``policy: "prefix"``), and
 newer files ``pooled_hit_rate`` (the oracle with the cluster's capacity: one LRU cache of all
-the replicas' blocks), which tells a workload that does not fit from routing that loses hits.
+the replicas' blocks), which tells a workload that does not fit from routing that loses hits,
+and ``copied_block_share`` (how much of the stored device blocks are copies of each other).
 ``verdicts`` states, per (workload, replicas), where ours misses the issue's bars: 95% of the
 oracle hit rate, max/mean load 1.2, the lowest p90 TTFT. Plotting uses matplotlib's Agg
 backend (no display needed); a missing matplotlib raises ``ImportError`` at plot time only.
@@ -92,6 +93,7 @@ def ours_summary(rows: Sequence[dict]) -> list[dict]:
                 "hit_of_oracle": ours["hit_rate"] / oracle if oracle else 1.0,
                 "hit_of_pooled": _of(ours["hit_rate"], ours.get("pooled_hit_rate")),
                 "max_mean_load": ours["max_mean_load"],
+                "copied_block_share": ours.get("copied_block_share"),
                 "p90_rank": 1
                 + sum(r["ttft_p90_s"] * (1 + P90_TIE_REL) < ours["ttft_p90_s"] for r in group),
                 "num_policies": len(group),
@@ -109,14 +111,16 @@ def _of(hit_rate: float, reference: float | None) -> float | None:
 
 def summary_table(summary: Sequence[dict]) -> str:
     lines = [
-        "| workload | replicas | hit % of oracle | hit % of pooled LRU | max/mean | p90 rank |",
-        "|---|---|---|---|---|---|",
+        "| workload | replicas | hit % of oracle | hit % of pooled LRU | copies | max/mean "
+        "| p90 rank |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in summary:
-        pooled = s.get("hit_of_pooled")
+        pooled, copied = s.get("hit_of_pooled"), s.get("copied_block_share")
         lines.append(
             f"| {s['workload']} | {s['replicas']} | {s['hit_of_oracle']:.1%} | "
             f"{'-' if pooled is None else f'{pooled:.1%}'} | "
+            f"{'-' if copied is None else f'{copied:.1%}'} | "
             f"{s['max_mean_load']:.2f} | {s['p90_rank']} of {s['num_policies']} |"
         )
     return "\n".join(lines)
@@ -162,6 +166,18 @@ def _grouped_bars(ax, rows, workload: str, metric: str, policies, replica_counts
     ax.set_xticks(range(len(policies)))
     ax.set_xticklabels(policies, rotation=30, ha="right", fontsize=8)
     ax.set_title(workload, fontsize=10)
+
+
+def plot_subtitle(header: dict) -> str:
+    """The plots' second line: machine, date, the replicas' KV tiers, pulls and the rates."""
+    tiers = f"{header['capacity_blocks']} device"
+    if header.get("host_capacity_blocks"):
+        tiers += f" + {header['host_capacity_blocks']} host"
+    pulls = "KV pulls on" if header.get("kv_pull") else "no KV pulls"
+    return (
+        f"{header['machine']}, {header['date']}, {tiers} blocks per replica, {pulls}\n"
+        f"rates: {header['rates']['source']}"
+    )
 
 
 def plot_results(rows: Sequence[dict], out_prefix: Path, subtitle: str) -> list[Path]:

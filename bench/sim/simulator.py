@@ -44,6 +44,7 @@ events report), per-replica state, the rates, a seeded RNG. Failure modes: inval
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -144,6 +145,10 @@ class SimResult:
     together, seeing every request at its arrival: the oracle with the cluster's capacity.
     Where it is below ``oracle_hit_rate`` the workload does not fit; what lies between it and
     ``hit_rate`` is what splitting the capacity over replicas (and copies) costs."""
+    copied_block_share: float = 0.0
+    """Mean, over arrivals, of the share of the device blocks stored cluster-wide that are
+    copies (a block held by k replicas counts k - 1 times): the capacity copies take from
+    distinct prefixes, the part of the gap to ``pooled_hit_rate`` that routing decides."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -173,6 +178,8 @@ class Simulator:
         self.holders: dict[BlockId, set[int]] = {}
         """Device-tier index: block -> replicas holding it (exactly what KV events report)."""
         self.host_holders: dict[BlockId, set[int]] = {}
+        self.num_device_blocks = 0
+        """Device blocks stored over all replicas (a block on k replicas counts k times)."""
         self.replicas = [self._make_replica(i) for i in range(config.num_replicas)]
         self._events: list = []
         self._seq = 0
@@ -188,6 +195,8 @@ class Simulator:
 
         def on_change(block: BlockId, tier: str, stored: bool) -> None:
             index = device if tier == "device" else host
+            if tier == "device":
+                self.num_device_blocks += 1 if stored else -1
             if stored:
                 owners = index.get(block)
                 if owners is None:
@@ -272,6 +281,7 @@ class Simulator:
             config.num_replicas * (config.capacity_blocks + config.host_capacity_blocks)
         )
         pooled_hit_tokens = 0
+        copied_share_sum = 0.0
         next_arrival = 0
         while next_arrival < len(requests) or self._events:
             if next_arrival < len(requests) and (
@@ -283,6 +293,8 @@ class Simulator:
                 oracle_hit_tokens += self._cached_tokens(req, oracle.hit_blocks(req.block_ids))
                 pooled_hit_tokens += self._cached_tokens(req, pooled.match(req.block_ids))
                 pooled.touch_request(req.block_ids)
+                if self.num_device_blocks:
+                    copied_share_sum += 1.0 - len(self.holders) / self.num_device_blocks
                 records[req.request_id] = self._route(req)
                 if progress is not None:
                     progress(1)
@@ -297,7 +309,8 @@ class Simulator:
                 replica, req = payload
                 self._finish_decode(replica, req, records)
         wall_s = time.perf_counter() - started
-        return self._summarize(workload, records, oracle_hit_tokens, pooled_hit_tokens, wall_s)
+        result = self._summarize(workload, records, oracle_hit_tokens, pooled_hit_tokens, wall_s)
+        return dataclasses.replace(result, copied_block_share=copied_share_sum / len(requests))
 
     def _route(self, req: Request) -> RequestRecord:
         chosen = self.policy.choose(self, req)

@@ -191,6 +191,17 @@ def test_simulated_baselines_are_the_routers_and_break_ties_alike():
         assert result.policy == sim_policy.name and not mismatches
 
 
+def test_copied_block_share_counts_each_copy_beyond_the_first_at_every_arrival():
+    # Round robin over 2 replicas, requests 10 s apart (each done long before the next):
+    # at a's arrival nothing is stored (0), at b's r0 holds (1, 2) (0 copies), at c's r0 and
+    # r1 both hold them: 4 stored, 2 distinct (half are copies).
+    a, b, c = (Request(i, i * 10.0, (1, 2), 8, 1) for i in range(3))
+    result = _run([a, b, c], RoundRobinPolicy(), num_replicas=2)
+    assert result.copied_block_share == pytest.approx((0 + 0 + 0.5) / 3)
+    # One replica never copies.
+    assert _run([a, b, c]).copied_block_share == 0.0
+
+
 def test_pooled_reference_is_the_oracle_with_the_clusters_capacity():
     # Two replicas of 2 blocks each: the pooled cache holds 4 blocks.
     a = Request(0, 0.0, (1, 2), 8, 1)

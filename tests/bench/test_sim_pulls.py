@@ -164,7 +164,7 @@ def test_summary_ranks_ours_p90_with_ties_within_one_percent():
     assert summary["w"]["p90_rank"] == 1 and summary["w"]["num_policies"] == 3
     assert summary["v"]["p90_rank"] == 2
     assert summary["w"]["hit_of_oracle"] == pytest.approx(0.9)
-    assert "| w | 8 | 90.0% | - | 1.10 | 1 of 3 |" in report.summary_table(summary.values())
+    assert "| w | 8 | 90.0% | - | - | 1.10 | 1 of 3 |" in report.summary_table(summary.values())
 
 
 def test_prefix_prices_pulls_at_the_chosen_factor_of_the_transfer_time():
