@@ -20,7 +20,11 @@ Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurren
   requests' own blocks, ~6 each) and cycles through all 16 under a cache-blind policy, while 2
   replicas hold 640 blocks and 3 hold 960, room for every prefix once plus 8 running requests.
   The run records the real counts (``distinct_prefix_blocks``) and warns when one replica could
-  hold them all.
+  hold them all. The first request of each group is cold under every policy: at 4 per group
+  that is a quarter of the requests, so every policy's p90 TTFT is at least one cold prefill's
+  time and the best policies tie there (``cold_requests``; the run warns, and the report says
+  so, when more than a tenth are cold); ``--overflow-prompts-per-group 12`` puts the p90 among
+  the requests routing decides.
 - ``loadgen``: the load generator's own dataset, flags after ``--`` (no oracle: no token ids).
 
 ``--repeats N`` runs every (size, policy) cluster N times, the policies interleaved (prefix,
@@ -152,6 +156,25 @@ def overflow_workload(
         f"prompts, {max_tokens} tokens"
     )
     return Workload("overflow", tuple(reqs), max_tokens, desc)
+
+
+def cold_requests(prompts: list, block_size: int) -> int:
+    """Requests the oracle serves nothing from cache: the first of each prefix, which every
+    policy must prefill in full."""
+    return sum(1 for n in oracle_cached_tokens(prompts, block_size) if n == 0)
+
+
+def cold_share_warning(info: dict) -> str | None:
+    """Why a workload's p90 TTFT cannot rank the best policies, or None: when more than a
+    tenth of its requests are cold under every policy (they pay a full prefill whatever the
+    routing), no policy's p90 is below one cold prefill's time, and the best ones tie there."""
+    cold, total = info.get("cold_requests"), info.get("num_requests")
+    if cold is not None and total and cold / total > 0.1:
+        return (
+            f"{cold} of {total} requests ({cold / total:.0%}) are cold under every policy, so "
+            "no policy's p90 TTFT can be below one cold prefill's time"
+        )
+    return None
 
 
 def _free_port() -> int:
@@ -373,9 +396,13 @@ def main(argv=None) -> int:
             "prompt_tokens": sum(len(p) for p in prompts),
             "distinct_prefix_blocks": blocks,
             "oracle_cached_tokens": sum(oracle_cached_tokens(prompts, args.block_size)),
+            "cold_requests": cold_requests(prompts, args.block_size),
         }
         if name == "overflow" and args.num_kv_blocks and blocks <= args.num_kv_blocks:
             print(f"warning: {blocks} prefix blocks fit in one replica's {args.num_kv_blocks}")
+        warning = cold_share_warning(workload_info[name])
+        if warning:
+            print(f"warning: {name}: {warning}")
     header = {
         "machine": machine_name(),
         "command": "python " + shlex.join(["bench/serve_compare.py", *argv]),
@@ -387,7 +414,7 @@ def main(argv=None) -> int:
         "engine_flags": engine_flags(args),
         "workloads": workload_info,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "note": "shared 2-core machine: other work ran alongside (see the load averages)",
+        "note": "shared 2-core machine: the load averages show whether other work ran",
     }
     rows = []
     for replicas in args.replicas:
@@ -427,13 +454,18 @@ def write_report(args, header: dict, rows: list[dict], with_plot: bool = False) 
             f"compares the medians.\n\n{table}\n### Every run\n\n{runs_markdown(rows)}"
         )
     passed = sum(v["passed"] for v in verdicts)
+    cold_notes = "".join(
+        f"\n\nWorkload `{name}`: {warning}."
+        for name, info in header.get("workloads", {}).items()
+        if (warning := cold_share_warning(info))
+    )
     (args.out_dir / f"serve_compare_{args.tag}.md").write_text(
         f"# Real run: {header['date']}, {header['machine']}\n\n`{header['command']}`\n\n"
         f"{', '.join(map(str, args.replicas))} CPU replicas, {args.threads_per_replica} "
         f"thread(s) each, concurrency {args.concurrency} (closed loop), engine flags "
         f"`{header['engine_flags']}`; load average at start {header['loadavg_start']}, at end "
         f"{header['loadavg_end']}. Verdict: prefix passes {passed} of {len(verdicts)} "
-        f"(workload, size) cells.\n\n{table}\n"
+        f"(workload, size) cells.{cold_notes}\n\n{table}\n"
     )
     if with_plot and any("error" not in r for r in rows):
         subtitle = (

@@ -37,6 +37,16 @@ def test_distinct_prefix_blocks_counts_shared_blocks_only():
     assert ca.distinct_prefix_blocks([a], B) == 0
 
 
+def test_cold_requests_are_the_first_of_each_prefix_and_warn_above_a_tenth():
+    groups = [[g] * 8 + [100 + i, 101 + i] for g in range(2) for i in range(5)]
+    assert sc.cold_requests(groups, B) == 2  # 2 prefixes x 5 requests: the first of each
+    assert sc.cold_share_warning({"cold_requests": 2, "num_requests": 10}).startswith(
+        "2 of 10 requests (20%) are cold"
+    )
+    assert sc.cold_share_warning({"cold_requests": 1, "num_requests": 10}) is None
+    assert sc.cold_share_warning({"num_requests": 10}) is None  # loadgen: no token ids
+
+
 def test_placement_counts_a_prefix_once_per_replica_it_was_sent_to():
     a = list(range(8)) + [90, 91]  # 2 shared blocks + its own tokens
     b = list(range(8)) + [80, 81]
