@@ -14,17 +14,19 @@ Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurren
 - ``engine``: ``bench/engine.py``'s workload (``bench.serve.workload``): 64 requests over 4
   system prompts of 300-500 tokens, 64 output tokens each.
 - ``overflow``: prefixes that do not fit in one replica's KV cache but do fit in the cluster's.
-  16 groups x 4 requests (shuffled), each group a system prompt of ~440 words (~460 tokens with
+  16 groups x 12 requests (shuffled), each group a system prompt of ~440 words (~460 tokens with
   the chat template, ~29 blocks of 16), so the distinct prefixes need ~470 blocks; every replica
   gets ``--num-kv-blocks 320``: one replica holds at most ~10 groups (fewer with the running
   requests' own blocks, ~6 each) and cycles through all 16 under a cache-blind policy, while 2
   replicas hold 640 blocks and 3 hold 960, room for every prefix once plus 8 running requests.
   The run records the real counts (``distinct_prefix_blocks``) and warns when one replica could
-  hold them all. The first request of each group is cold under every policy: at 4 per group
-  that is a quarter of the requests, so every policy's p90 TTFT is at least one cold prefill's
-  time and the best policies tie there (``cold_requests``; the run warns, and the report says
-  so, when more than a tenth are cold); ``--overflow-prompts-per-group 12`` puts the p90 among
-  the requests routing decides.
+  hold them all. The first request of each group is cold under every policy, 1 in 12 here:
+  at 4 per group (the default until 2026-11-26) a quarter of the requests were, so every
+  policy's p90 TTFT was at least one cold prefill's time and the best policies tied there
+  (``cold_requests``; the run warns, and the report says so, when more than a tenth are cold).
+  The closed loop starts with ``--concurrency`` cold requests at once, whose queue sets the top
+  few TTFTs under any policy (at c=8 on 2 replicas, 6 of them are 3 s or more): the p99 of 192
+  requests sits next to them.
 - ``loadgen``: the load generator's own dataset, flags after ``--`` (no oracle: no token ids).
 
 ``--repeats N`` runs every (size, policy) cluster N times, the policies interleaved (prefix,
@@ -345,7 +347,7 @@ def parse_args(argv):
     )
     p.add_argument("--engine-requests", type=int, default=64)
     p.add_argument("--overflow-groups", type=int, default=16)
-    p.add_argument("--overflow-prompts-per-group", type=int, default=4)
+    p.add_argument("--overflow-prompts-per-group", type=int, default=12)
     p.add_argument("--overflow-system-words", type=int, default=440)
     p.add_argument(
         "--num-kv-blocks",
