@@ -160,10 +160,10 @@ def overflow_workload(
     return Workload("overflow", tuple(reqs), max_tokens, desc)
 
 
-def cold_requests(prompts: list, block_size: int) -> int:
-    """Requests the oracle serves nothing from cache: the first of each prefix, which every
-    policy must prefill in full."""
-    return sum(1 for n in oracle_cached_tokens(prompts, block_size) if n == 0)
+def cold_requests(oracle_tokens: list[int]) -> int:
+    """Requests the oracle serves nothing from cache (``oracle_tokens``: its cached tokens per
+    request): the first of each prefix, which every policy must prefill in full."""
+    return sum(1 for n in oracle_tokens if n == 0)
 
 
 def cold_share_warning(info: dict) -> str | None:
@@ -347,7 +347,12 @@ def parse_args(argv):
     )
     p.add_argument("--engine-requests", type=int, default=64)
     p.add_argument("--overflow-groups", type=int, default=16)
-    p.add_argument("--overflow-prompts-per-group", type=int, default=12)
+    p.add_argument(
+        "--overflow-prompts-per-group",
+        type=int,
+        default=12,
+        help="requests per group; the first of each is cold under every policy (default: 12)",
+    )
     p.add_argument("--overflow-system-words", type=int, default=440)
     p.add_argument(
         "--num-kv-blocks",
@@ -392,13 +397,14 @@ def main(argv=None) -> int:
             continue
         prompts = [r.token_ids for r in wl.requests]
         blocks = distinct_prefix_blocks(prompts, args.block_size)
+        oracle_tokens = oracle_cached_tokens(prompts, args.block_size)
         workload_info[name] = {
             "description": wl.description,
             "num_requests": len(prompts),
             "prompt_tokens": sum(len(p) for p in prompts),
             "distinct_prefix_blocks": blocks,
-            "oracle_cached_tokens": sum(oracle_cached_tokens(prompts, args.block_size)),
-            "cold_requests": cold_requests(prompts, args.block_size),
+            "oracle_cached_tokens": sum(oracle_tokens),
+            "cold_requests": cold_requests(oracle_tokens),
         }
         if name == "overflow" and args.num_kv_blocks and blocks <= args.num_kv_blocks:
             print(f"warning: {blocks} prefix blocks fit in one replica's {args.num_kv_blocks}")

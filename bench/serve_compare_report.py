@@ -35,16 +35,15 @@ def busy_fractions(requests: Sequence[dict]) -> dict[str, float]:
     if not spans:
         return {}
     run_s = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    by_replica: dict[str, list[tuple[float, float]]] = {}
+    for start, end, replica in spans:
+        by_replica.setdefault(replica, []).append((start, end))
     busy: dict[str, float] = {}
-    for replica in dict.fromkeys(rep for _, _, rep in spans):
-        covered_s, open_start, open_end = 0.0, None, None
-        for start, end in sorted((s, e) for s, e, rep in spans if rep == replica):
-            if open_end is None or start > open_end:
-                covered_s += 0.0 if open_end is None else open_end - open_start
-                open_start, open_end = start, end
-            else:
-                open_end = max(open_end, end)
-        covered_s += open_end - open_start
+    for replica, intervals in by_replica.items():
+        covered_s, reach_s = 0.0, float("-inf")  # reach: where the covered time ends so far
+        for start, end in sorted(intervals):
+            covered_s += max(0.0, end - max(start, reach_s))
+            reach_s = max(reach_s, end)
         busy[replica] = round(covered_s / run_s, 3) if run_s > 0 else 1.0
     return busy
 

@@ -39,7 +39,8 @@ def test_distinct_prefix_blocks_counts_shared_blocks_only():
 
 def test_cold_requests_are_the_first_of_each_prefix_and_warn_above_a_tenth():
     groups = [[g] * 8 + [100 + i, 101 + i] for g in range(2) for i in range(5)]
-    assert sc.cold_requests(groups, B) == 2  # 2 prefixes x 5 requests: the first of each
+    # 2 prefixes x 5 requests: the first of each.
+    assert sc.cold_requests(ca.oracle_cached_tokens(groups, B)) == 2
     assert sc.cold_share_warning({"cold_requests": 2, "num_requests": 10}).startswith(
         "2 of 10 requests (20%) are cold"
     )
