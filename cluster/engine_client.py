@@ -14,12 +14,13 @@ engine died and it says so), ``merge`` re-submits the request to a live replica 
 tokens already streamed (``resume_token_ids``) and goes on from there. Outputs are
 deterministic (greedy and seeded sampling are keyed by position, penalties and stop strings
 see the same history), so the client's one stream holds the tokens a fault-free run gives;
-its usage keeps the first replica's ``cached_tokens``. Up to ``MAX_FAILOVERS`` re-submissions
-per stream, ``FAILOVER_BACKOFF_S`` apart (doubling); after that, or for ``n > 1`` requests,
-the error reaches the client as before. A request whose first answer is a 503 (its replica's
-engine is dead, e.g. a tensor-parallel worker died, or the replica is unreachable) is
-re-submitted the same way before the HTTP response starts: nothing was streamed, so any
-live replica may start it.
+its usage keeps the first replica's ``cached_tokens``. A replica that dies after its last
+output (its stream's end still in flight) ends the stream normally. Up to
+``MAX_FAILOVERS`` re-submissions per stream, ``FAILOVER_BACKOFF_S`` apart (doubling); after
+that, or for ``n > 1`` requests, the error reaches the client as before. A request whose
+first answer is a 503 (its replica's engine is dead, e.g. a tensor-parallel worker died, or
+the replica is unreachable) is re-submitted the same way before the HTTP response starts:
+nothing was streamed, so any live replica may start it.
 """
 
 from __future__ import annotations
@@ -263,6 +264,15 @@ class EngineClient:
                             await queue.put((_Event.ITEM, index, stream.record(item)))
                         break
                     except Exception as exc:
+                        if _died(exc) and stream.finished:
+                            # It died after its last output (the stream's end was still in
+                            # flight): the client has every token, nothing is lost.
+                            log.info(
+                                "request %s: replica lost after its last output: %r",
+                                stream.request_id,
+                                exc,
+                            )
+                            break
                         if not (_died(exc) and stream.can_fail_over()):
                             raise
                         _cancel_quietly(stream.response)
