@@ -1,13 +1,15 @@
 """The embedded prefix index as one Ray actor per Serve application, and its client.
 
 Owns where the default (``embedded``) index lives in a cluster and how routers and replicas
-reach it. ``IndexActor`` hosts one ``router.embedded_index.EmbeddedIndex``; its name is
+reach it. ``IndexActor`` hosts one ``router.embedded_index.EmbeddedIndex`` and, with either
+index backend, the application's ``cluster.inflight_board.InflightBoard`` (what each request
+router has in flight, shared between ingress replicas); its name is
 derived from the application's name (``index_actor_name``), so two applications never
 share an index and nothing uses a fixed global name. It is detached, so it outlives
 whichever replica or router process created it first; every process creates it lazily
 with ``get_if_exists``, and it is registered with the Serve controller so that
-``serve.shutdown()`` kills it; after ``IDLE_EXIT_S`` without a live replica (the
-application was deleted) it ends itself.
+``serve.shutdown()`` kills it; after ``IDLE_EXIT_S`` without a live replica or a router's
+report (the application was deleted) it ends itself.
 
 ``ActorIndexClient`` is a synchronous ``PrefixIndex`` over the actor, for threads that may
 block (the router's lookup thread, the replica's publisher thread): lookups wait at most
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 
 import ray
 
+from cluster.inflight_board import InflightBoard, InflightSnapshot
 from cluster.serve_compat import check_serve_internals, register_shutdown_cleanup, serve_namespace
 from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
@@ -68,6 +71,7 @@ class IndexActor:
 
     def __init__(self, heartbeat_timeout_s: float, idle_exit_s: float = IDLE_EXIT_S) -> None:
         self._index = EmbeddedIndex(heartbeat_timeout_s=heartbeat_timeout_s)
+        self._board = InflightBoard()
         self._idle_exit_s = idle_exit_s
         threading.Thread(target=self._exit_when_idle, name="index-idle-exit", daemon=True).start()
 
@@ -75,7 +79,8 @@ class IndexActor:
         idle_since = time.monotonic()
         while True:
             time.sleep(min(self._idle_exit_s, 10.0))
-            if self._index.replicas():
+            last_report_s = self._board.last_report_s
+            if self._index.replicas() or (last_report_s is not None and last_report_s > idle_since):
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since >= self._idle_exit_s:
                 log.warning("prefix index: no live replica for %.0f s, exiting", self._idle_exit_s)
@@ -107,6 +112,14 @@ class IndexActor:
 
     def sweep(self, now: float | None = None) -> list[ReplicaId]:
         return self._index.sweep(now)
+
+    def report_inflight(
+        self, router_id: str, seq: int, snapshot: InflightSnapshot, ttl_s: float
+    ) -> bool:
+        return self._board.report(router_id, seq, snapshot, ttl_s)
+
+    def peer_inflight(self, router_id: str) -> InflightSnapshot:
+        return self._board.peers(router_id)
 
 
 def get_or_create_index_actor(app_name: str, config: RouterConfig):

@@ -31,6 +31,9 @@ class _Entry:
     prefill_tokens: int
     order: int
     """When it was decided (a counter): ``snapshot`` lists a replica's entries oldest first."""
+    decided_at_s: float
+    """Wall-clock time of the decision: orders this router's entries among its peers'
+    (``cluster.inflight_board``)."""
     expiry_s: float | None
     """Monotonic time an unconfirmed decision stops counting; None once Serve confirmed it."""
 
@@ -49,7 +52,9 @@ class InflightLedger:
         decision replaces the older)."""
         expiry_s = time.monotonic() + self.ttl_s
         with self._lock:
-            self._entries[key] = _Entry(replica_id, prefill_tokens, next(self._order), expiry_s)
+            self._entries[key] = _Entry(
+                replica_id, prefill_tokens, next(self._order), time.time(), expiry_s
+            )
 
     def routed(self, key: str, replica_id: str) -> None:
         """Serve sent request ``key`` to ``replica_id``: it counts there until completed. An
@@ -57,7 +62,7 @@ class InflightLedger:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:  # its decision expired first: count it, prefill unknown
-                self._entries[key] = _Entry(replica_id, 0, next(self._order), None)
+                self._entries[key] = _Entry(replica_id, 0, next(self._order), time.time(), None)
             elif entry.expiry_s is not None:
                 entry.replica_id, entry.expiry_s = replica_id, None
 
@@ -68,8 +73,16 @@ class InflightLedger:
     def snapshot(self) -> dict[str, tuple[int, ...]]:
         """Replica id -> the prefill tokens of its in-flight requests, oldest decision first
         (the count is the tuple's length); expired unconfirmed decisions are dropped."""
+        return {
+            replica_id: tuple(tokens for _, tokens in entries)
+            for replica_id, entries in self.timed_snapshot().items()
+        }
+
+    def timed_snapshot(self) -> dict[str, tuple[tuple[float, int], ...]]:
+        """Replica id -> ``(decided_at_s, prefill_tokens)`` of its in-flight requests, oldest
+        decision first: what the router shares with its peers (``cluster.inflight_board``)."""
         now_s = time.monotonic()
-        by_replica: dict[str, list[tuple[int, int]]] = {}
+        by_replica: dict[str, list[tuple[int, float, int]]] = {}
         with self._lock:
             expired = [
                 k
@@ -80,6 +93,9 @@ class InflightLedger:
                 del self._entries[key]
             for entry in self._entries.values():
                 by_replica.setdefault(entry.replica_id, []).append(
-                    (entry.order, entry.prefill_tokens)
+                    (entry.order, entry.decided_at_s, entry.prefill_tokens)
                 )
-        return {r: tuple(tokens for _, tokens in sorted(rows)) for r, rows in by_replica.items()}
+        return {
+            replica_id: tuple((at_s, tokens) for _, at_s, tokens in sorted(rows))
+            for replica_id, rows in by_replica.items()
+        }

@@ -4,9 +4,10 @@ Owns the per-request decision of every ``DeploymentHandle`` to ``EngineReplica``
 ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (hashed once at
 the ingress) and prompt length from the call's arguments, builds one
 ``router.policy.ReplicaView`` per candidate from the replica's Serve routing stats
-(``EngineReplica.record_routing_stats``) plus the requests this router sent it that have not
-finished, counted from the decision on, with the prompt tokens each will prefill there
-(``cluster.inflight``), and lets ``Router.route`` decide: one
+(``EngineReplica.record_routing_stats``) plus the requests sent it that have not finished,
+counted from the decision on, with the prompt tokens each will prefill there: this router's
+own (``cluster.inflight``) and the other ingress replicas' routers' (``cluster.inflight_board``,
+read beside the index lookup), and lets ``Router.route`` decide: one
 index lookup, the configured policy (``prefix`` by default, or
 ``round_robin``/``least_loaded``/``pow2``), a speculative entry for the chosen replica. Other
 calls (``describe``) carry no blocks and go by load.
@@ -24,7 +25,9 @@ How it fails: the lookup runs in a worker thread with a short timeout (see
 once and counted (reason ``fallback``) until the index answers again. With the Redis
 backend the Redis keys are namespaced by model, which this router learns from the
 replicas' routing stats; until a replica has reported, the policy decides without matches
-(by load; the ``prefix`` policy then settles ties by rendezvous on the first block).
+(by load; the ``prefix`` policy then settles ties by rendezvous on the first block). An
+unreachable in-flight board leaves each router counting only its own in-flight requests
+(logged once).
 ``router_metrics_snapshot`` returns this process's router metrics for ``/metrics``.
 """
 
@@ -38,10 +41,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.index_actor import make_cluster_index
+from cluster.index_actor import (
+    MIN_ACTOR_LOOKUP_TIMEOUT_S,
+    get_or_create_index_actor,
+    make_cluster_index,
+)
 from cluster.inflight import InflightLedger
+from cluster.inflight_board import ActorBoardClient, merge_inflight
 from cluster.metrics import register_request_router, request_routers
 from cluster.serve_compat import (
     ask_to_back_off,
@@ -130,6 +139,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         """Decides, with no index, until the Redis namespace (the model) is known."""
         self._router_lock = threading.Lock()
         self._inflight = InflightLedger(UNCONFIRMED_DECISION_TTL_S)
+        self._board = None
+        """Shares ``_inflight`` with the other ingress replicas' routers (``_get_board``)."""
+        self._board_lock = threading.Lock()
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
         """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
@@ -152,8 +164,37 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._router = Router(self.config, model_id, index=index, metrics=self.metrics)
         return self._router
 
-    def _views(self, replicas: list[RunningReplica]) -> list[ReplicaView]:
-        inflight = self._inflight.snapshot()
+    def _get_board(self):
+        """This router's client of the application's in-flight board, created on first use;
+        None for a router outside a Serve deployment (nobody to share with). Tests set
+        ``_board`` themselves (``cluster.inflight_board.LocalBoardClient``)."""
+        if self._board is not None or not ray.is_initialized():
+            return self._board
+        try:
+            app_name = self.app_name
+        except AttributeError:  # built without Serve's __init__ (a test): no application
+            return None
+        with self._board_lock:
+            if self._board is None:
+                self._board = ActorBoardClient(
+                    lambda: get_or_create_index_actor(app_name, self.config),
+                    self._inflight.timed_snapshot,
+                    max(self.config.redis_socket_timeout_s, MIN_ACTOR_LOOKUP_TIMEOUT_S),
+                )
+        return self._board
+
+    def _ledger_changed(self) -> None:
+        if self._board is not None:
+            self._board.changed()
+
+    async def _peer_inflight(self) -> dict:
+        board = self._get_board()
+        return {} if board is None else await asyncio.to_thread(board.peers)
+
+    def _views(
+        self, replicas: list[RunningReplica], peers: dict | None = None
+    ) -> list[ReplicaView]:
+        inflight = merge_inflight(self._inflight.timed_snapshot(), peers or {})
         all_stats = pooled_prefill_rate(
             [ReplicaStats.from_dict(r.routing_stats or {}) for r in replicas]
         )
@@ -177,11 +218,15 @@ class PrefixAwareRequestRouter(RequestRouter):
         hashes, num_prompt_tokens = request_blocks(pending_request)
         router = self._get_router(candidate_replicas)
         lookup = Lookup({})
-        if router is not None and hashes:  # one index round trip: off the event loop
-            lookup = await asyncio.to_thread(router.lookup, hashes)
+        if router is not None and hashes:  # index and board round trips, together, off the loop
+            lookup, peers = await asyncio.gather(
+                asyncio.to_thread(router.lookup, hashes), self._peer_inflight()
+            )
+        else:
+            peers = await self._peer_inflight()
         # From here to the ledger entry nothing awaits: concurrent decisions (a burst) each
         # see the ones before them, in the views and in the router's recent decisions.
-        views = self._views(candidate_replicas)
+        views = self._views(candidate_replicas, peers)
         if router is None:
             decision = self._load_policy.choose(hashes, num_prompt_tokens, views, {})
             self.metrics.record_decision(self.config.policy, RoutingReason.FALLBACK, len(hashes), 0)
@@ -195,6 +240,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._inflight.decided(
                 request_key(pending_request), decision.replica_id, prefill_tokens
             )
+            self._ledger_changed()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "routed %d blocks to %s (%s, matched %d, predicted TTFT %.3f s); saw %s",
@@ -228,9 +274,11 @@ class PrefixAwareRequestRouter(RequestRouter):
     # ------------------------------------------------------------ in-flight bookkeeping
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         self._inflight.routed(request_key(pending_request), replica_id.unique_id)
+        self._ledger_changed()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._inflight.completed(internal_request_id)
+        self._ledger_changed()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {rid.unique_id for rid in self.curr_replicas}
@@ -243,6 +291,8 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def close(self) -> None:
         self._removals.shutdown(wait=False)
+        if self._board is not None:
+            self._board.close()
         if self._router is not None:
             self._router.close()
 

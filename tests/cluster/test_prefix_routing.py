@@ -306,6 +306,47 @@ def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(
 
 
 @pytest.mark.slow
+def test_the_routers_share_their_in_flight_requests_through_the_index_actor(
+    ray_cluster, cached_by_policy
+):
+    """Requests in flight show on the application's in-flight board (what the two ingress
+    replicas' routers read of each other, ``cluster.inflight_board``) and leave it once done."""
+    import concurrent.futures
+
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from cluster.index_actor import index_actor_name
+
+    url = f"http://127.0.0.1:{ray_cluster[1]}"
+    actor = ray.get_actor(index_actor_name("routing-prefix"), namespace=SERVE_NAMESPACE)
+    prompts = [p[:64] for p in _workload(seed=3)[:6]]
+
+    def generate(prompt):
+        response = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+
+    most_seen = 0
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(generate, prompt) for prompt in prompts]
+        while not all(f.done() for f in futures):
+            board = ray.get(actor.peer_inflight.remote("an-observer"))
+            most_seen = max(most_seen, sum(len(entries) for entries in board.values()))
+            time.sleep(0.02)
+        for future in futures:
+            future.result()
+    assert most_seen >= 2, most_seen
+    deadline = time.monotonic() + 10.0
+    while ray.get(actor.peer_inflight.remote("an-observer")):
+        assert time.monotonic() < deadline, "finished requests stayed on the board"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
 def test_ingress_answers_cors_and_serves_under_its_root_path(ray_cluster, cached_by_policy):
     url = f"http://127.0.0.1:{ray_cluster[1]}"
     preflight = {

@@ -1,0 +1,208 @@
+"""What every request router of an application has in flight on each replica, shared.
+
+Owns the cross-router view of in-flight requests. Each ingress replica runs its own request
+router (``cluster.request_router``), and each counts only the requests *it* sent that the
+replicas' routing stats (reported about once a second) do not show yet
+(``cluster.inflight``). Two routers deciding within that second each see a replica as idle
+and both send to it: with two ingress replicas and three engine replicas, least-loaded
+routing left one replica idle 14-32% of a run while another queued (issue 19). Here each
+router publishes its ledger, and reads the others' beside every index lookup, so a decision
+sees what every router sent, a round trip old instead of a stats period old.
+
+- ``InflightBoard``: the shared state, plain Python. One snapshot per router (replica id ->
+  ``(decided_at_s, prefill_tokens)`` per request, oldest first), replaced by each report
+  with a newer sequence number (reports of a router may arrive out of order: the actor is
+  threaded) and dropped ``ttl_s`` after it arrived unless refreshed, so a router that died
+  stops counting. ``peers(router_id)`` merges the other routers' snapshots.
+- ``LocalBoardClient``: a router's client of an ``InflightBoard`` in the same process.
+- ``ActorBoardClient``: a router's client of the board the application's index actor hosts
+  (``cluster.index_actor.IndexActor``, with either index backend). ``changed()`` is cheap
+  (sets an event); a daemon thread sends the newest snapshot, coalescing bursts, and
+  re-sends a non-empty one every ``REFRESH_S`` so it does not expire.
+
+How it fails: an unreachable actor (dead, slow, not yet created) makes ``peers`` return
+``{}`` after at most the lookup timeout (the router then decides on its own ledger, as
+before this module existed), logged once per outage; a failed publish is dropped, and the
+next change or refresh sends the whole snapshot again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+
+log = logging.getLogger("ray.serve")
+
+InflightSnapshot = dict[str, tuple[tuple[float, int], ...]]
+"""Replica id -> ``(decided_at_s, prefill_tokens)`` of each in-flight request, oldest first.
+``decided_at_s`` is wall-clock time (``time.time``), comparable across a cluster's hosts to
+within their clock skew: it only orders requests, to price the newest ones."""
+
+BOARD_TTL_S = 10.0
+"""A router's snapshot stops counting this long after it arrived unless refreshed."""
+REFRESH_S = 3.0
+"""A router re-sends a non-empty snapshot this often (well inside ``BOARD_TTL_S``)."""
+
+
+class InflightBoard:
+    """Every router's in-flight snapshot; thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reports: dict[str, tuple[int, float, InflightSnapshot]] = {}
+        """Router id -> (sequence number, expiry, snapshot)."""
+        self.last_report_s: float | None = None
+        """When (``clock``) the last report arrived; None before the first."""
+
+    def report(self, router_id: str, seq: int, snapshot: InflightSnapshot, ttl_s: float) -> bool:
+        """Replace ``router_id``'s snapshot unless a newer one (higher ``seq``) is already
+        here; an empty snapshot removes the router. True when applied."""
+        now_s = self._clock()
+        with self._lock:
+            self.last_report_s = now_s
+            held = self._reports.get(router_id)
+            if held is not None and held[0] >= seq:
+                return False
+            # An empty snapshot stays, with its sequence number, so a late older one stays out.
+            self._reports[router_id] = (seq, now_s + ttl_s, dict(snapshot))
+            return True
+
+    def peers(self, router_id: str) -> InflightSnapshot:
+        """The other routers' in-flight requests per replica, merged oldest first; expired
+        snapshots are dropped."""
+        now_s = self._clock()
+        merged: dict[str, list[tuple[float, int]]] = {}
+        with self._lock:
+            for other in [r for r, (_, expiry_s, _) in self._reports.items() if expiry_s <= now_s]:
+                del self._reports[other]
+            for other, (_, _, snapshot) in self._reports.items():
+                if other == router_id:
+                    continue
+                for replica_id, entries in snapshot.items():
+                    merged.setdefault(replica_id, []).extend(entries)
+        return {replica_id: tuple(sorted(entries)) for replica_id, entries in merged.items()}
+
+
+def merge_inflight(own: InflightSnapshot, peers: Mapping[str, tuple]) -> dict[str, tuple[int, ...]]:
+    """Replica id -> prefill tokens of every in-flight request (this router's and its peers'),
+    oldest decision first: what ``router.policy.ReplicaView`` carries."""
+    merged: dict[str, tuple[int, ...]] = {}
+    for replica_id in own.keys() | peers.keys():
+        entries = sorted(own.get(replica_id, ()) + tuple(peers.get(replica_id, ())))
+        merged[replica_id] = tuple(tokens for _, tokens in entries)
+    return merged
+
+
+class LocalBoardClient:
+    """One router's client of an ``InflightBoard`` in this process: each change is reported
+    at once (there is no round trip to save)."""
+
+    def __init__(self, board: InflightBoard, snapshot: Callable[[], InflightSnapshot]) -> None:
+        self.router_id = uuid.uuid4().hex
+        self._board = board
+        self._snapshot = snapshot
+        self._seq = itertools.count(1)
+
+    def changed(self) -> None:
+        self._board.report(self.router_id, next(self._seq), self._snapshot(), BOARD_TTL_S)
+
+    def peers(self) -> InflightSnapshot:
+        return self._board.peers(self.router_id)
+
+    def close(self) -> None:
+        self._board.report(self.router_id, next(self._seq), {}, BOARD_TTL_S)
+
+
+class ActorBoardClient:
+    """One router's client of the board in the application's index actor.
+
+    ``get_actor`` returns the actor handle (created if needed); ``lookup_timeout_s`` bounds
+    ``peers``. Thread-safe."""
+
+    def __init__(
+        self,
+        get_actor: Callable[[], object],
+        snapshot: Callable[[], InflightSnapshot],
+        lookup_timeout_s: float,
+    ) -> None:
+        self.router_id = uuid.uuid4().hex
+        self._get_actor = get_actor
+        self._snapshot = snapshot
+        self._lookup_timeout_s = lookup_timeout_s
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._actor = None
+        self._down = False
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._publish_loop, name="prefixserve-inflight-board", daemon=True
+        )
+        self._thread.start()
+
+    def _handle(self):
+        with self._lock:
+            if self._actor is None:
+                self._actor = self._get_actor()
+            return self._actor
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError | ValueError):
+            with self._lock:  # dead or not found: resolve it again next time
+                self._actor = None
+        if not self._down:
+            self._down = True
+            log.warning("in-flight board %s failed, routing on this router's own: %r", what, exc)
+
+    def changed(self) -> None:
+        """The ledger changed: the publisher thread sends the newest snapshot soon."""
+        self._changed.set()
+
+    def peers(self) -> InflightSnapshot:
+        """The other routers' in-flight requests (``{}`` when the board does not answer)."""
+        import ray
+
+        try:
+            ref = self._handle().peer_inflight.remote(self.router_id)
+            answer = ray.get(ref, timeout=self._lookup_timeout_s)
+        except Exception as exc:  # any Ray failure: decide without the peers
+            self._failed("lookup", exc)
+            return {}
+        if self._down:
+            self._down = False
+            log.warning("in-flight board reachable again")
+        return answer
+
+    def _send(self, snapshot: InflightSnapshot) -> None:
+        try:  # fire and forget: the sequence number orders what arrives
+            self._handle().report_inflight.remote(
+                self.router_id, next(self._seq), snapshot, BOARD_TTL_S
+            )
+        except Exception as exc:
+            self._failed("report", exc)
+
+    def _publish_loop(self) -> None:
+        sent_nonempty = False
+        while not self._stop.is_set():
+            changed = self._changed.wait(REFRESH_S)
+            if self._stop.is_set():
+                break
+            self._changed.clear()
+            snapshot = self._snapshot()
+            if changed or snapshot or sent_nonempty:
+                self._send(snapshot)
+                sent_nonempty = bool(snapshot)
+
+    def close(self) -> None:
+        """Stop publishing and withdraw this router's snapshot (best effort)."""
+        self._stop.set()
+        self._changed.set()
+        self._thread.join(timeout=1.0)
+        self._send({})

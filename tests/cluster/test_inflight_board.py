@@ -1,0 +1,114 @@
+"""cluster.inflight_board: what every request router has in flight, shared between them.
+
+The board itself (sequence numbers, expiry, merging) with a fake clock, and two
+``PrefixAwareRequestRouter``s sharing one board in this process, driven like Serve drives
+them: replica stats that are a second stale show every replica idle, so each router knows
+only what the board tells it about the other's decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.inflight_board import InflightBoard, LocalBoardClient, merge_inflight
+from cluster.request_router import PrefixAwareRequestRouter
+from router.embedded_index import EmbeddedIndex
+from router.protocol import hash_blocks
+from router.routing import Router
+from tests.cluster.test_kv_pull_request_path import pending, running
+
+BLOCK_SIZE = 16
+MODEL_ID = "board-model"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_each_router_sees_the_others_snapshots_merged_oldest_first_but_not_its_own():
+    board = InflightBoard(FakeClock())
+    board.report("r1", 1, {"a": ((1.0, 500), (3.0, 20))}, ttl_s=10.0)
+    board.report("r2", 1, {"a": ((2.0, 300),), "b": ((4.0, 0),)}, ttl_s=10.0)
+    board.report("r3", 1, {"b": ((0.5, 64),)}, ttl_s=10.0)
+    assert board.peers("r3") == {"a": ((1.0, 500), (2.0, 300), (3.0, 20)), "b": ((4.0, 0),)}
+    assert board.peers("r1") == {"a": ((2.0, 300),), "b": ((0.5, 64), (4.0, 0))}
+
+
+def test_a_late_older_report_does_not_undo_a_newer_one():
+    board = InflightBoard(FakeClock())
+    assert board.report("r1", 2, {}, ttl_s=10.0)  # the request completed...
+    assert not board.report("r1", 1, {"a": ((1.0, 500),)}, ttl_s=10.0)  # ...its decision late
+    assert board.peers("r2") == {}
+
+
+def test_a_router_that_stops_reporting_stops_counting_after_the_ttl():
+    clock = FakeClock()
+    board = InflightBoard(clock)
+    board.report("gone", 1, {"a": ((1.0, 500),)}, ttl_s=10.0)
+    board.report("alive", 1, {"a": ((2.0, 40),)}, ttl_s=10.0)
+    clock.now_s += 6.0
+    board.report("alive", 2, {"a": ((2.0, 40),)}, ttl_s=10.0)  # a refresh
+    clock.now_s += 6.0
+    assert board.peers("me") == {"a": ((2.0, 40),)}
+    assert board.last_report_s == 106.0
+
+
+def test_merge_orders_own_and_peer_requests_by_decision_time():
+    own = {"a": ((2.0, 200),), "c": ((1.0, 16),)}
+    peers = {"a": ((1.0, 500), (3.0, 0)), "b": ((5.0, 80),)}
+    assert merge_inflight(own, peers) == {"a": (500, 200, 0), "b": (80,), "c": (16,)}
+
+
+def request_router(policy: str, index: EmbeddedIndex) -> PrefixAwareRequestRouter:
+    router = object.__new__(PrefixAwareRequestRouter)  # Serve's own __init__ needs a cluster
+    router.initialize_state({"block_size": BLOCK_SIZE, "policy": policy})
+    router._router = Router(router.config, MODEL_ID, index=index, speculate_in_background=False)
+    return router
+
+
+def route(routers, turns, candidates, first_token: int) -> list[str]:
+    """Requests with distinct cold prompts, decided by ``routers[turn]`` for each turn; none
+    completes. The chosen replicas."""
+
+    async def main():
+        chosen = []
+        for i, turn in enumerate(turns):
+            ids = [first_token + i] + [7] * 95
+            call = pending(f"q{first_token + i}", ids, hash_blocks(ids, BLOCK_SIZE, MODEL_ID, None))
+            ranks = await routers[turn].choose_replicas(candidates, call)
+            chosen.append(ranks[0][0].replica_id.unique_id)
+        return chosen
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "prefix"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_router_sharing_a_board_sends_to_the_replica_the_other_left_idle(policy, shared):
+    """Router A sends two requests, then router B one, to three replicas whose stats say idle:
+    B's goes to the third replica when B sees A's two through the board; blind, B picks by
+    its own tie-break and lands on one of A's in most of the 12 trials."""
+    replica_ids = ["x", "y", "z"]
+    num_spread = 0
+    for trial in range(12):
+        index = EmbeddedIndex()
+        for replica_id in replica_ids:
+            index.heartbeat(replica_id, 0)
+        candidates = [running(r, prefill_tokens_per_s=200.0) for r in replica_ids]
+        routers = [request_router(policy, index), request_router(policy, index)]
+        if shared:
+            board = InflightBoard()
+            for router in routers:
+                router._board = LocalBoardClient(board, router._inflight.timed_snapshot)
+        chosen = route(routers, [0, 0, 1], candidates, first_token=1000 * (trial + 1))
+        num_spread += len(set(chosen)) == 3
+    if shared:
+        assert num_spread == 12
+    else:
+        assert num_spread < 12
