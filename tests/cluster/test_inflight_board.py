@@ -9,6 +9,7 @@ only what the board tells it about the other's decisions.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -112,3 +113,37 @@ def test_a_router_sharing_a_board_sends_to_the_replica_the_other_left_idle(polic
         assert num_spread == 12
     else:
         assert num_spread < 12
+
+
+def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
+    """The actor cannot be found (``ray.get_actor``'s ``ValueError``): the router decides on
+    its own ledger, warns once, and asks for the actor again on the next call."""
+    from cluster.inflight_board import ActorBoardClient
+
+    attempts = []
+
+    def get_actor():
+        attempts.append(1)
+        raise ValueError("Failed to look up actor 'prefixserve-index:app'")
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    serve_log = logging.getLogger("ray.serve")  # Serve's logger does not propagate to root
+    serve_log.addHandler(records)
+    client = ActorBoardClient(get_actor, lambda: {"a": ((1.0, 16),)}, lookup_timeout_s=0.1)
+    try:
+        assert client.peers() == {}
+        assert client.peers() == {}
+    finally:
+        client.close()
+        serve_log.removeHandler(records)
+    warnings = [m for m in records.messages if "in-flight board" in m]
+    assert len(warnings) == 1, warnings
+    assert len(attempts) >= 2  # not cached as dead: each call resolves the actor again
