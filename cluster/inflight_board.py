@@ -35,6 +35,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
+import ray
+
 log = logging.getLogger("ray.serve")
 
 InflightSnapshot = dict[str, tuple[tuple[float, int], ...]]
@@ -61,14 +63,14 @@ class InflightBoard:
 
     def report(self, router_id: str, seq: int, snapshot: InflightSnapshot, ttl_s: float) -> bool:
         """Replace ``router_id``'s snapshot unless a newer one (higher ``seq``) is already
-        here; an empty snapshot removes the router. True when applied."""
+        here. True when applied. An empty snapshot is kept like any other (with its sequence
+        number, so a late older report stays out) until it expires."""
         now_s = self._clock()
         with self._lock:
             self.last_report_s = now_s
             held = self._reports.get(router_id)
             if held is not None and held[0] >= seq:
                 return False
-            # An empty snapshot stays, with its sequence number, so a late older one stays out.
             self._reports[router_id] = (seq, now_s + ttl_s, dict(snapshot))
             return True
 
@@ -152,8 +154,6 @@ class ActorBoardClient:
             return self._actor
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        import ray
-
         if isinstance(exc, ray.exceptions.RayActorError | ValueError):
             with self._lock:  # dead or not found: resolve it again next time
                 self._actor = None
@@ -167,8 +167,6 @@ class ActorBoardClient:
 
     def peers(self) -> InflightSnapshot:
         """The other routers' in-flight requests (``{}`` when the board does not answer)."""
-        import ray
-
         try:
             ref = self._handle().peer_inflight.remote(self.router_id)
             answer = ray.get(ref, timeout=self._lookup_timeout_s)
