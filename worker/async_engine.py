@@ -86,7 +86,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
-        self._core.start(self._on_step, self._on_dead)
+        self._core.start(self._on_step, self._on_dead, self._answer)
 
     # -- caller side -------------------------------------------------------------------------
     async def generate(
@@ -155,29 +155,36 @@ class AsyncEngine:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
     ) -> KVPayload | None:
-        """``LLMEngine.export_prefix``, run by the engine between two steps."""
+        """``LLMEngine.export_prefix``. An engine in its own process answers at once with
+        its device blocks while it steps (``engine_core.answer_now``); otherwise, or when a
+        host tier may hold more of the prefix, it is run between two steps."""
         return await self._call("export_prefix", list(block_hashes), list(token_ids), cache_salt)
 
     async def import_prefix(self, payload: KVPayload) -> int:
         """``LLMEngine.import_prefix``, run by the engine between two steps; raises its refusals."""
-        return await self._call("import_prefix", payload)
+        return await self.submit_import(payload)
+
+    def submit_import(self, payload: KVPayload) -> asyncio.Future:
+        """Queues ``import_prefix`` now and returns the future of its answer. The engine takes
+        commands in order, so a request added after this call finds the imported blocks
+        without waiting for the answer (which comes a step later)."""
+        return self._start_call("import_prefix", payload)
 
     async def _call(self, method: str, *args) -> object:
+        return await self._start_call(method, *args)
+
+    def _start_call(self, method: str, *args) -> asyncio.Future:
         if not self.is_alive():
             raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (loop, future)
-        try:
-            self._core.submit(("call", call_id, method, args))
-            if not self.is_alive():  # died before it could answer: _on_dead may have run already
-                _settle(
-                    future, EngineDeadError(f"engine {self.replica_id} failed: {self.why_dead()}")
-                )
-            return await future
-        finally:
-            self._calls.pop(call_id, None)
+        future.add_done_callback(lambda _: self._calls.pop(call_id, None))
+        self._core.submit(("call", call_id, method, args))
+        if not self.is_alive():  # died before it could answer: _on_dead may have run already
+            _settle(future, EngineDeadError(f"engine {self.replica_id} failed: {self.why_dead()}"))
+        return future
 
     def stats(self) -> ReplicaStats:
         return self._stats

@@ -38,6 +38,9 @@ class Block:
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
     """The tokens whose KV the block holds, kept to verify every hit."""
+    num_evictions: int = 0
+    """How many times the block lost a cached hash: a reader on another thread that saw the
+    same count before and after copying the block read one content (``peek_cached_prefix``)."""
 
 
 class BlockPool:
@@ -86,6 +89,36 @@ class BlockPool:
                 break
             hits.append(block)
         return hits
+
+    def peek_cached_prefix(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
+    ) -> list[tuple[Block, int]]:
+        """``find_cached_prefix`` for a reader on another thread while the engine steps:
+        (block, its ``num_evictions``) per leading hit, touching nothing (no counter, no
+        reference). The caller copies the blocks, then keeps those ``still_cached`` says were
+        not evicted meanwhile: a block is only rewritten after it is evicted."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[tuple[Block, int]] = []
+        bs = self.block_size
+        for i, h in enumerate(block_hashes):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            num_evictions = block.num_evictions  # read before the tokens and hash it guards
+            if block.block_hash != h or block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append((block, num_evictions))
+        return hits
+
+    @staticmethod
+    def still_cached(hits: Sequence[tuple[Block, int]]) -> int:
+        """How many leading ``peek_cached_prefix`` hits have not been evicted since."""
+        for i, (block, num_evictions) in enumerate(hits):
+            if block.num_evictions != num_evictions:
+                return i
+        return len(hits)
 
     def load_host_prefix(
         self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int
@@ -168,6 +201,7 @@ class BlockPool:
             self._events.append(KVEvent(EventKind.REMOVED, (block.block_hash,), Tier.DEVICE))
             if self.host is not None:
                 self.host.save(block.block_id, block.block_hash, block.token_ids)
+            block.num_evictions += 1  # first: a concurrent reader must see it before any change
             block.block_hash = None
             block.token_ids = None
 
@@ -176,6 +210,8 @@ class BlockPool:
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
+            if block.block_hash is not None:
+                block.num_evictions += 1
             block.block_hash, block.token_ids = None, None
         self._cached.clear()
         if self.host is not None:

@@ -441,6 +441,22 @@ class LLMEngine:
             self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt
         )
 
+    def export_device_prefix(
+        self,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+    ) -> kv_transfer.KVPayload | None:
+        """``export_prefix`` of the device pool alone, callable from another thread while this
+        engine steps (``kv_transfer.export_device_prefix``)."""
+        return kv_transfer.export_device_prefix(
+            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt
+        )
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.pool.host is not None
+
     def import_prefix(self, payload: kv_transfer.KVPayload) -> int:
         """Caches a peer's exported blocks as if computed here; returns how many were copied.
         Their ``stored`` events go out with the next drain."""

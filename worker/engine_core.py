@@ -36,6 +36,25 @@ ENGINE_CALLS = frozenset({"export_prefix", "import_prefix"})
 from a peer)."""
 
 
+def answer_now(engine: LLMEngine, command: tuple) -> tuple[object] | None:
+    """A ``("call", ...)`` that needs no step boundary, answered on the caller's thread while
+    the engine steps: ``(answer,)``, or None when the call must wait for a step boundary.
+
+    One call qualifies: ``export_prefix``, answered with the device blocks
+    (``LLMEngine.export_device_prefix``) unless a host tier may hold more of the prefix, which
+    only a between-steps export can read. A peer's pull then waits for the copy, not for
+    the holder's step (up to seconds on a busy CPU replica)."""
+    _, _, method, args = command
+    if method != "export_prefix":
+        return None
+    try:
+        payload = engine.export_device_prefix(*args)
+    except Exception as exc:  # noqa: BLE001 - bad input from a peer must not end the engine
+        return (exc,)
+    whole = payload is not None and payload.num_blocks == len(args[0])
+    return (payload,) if whole or not engine.has_host_tier else None
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What callers need to know of the engine without reaching into it."""
@@ -74,8 +93,12 @@ class EngineCore:
     tokenizer: Tokenizer
 
     def start(
-        self, on_step: Callable[[StepResult], None], on_dead: Callable[[BaseException], None]
+        self,
+        on_step: Callable[[StepResult], None],
+        on_dead: Callable[[BaseException], None],
+        on_reply: Callable[[int, object], None] | None = None,
     ) -> None:
+        """``on_reply(call id, answer)``: a call answered outside a step (``answer_now``)."""
         raise NotImplementedError
 
     def submit(self, command: tuple) -> None:
@@ -191,7 +214,9 @@ class ThreadCore(EngineCore):
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{replica_id}", daemon=True)
 
-    def start(self, on_step, on_dead) -> None:
+    def start(self, on_step, on_dead, on_reply=None) -> None:
+        """Every call is answered between steps, in ``StepResult.replies`` (this core serves
+        tensor parallelism, where KV transfer is refused)."""
         self._on_step, self._on_dead = on_step, on_dead
         self._thread.start()
 

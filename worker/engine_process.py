@@ -10,10 +10,15 @@ Protocol, over one ``socket.socketpair`` wrapped in ``multiprocessing.connection
     ``("abort", id)``, ``("stop",)``, ``("call", id, method, args)`` answered in the step's
     replies).
     child -> parent: ``("ready", EngineInfo)`` or ``("failed", message)`` once, then one
-    ``("step", PackedStep)`` per engine step that produced anything, and ``("error",
-    message)`` if the loop dies. Outputs travel as deltas (new token ids, new text, new
+    ``("step", PackedStep)`` per engine step that produced anything, ``("reply", (call id,
+    answer))`` for a call answered at once (``engine_core.answer_now``: a peer's export), and
+    ``("error", message)`` if the loop dies. Outputs travel as deltas (new token ids, new text, new
     logprobs); ``OutputAssembler`` rebuilds the cumulative ``RequestOutput`` on this side, so
     a step's message grows with the batch, not with the length of the outputs.
+
+In the child a reader thread takes the commands off the socket as they come: it answers
+``answer_now`` calls itself, while the engine steps, and queues the rest for the loop, which
+takes them between steps. Both threads send under one lock.
 
 The child is started with ``python -m worker.engine_process FD``: a fresh interpreter that
 never re-imports the caller's ``__main__`` (so it works from Ray workers and plain scripts),
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -41,13 +47,27 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from worker.config import EngineConfig
-from worker.engine_core import EngineCore, EngineInfo, EngineLoop, StepResult, info_of
+from worker.engine_core import (
+    EngineCore,
+    EngineInfo,
+    EngineLoop,
+    StepResult,
+    answer_now,
+    info_of,
+)
 from worker.loader import load_tokenizer
 from worker.outputs import CompletionOutput, EngineDeadError, RequestOutput
 from worker.parallel.workers import child_env
 
 log = logging.getLogger(__name__)
 
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Send and receive buffer of each end of the engine socket (the kernel may grant less). A KV
+payload (23 MB for a 496-token SmolLM2 prefix) then crosses in a few reads, not a hundred:
+the reading thread takes the GIL back after each read, behind the server's busy threads."""
+ENGINE_SWITCH_INTERVAL_S = 0.001
+"""The engine process's GIL switch interval (Python's default: 5 ms). Its reader thread asks
+for the GIL only when a command arrives; then it waits at most this long behind the loop."""
 ENGINE_START_TIMEOUT_S = 900.0
 """Loading a model (a first GGUF conversion included) on a busy node."""
 START_POLL_S = 0.5
@@ -177,6 +197,9 @@ class ProcessCore(EngineCore):
     def __init__(self, config: EngineConfig, replica_id: str) -> None:
         self.replica_id = replica_id
         parent_sock, child_sock = socket.socketpair()
+        for sock in (parent_sock, child_sock):
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "worker.engine_process", str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),),
@@ -222,8 +245,8 @@ class ProcessCore(EngineCore):
         )
         raise RuntimeError(f"engine process of {self.replica_id} {why}; see its log above")
 
-    def start(self, on_step, on_dead) -> None:
-        self._on_step, self._on_dead = on_step, on_dead
+    def start(self, on_step, on_dead, on_reply=None) -> None:
+        self._on_step, self._on_dead, self._on_reply = on_step, on_dead, on_reply
         self._reader.start()
 
     def submit(self, command: tuple) -> None:
@@ -265,6 +288,8 @@ class ProcessCore(EngineCore):
                 kind, payload = self._conn.recv()
                 if kind == "step":
                     self._on_step(self._unpack(payload))
+                elif kind == "reply" and self._on_reply is not None:
+                    self._on_reply(*payload)
                 elif kind == "error":
                     reason = f"engine loop failed: {payload}"
                     break
@@ -306,6 +331,10 @@ def _end_process(proc: subprocess.Popen, conn: Connection) -> None:
 
 
 # -- the child -------------------------------------------------------------------------------
+_PARENT_GONE = ("parent gone",)
+"""What the reader thread queues when the socket closes: the loop ends."""
+
+
 def serve_engine(conn: Connection) -> int:
     """The engine process's life: build the engine, then run the loop until told to stop."""
     from worker.engine import LLMEngine
@@ -318,26 +347,71 @@ def serve_engine(conn: Connection) -> int:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return 1
     conn.send(("ready", info_of(engine)))
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(
+        target=_read_commands,
+        args=(conn, engine, commands, send),
+        name="engine-commands",
+        daemon=True,
+    ).start()
     loop = EngineLoop(engine)
     try:
         while True:
-            timeout_s = None if loop.idle() else 0.0
-            while conn.poll(timeout_s):
-                if not loop.handle(conn.recv()):
-                    return 0
-                timeout_s = 0.0
+            try:
+                command = commands.get() if loop.idle() else commands.get_nowait()
+                while True:
+                    if command is _PARENT_GONE:
+                        return 0  # nobody is left to serve
+                    if isinstance(command, BaseException):
+                        raise command
+                    if not loop.handle(command):
+                        return 0
+                    command = commands.get_nowait()
+            except queue.Empty:
+                pass
             result = loop.step()
             if result is not None:
                 result.outputs = [pack_output(out) for out in result.outputs]
-                conn.send(("step", result))
+                send(("step", result))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # the parent went away: nobody is left to serve
     except Exception as exc:  # noqa: BLE001 - the engine is dead; say why, then exit
         log.exception("engine %s loop died", replica_id)
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        send(("error", f"{type(exc).__name__}: {exc}"))
         return 1
     finally:
         engine.shutdown()
+
+
+def _read_commands(conn: Connection, engine, commands: queue.Queue, send) -> None:
+    """The child's reader thread: answers ``answer_now`` calls, queues the other commands;
+    queues ``_PARENT_GONE`` when the socket closes, or what else ended it (the loop raises it)."""
+    try:
+        while True:
+            command = conn.recv()
+            start_s = time.perf_counter()
+            answered = answer_now(engine, command) if command[0] == "call" else None
+            if answered is None:
+                commands.put(command)
+            else:
+                answer_s = time.perf_counter() - start_s
+                send(("reply", (command[1], answered[0])))
+                log.debug(
+                    "call %s answered in %.3f s, sent in %.3f s",
+                    command[2],
+                    answer_s,
+                    time.perf_counter() - start_s - answer_s,
+                )
+    except (EOFError, OSError):
+        commands.put(_PARENT_GONE)
+    except BaseException as exc:  # noqa: BLE001 - a command we cannot read ends the engine
+        commands.put(exc)
 
 
 def main(argv: list[str]) -> int:
@@ -345,6 +419,7 @@ def main(argv: list[str]) -> int:
         level=os.environ.get("PREFIXSERVE_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s",
     )
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     conn = Connection(int(argv[0]))
     try:
         return serve_engine(conn)

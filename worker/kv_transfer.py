@@ -20,8 +20,12 @@ referenced block. The imported blocks end unreferenced, cached, at the young end
 eviction queue (a chain's tail goes first, as after a request).
 
 Tensor parallelism (each rank holds a share of the heads) is refused with a ``ValueError`` in
-this first version. Both functions run on the engine's own thread, between steps: no step can
-write a block while it is copied.
+this first version. ``export_prefix`` and ``import_prefix`` run on the engine's own thread,
+between steps: no step can write a block while it is copied. ``export_device_prefix`` is the
+export a holder answers at once, on another thread while its engine steps (a busy holder's
+step lasts up to seconds on a CPU): device blocks only, copied without a reference, then kept
+only as far as none was evicted during the copy (``BlockPool.peek_cached_prefix``); a block
+is rewritten only after it is evicted, so what is kept is what the blocks held.
 """
 
 from __future__ import annotations
@@ -172,11 +176,44 @@ def export_prefix(
             next_device += 1
         else:
             rows.append(host_slot_block(runner, idx).to("cpu"))
-    n = len(sources)
-    spec = runner.spec
+    return _payload(runner, model_id, bs, block_hashes, token_ids, cache_salt, torch.stack(rows))
+
+
+def export_device_prefix(
+    pool: BlockPool,
+    runner: ModelRunner,
+    model_id: str,
+    block_hashes: Sequence[BlockHash],
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
+) -> KVPayload | None:
+    """``export_prefix`` of the device blocks alone, safe on any thread while the engine steps:
+    the leading run of matching device blocks not evicted while they were copied; None when
+    that run is empty."""
+    _refuse_tensor_parallel(runner)
+    hits = pool.peek_cached_prefix(block_hashes, token_ids)
+    if not hits:
+        return None
+    kv = gather_device_blocks(runner, [block.block_id for block, _ in hits])
+    n = pool.still_cached(hits)  # after the copy: a block evicted meanwhile may be rewritten
+    if n == 0:
+        return None
+    return _payload(runner, model_id, pool.block_size, block_hashes, token_ids, cache_salt, kv[:n])
+
+
+def _payload(
+    runner: ModelRunner,
+    model_id: str,
+    block_size: int,
+    block_hashes: Sequence[BlockHash],
+    token_ids: Sequence[int],
+    cache_salt: str | None,
+    kv: torch.Tensor,
+) -> KVPayload:
+    n, spec = kv.shape[0], runner.spec
     return KVPayload(
         model_id=model_id,
-        block_size=bs,
+        block_size=block_size,
         dtype=dtype_name(runner.kv.dtype),
         layout=KV_LAYOUT,
         num_layers=spec.num_layers,
@@ -184,8 +221,8 @@ def export_prefix(
         head_dim=spec.head_dim,
         cache_salt=cache_salt,
         block_hashes=tuple(block_hashes[:n]),
-        token_ids=tuple(int(t) for t in token_ids[: n * bs]),
-        kv=torch.stack(rows).contiguous(),
+        token_ids=tuple(int(t) for t in token_ids[: n * block_size]),
+        kv=kv.contiguous(),
     )
 
 

@@ -221,7 +221,107 @@ def test_pull_between_async_engines_across_the_process_boundary(tiny_models, tes
         assert stored[:6] == hashes, "the import's events reach the replica's publisher"
         assert await a.import_prefix(await b.export_prefix(hashes, prompt)) == 0  # A holds them all
         assert await a.export_prefix(hashes, [t + 1 for t in prompt]) is None
-        await a.shutdown(1.0)
-        await b.shutdown(1.0)
+        # An import queued, not awaited: a request added after it finds the blocks.
+        c = AsyncEngine(config, "c", spawn=True)
+        imported = c.submit_import(payload)
+        assert (await generate(c, "c0")).num_cached_tokens == 96
+        assert await imported == 6
+        for engine in (a, b, c):
+            await engine.shutdown(1.0)
 
     asyncio.run(main())
+
+
+# -- the export a holder answers while its engine steps ------------------------------------------
+def test_export_while_stepping_copies_only_blocks_not_evicted_during_the_copy(
+    tiny_models, test_seed, monkeypatch
+):
+    """``export_device_prefix`` takes no reference: a block evicted (and so free to be
+    rewritten) while it was being copied is cut from the payload, with every block after it."""
+    import worker.kv_transfer as kv_transfer
+
+    rng = random.Random(test_seed)
+    prompt = prompt_of(rng, 100)
+    a = tiny(tiny_models, num_kv_blocks=12)
+    run(a, {"a0": (prompt, PARAMS)})
+    hashes = hash_blocks(prompt, a.block_size, a.model_id, None)
+    reference = export(a, prompt)
+    free_before, collisions = a.pool.num_free_blocks, a.pool.num_collisions
+
+    quiet = a.export_device_prefix(hashes, prompt)
+    assert quiet.block_hashes == reference.block_hashes and quiet.kv.equal(reference.kv)
+    assert (a.pool.num_free_blocks, a.pool.num_collisions) == (free_before, collisions)
+    a.pool.check_invariants()
+
+    gather = kv_transfer.gather_device_blocks
+
+    def gather_then_step(runner, block_ids):
+        copied = gather(runner, block_ids)
+        # meanwhile the engine's step allocates: the free queue is in eviction order, and the
+        # prompt's blocks (freed tail first) go from its last block back to its first
+        a.pool.free(a.pool.allocate(a.pool.num_free_blocks - 4))
+        return copied
+
+    monkeypatch.setattr(kv_transfer, "gather_device_blocks", gather_then_step)
+    cut = a.export_device_prefix(hashes, prompt)
+    monkeypatch.undo()
+    held = len(a.pool.find_cached_prefix(hashes, prompt))
+    assert 0 < cut.num_blocks == held < reference.num_blocks
+    assert cut.kv.equal(reference.kv[:held]), "what is kept is what the blocks held"
+    assert a.export_device_prefix(hashes, [t + 1 for t in prompt]) is None
+
+
+def test_a_busy_engine_process_answers_an_export_without_waiting_for_its_step(
+    tiny_models, test_seed
+):
+    """The engine process's reader thread answers a peer's export itself, with nothing
+    stepping the engine (the loop is not even running here), and queues every other command
+    for the loop; with a host tier that may hold more of the prefix it queues the export too."""
+    import queue
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from worker.engine_process import _PARENT_GONE, _read_commands
+
+    rng = random.Random(test_seed)
+    prompt = prompt_of(rng, 100)
+    hashes = hash_blocks(prompt, 16, "tiny", None)
+
+    def serve(engine):
+        parent_sock, child_sock = socket.socketpair()
+        parent, child = Connection(parent_sock.detach()), Connection(child_sock.detach())
+        commands: queue.Queue = queue.Queue()
+        reader = threading.Thread(
+            target=_read_commands, args=(child, engine, commands, child.send), daemon=True
+        )
+        reader.start()
+        return parent, commands, reader
+
+    a = tiny(tiny_models)
+    run(a, {"a0": (prompt, PARAMS)})
+    hashes = hash_blocks(prompt, a.block_size, a.model_id, None)
+    parent, commands, reader = serve(a)
+    parent.send(("call", 7, "export_prefix", (hashes, prompt, None)))
+    parent.send(("abort", "x"))
+    assert parent.poll(30), "the export was not answered while nothing steps the engine"
+    kind, (call_id, payload) = parent.recv()
+    assert (kind, call_id) == ("reply", 7)
+    assert payload.kv.equal(export(a, prompt).kv)
+    assert commands.get(timeout=30) == ("abort", "x")
+    parent.send(("call", 8, "import_prefix", (payload,)))
+    assert commands.get(timeout=30)[:3] == ("call", 8, "import_prefix")
+    parent.close()
+    assert commands.get(timeout=30) is _PARENT_GONE
+    reader.join(30)
+
+    per_block = 2 * 2 * 2 * 16 * 32 * 4
+    h = tiny(tiny_models, num_kv_blocks=12, host_kv_cache_bytes=64 * per_block)
+    run(h, {"h0": (prompt, PARAMS)})
+    run(h, {f"f{i}": (prompt_of(rng, 120), SamplingParams(max_tokens=1)) for i in range(3)})
+    assert len(h.pool.find_cached_prefix(hashes, prompt)) < 6, "meant to push blocks to host"
+    parent, commands, _ = serve(h)
+    parent.send(("call", 9, "export_prefix", (hashes, prompt, None)))
+    assert commands.get(timeout=30)[:3] == ("call", 9, "export_prefix")
+    assert not parent.poll(0.2), "the host tier is read between steps only"
+    parent.close()
