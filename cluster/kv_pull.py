@@ -18,6 +18,10 @@ local hit, bitwise (determinism contract).
   order whose leading blocks a pull in flight brings waits for it too: after a decision with
   a pull the router's speculative entry says this replica holds the prefix, so the next
   request for it comes here with no order, and would otherwise prefill it meanwhile.
+- A request waits for a pull only until its import is queued in the engine
+  (``EngineReplica.pull_prefix``'s ``import_queued``), not for the import's answer: the
+  engine takes commands in order, so a request added after the import finds the blocks, and
+  its admission does not wait one more engine step.
 - An order meant for another replica (Serve sent the call elsewhere because the chosen one
   was full) or naming this replica as the peer is ignored.
 
@@ -89,6 +93,8 @@ class ReplicaKVPuller:
         self._pulls: dict[bytes, asyncio.Task] = {}
         """Block hash -> the pull (in flight or recently finished) whose chain holds it."""
         self._peer_of: dict[asyncio.Task, str] = {}
+        self._queued: dict[asyncio.Task, asyncio.Event] = {}
+        """Pull -> set once its import is queued in the engine (requests may go ahead)."""
 
     def blocks_to_pull(
         self, order: dict | None, block_hashes: Sequence[bytes] | None, num_prompt_tokens: int
@@ -112,27 +118,43 @@ class ReplicaKVPuller:
         prompt_token_ids: Sequence[int],
         cache_salt: str | None,
     ) -> dict | None:
-        """Carries out ``order`` for one request; returns the pull's result (shared by every
-        request it served), or None when there was nothing to pull. Never raises but
-        ``CancelledError`` (the request's own; the pull goes on for the others)."""
+        """Carries out ``order`` for one request; returns once the request may be added to the
+        engine: the pull has finished (its result, shared by every request it served), or its
+        import is queued in the engine ahead of the request (None; the engine takes commands
+        in order, so the request finds the blocks), or there was nothing to pull (None).
+        Never raises but ``CancelledError`` (the request's own; the pull goes on for the
+        others)."""
         num_blocks = self.blocks_to_pull(order, block_hashes, len(prompt_token_ids))
         if num_blocks == 0:  # no order; but a pull in flight may be bringing its blocks
             task = self._covering(block_hashes)
-            return None if task is None else await asyncio.shield(task)
+            return None if task is None else await self._admissible(task)
         hashes = [bytes(h) for h in block_hashes[:num_blocks]]
         task = self._pulls.get(hashes[-1])
         if task is not None and _failed(task) and self._peer_of.get(task) != order["peer_id"]:
             task = None  # a recent pull of these blocks failed, but from another peer: try this one
         if task is None:  # nothing in flight covers these blocks: this request pulls them
             tokens = list(prompt_token_ids[: num_blocks * self.block_size])
+            queued = asyncio.Event()
             task = asyncio.get_running_loop().create_task(
-                self._pull(order["peer_id"], hashes, tokens, cache_salt)
+                self._pull(order["peer_id"], hashes, tokens, cache_salt, queued)
             )
             for block_hash in hashes:
                 self._pulls[block_hash] = task
             self._peer_of[task] = order["peer_id"]
+            self._queued[task] = queued
             task.add_done_callback(lambda done: self._forget_later(done, hashes))
-        return await asyncio.shield(task)
+        return await self._admissible(task)
+
+    async def _admissible(self, task: asyncio.Task) -> dict | None:
+        """Waits until ``task`` finished or queued its import; its result, or None."""
+        queued = self._queued.get(task)
+        if not task.done() and queued is not None and not queued.is_set():
+            waiter = asyncio.ensure_future(queued.wait())
+            try:  # asyncio.wait: cancelling this request cancels neither the pull nor the waiter
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        return task.result() if task.done() else None
 
     def _covering(self, block_hashes: Sequence[bytes] | None) -> asyncio.Task | None:
         """The pull in flight holding the most leading blocks of a request without an order (the
@@ -152,28 +174,49 @@ class ReplicaKVPuller:
                 if self._pulls.get(block_hash) is task:
                     del self._pulls[block_hash]
             self._peer_of.pop(task, None)
+            self._queued.pop(task, None)
 
         asyncio.get_running_loop().call_later(KV_PULL_REUSE_S, forget)
 
     async def _pull(
-        self, peer_id: str, hashes: list[bytes], tokens: list[int], cache_salt: str | None
+        self,
+        peer_id: str,
+        hashes: list[bytes],
+        tokens: list[int],
+        cache_salt: str | None,
+        queued: asyncio.Event,
     ) -> dict:
+        """The pull; ``timeout_s`` bounds it until its import is queued (the import's answer
+        then comes within one engine step)."""
         start_s = time.monotonic()
+        pull = asyncio.ensure_future(self._pull_from(peer_id, hashes, tokens, cache_salt, queued))
+        waiter = asyncio.ensure_future(queued.wait())
         try:
-            result = await asyncio.wait_for(
-                self._pull_from(peer_id, hashes, tokens, cache_salt), self.timeout_s
+            await asyncio.wait(
+                {pull, waiter}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
-        except TimeoutError:
+        finally:
+            waiter.cancel()
+        if not pull.done() and not queued.is_set():
+            pull.cancel()
             result = failed_pull(f"timed out after {self.timeout_s} s")
-        except Exception as exc:  # noqa: BLE001 - a bug here costs the pull, not the request
-            log.exception("replica %s: KV pull from %s", self.replica_id, peer_id)
-            result = failed_pull(f"{type(exc).__name__}: {exc}")
+        else:
+            try:
+                result = await pull
+            except Exception as exc:  # noqa: BLE001 - a bug here costs the pull, not the request
+                log.exception("replica %s: KV pull from %s", self.replica_id, peer_id)
+                result = failed_pull(f"{type(exc).__name__}: {exc}")
         result["pull_s"] = time.monotonic() - start_s
         self._record(peer_id, result)
         return result
 
     async def _pull_from(
-        self, peer_id: str, hashes: list[bytes], tokens: list[int], cache_salt: str | None
+        self,
+        peer_id: str,
+        hashes: list[bytes],
+        tokens: list[int],
+        cache_salt: str | None,
+        queued: asyncio.Event,
     ) -> dict:
         peer, resolve_s = self._peers.get(peer_id), 0.0
         if peer is None:
@@ -184,7 +227,7 @@ class ReplicaKVPuller:
                 return failed_pull(f"peer {peer_id} not found: {type(exc).__name__}: {exc}")
             self._peers[peer_id] = peer
             resolve_s = time.monotonic() - start_s
-        result = await self._pull_prefix(peer, hashes, tokens, cache_salt)
+        result = await self._pull_prefix(peer, hashes, tokens, cache_salt, import_queued=queued)
         result["resolve_s"] = resolve_s
         return result
 
@@ -197,13 +240,15 @@ class ReplicaKVPuller:
         self.metrics.observe("kv_pull_seconds", result["pull_s"])
         if result["error"] is None:
             log.debug(
-                "replica %s pulled %d blocks from %s in %.3f s (peer lookup %.3f s, answer %.3f s)",
+                "replica %s pulled %d blocks from %s in %.3f s (peer lookup %.3f s, answer %.3f s, "
+                "import %.3f s)",
                 self.replica_id,
                 result["imported_blocks"],
                 peer_id,
                 result["pull_s"],
                 result.get("resolve_s", 0.0),
                 result.get("export_s", 0.0),
+                result.get("import_s", 0.0),
             )
             return
         count("kv_pull_failures")

@@ -299,10 +299,23 @@ class EngineReplica:
     ):
         """The leading blocks of this prefix that this replica holds, as a ``KVPayload`` (None
         when it holds none): what a peer's ``pull_prefix`` calls (issue 19)."""
-        return await self.engine.export_prefix(block_hashes, token_ids, cache_salt)
+        start_s = time.monotonic()
+        payload = await self.engine.export_prefix(block_hashes, token_ids, cache_salt)
+        log.debug(
+            "replica %s exported %d blocks in %.3f s",
+            self.replica_id,
+            0 if payload is None else payload.num_blocks,
+            time.monotonic() - start_s,
+        )
+        return payload
 
     async def pull_prefix(
-        self, peer, block_hashes: list[bytes], token_ids: list[int], cache_salt: str | None = None
+        self,
+        peer,
+        block_hashes: list[bytes],
+        token_ids: list[int],
+        cache_salt: str | None = None,
+        import_queued: asyncio.Event | None = None,
     ) -> dict:
         """Copies the blocks of this prefix that ``peer`` holds into this replica's cache, so
         the next request with it hits them instead of prefilling. ``peer``: a handle whose
@@ -310,7 +323,10 @@ class EngineReplica:
         actor handle). Never raises: a peer that is gone, holds nothing or sends a payload
         this engine refuses costs the pull, not a request; ``error`` says why.
         Returns ``{"imported_blocks", "pulled_tokens", "payload_bytes", "pull_s", "error"}``,
-        and ``export_s`` (the peer's answer arrived after this long) once it answered."""
+        ``export_s`` (the peer's answer arrived after this long) once it answered and
+        ``import_s`` (this engine took the blocks after this much longer) once imported.
+        ``import_queued`` is set once the import is queued in the engine: a request added from
+        then on finds the blocks, so it need not wait for the import's answer."""
         t0 = time.monotonic()
         result = {
             "imported_blocks": 0,
@@ -327,7 +343,11 @@ class EngineReplica:
                     payload.num_tokens,
                     payload.kv_bytes,
                 )
-                result["imported_blocks"] = await self.engine.import_prefix(payload)
+                imported = self.engine.submit_import(payload)
+                if import_queued is not None:
+                    import_queued.set()
+                result["imported_blocks"] = await imported
+                result["import_s"] = time.monotonic() - t0 - result["export_s"]
         except Exception as exc:  # noqa: BLE001 - a failed pull falls back to prefilling
             log.warning("replica %s: pulling a prefix from a peer failed: %r", self.replica_id, exc)
             result["error"] = f"{type(exc).__name__}: {exc}"

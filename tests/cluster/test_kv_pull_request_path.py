@@ -177,6 +177,51 @@ def test_routed_to_a_replica_without_the_prefix_it_pulls_once_and_answers_as_a_h
     asyncio.run(main())
 
 
+def test_a_request_waits_for_its_pulls_import_to_be_queued_not_answered(tiny_models, test_seed):
+    """The engine takes commands in order: once the import is queued, a request added after it
+    finds the blocks, so admission does not wait for the import's answer (a step later on a
+    busy replica). Here the answer is held back until the request has finished."""
+    rng = random.Random(test_seed)
+    prompt = [rng.randrange(5, 40000) for _ in range(NUM_PROMPT_TOKENS)]
+    config = EngineConfig(model=tiny_models["llama"], num_kv_blocks=64)
+    a, b = replica(config, "a"), replica(config, "b")
+    with_puller(a, {})
+    with_puller(b, {"a": PeerHandle(a)})
+    hashes = hash_blocks(prompt, BLOCK_SIZE, a.engine.model_id, None)
+
+    async def main():
+        cold = await run(a, pending("a0", prompt, hashes))
+        answer_released = asyncio.Event()
+        submit_import = b.engine.submit_import
+
+        def answer_late(payload):
+            queued = submit_import(payload)
+
+            async def late():
+                imported = await queued
+                await answer_released.wait()
+                return imported
+
+            return asyncio.ensure_future(late())
+
+        b.engine.submit_import = answer_late
+        call = pending("b0", prompt, hashes)
+        call.kwargs["kv_pull"] = {"replica_id": "b", "peer_id": "a", "num_blocks": 6}
+        pulled = await asyncio.wait_for(run(b, call), 30)
+        assert pulled == (96, *cold[1:]), "a hit on the pulled blocks, bitwise a cold run's output"
+        assert b.metrics.counters["kv_pulls"] == 0, "the pull is counted when it finishes"
+        answer_released.set()
+        for _ in range(100):
+            if b.metrics.counters.get("kv_pulls"):
+                break
+            await asyncio.sleep(0.05)
+        assert (b.metrics.counters["kv_pulls"], b.metrics.counters["kv_pull_blocks"]) == (1, 6)
+        for r in (a, b):
+            await r.engine.shutdown(1.0)
+
+    asyncio.run(main())
+
+
 def test_kv_pull_flag_turns_pulls_on_at_the_given_rate():
     from cluster.cli import args_from_namespace, build_parser
     from cluster.config import configs_from_args
