@@ -80,12 +80,15 @@ class RouterConfig:
     not pull, every miss is priced as a prefill. Setting it below the measured transfer rate
     makes copies dearer (each takes cache space that evicts other prefixes); the simulator uses
     1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR). Off by default: a served pull costs
-    far more than the engine-side rate (7237 tokens/s, bench/kv_pull.py) says (a Ray call,
-    the holder's current step, two engine-process hops): 1.14 s per 496-token SmolLM2 pull on
-    the 2-core CPU, 16x its price. There pulls cut a busy holder's follow-up TTFT (median
-    0.87 s vs 1.76 s) and a 6-request burst's mean (1.38 s vs 1.69 s) but not its slowest
-    (1.99 s vs 1.80 s), over 3 repeats (bench/results/kv_pull_served_cpu_2026-11-24.json):
-    too thin and too machine-specific for a default rate."""
+    far more than the engine-side rate (7237 tokens/s, bench/kv_pull.py) says. A busy holder
+    now answers an export at once (45 ms median while decoding, 50 ms while prefilling, vs
+    174 ms and 2.7 s when it answered between steps: bench/results/kv_export_busy_cpu_2026-11-26*),
+    but the rest of the served path (a Ray call carrying 23 MB, two engine-process hops, on a
+    2-core CPU shared with both replicas) still makes a 496-token SmolLM2 pull 0.38-1.16 s
+    (kv_pull_served_cpu_2026-11-26.json; 1.14 s mean on 2026-11-24), 5-16x its price, and a
+    busy holder's follow-up waited 0.83 s with pulls against 0.21 s queued behind the holder:
+    too slow and too machine-specific for a default rate.
+"""
     seed: int = 0
     """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
 
