@@ -33,6 +33,7 @@ import enum
 import logging
 import time
 
+import ray
 from ray import serve
 
 from cluster.index_actor import make_cluster_index
@@ -44,6 +45,7 @@ from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
 from worker.async_engine import coalesce
+from worker.kv_transfer import SharedKV, default_shared_dir, remove_shared
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
 
 # Serve routes the "ray.serve" logger into each replica's log file.
@@ -129,9 +131,18 @@ def rejection(replica_id: str, kind: RejectKind, message: str) -> dict:
     return {"replica_id": replica_id, "rejected": {"kind": kind.value, "message": message}}
 
 
+SHARED_KV_TTL_S = 30.0
+"""A ``SharedKV`` file this replica exported is removed after this long if its importer has
+not removed it (it timed out or died first): well past ``cluster.kv_pull.KV_PULL_TIMEOUT_S``."""
+
+
 @serve.deployment
 class EngineReplica:
     """One engine; Serve runs ``num_replicas`` of these behind the ingress's handle."""
+
+    node_id: str | None = None
+    """The Ray node this replica runs on: a peer on the same node is sent K/V through shared
+    memory (``kv_transfer.SharedKV``) instead of in the reply."""
 
     async def __init__(
         self,
@@ -143,6 +154,7 @@ class EngineReplica:
     ) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
         config = EngineConfig(**engine_config)
         launcher = RayWorkerLauncher() if config.tensor_parallel_size > 1 else None
         self.engine = AsyncEngine(config, replica_id=self.replica_id, launcher=launcher)
@@ -295,12 +307,23 @@ class EngineReplica:
         )
 
     async def export_prefix(
-        self, block_hashes: list[bytes], token_ids: list[int], cache_salt: str | None = None
+        self,
+        block_hashes: list[bytes],
+        token_ids: list[int],
+        cache_salt: str | None = None,
+        peer_node_id: str | None = None,
     ):
         """The leading blocks of this prefix that this replica holds, as a ``KVPayload`` (None
-        when it holds none): what a peer's ``pull_prefix`` calls (issue 19)."""
+        when it holds none): what a peer's ``pull_prefix`` calls (issue 19). A peer on this
+        node (``peer_node_id``) gets the K/V in a shared-memory file, removed by its import or
+        after ``SHARED_KV_TTL_S``."""
         start_s = time.monotonic()
-        payload = await self.engine.export_prefix(block_hashes, token_ids, cache_salt)
+        shared_dir = None
+        if peer_node_id is not None and peer_node_id == self.node_id:
+            shared_dir = default_shared_dir()
+        payload = await self.engine.export_prefix(block_hashes, token_ids, cache_salt, shared_dir)
+        if payload is not None and isinstance(payload.kv, SharedKV):
+            asyncio.get_running_loop().call_later(SHARED_KV_TTL_S, remove_shared, payload.kv.path)
         log.debug(
             "replica %s exported %d blocks in %.3f s",
             self.replica_id,
@@ -336,7 +359,9 @@ class EngineReplica:
             "error": None,
         }
         try:
-            payload = await peer.export_prefix.remote(block_hashes, token_ids, cache_salt)
+            payload = await peer.export_prefix.remote(
+                block_hashes, token_ids, cache_salt, self.node_id
+            )
             result["export_s"] = time.monotonic() - t0
             if payload is not None:
                 result["pulled_tokens"], result["payload_bytes"] = (

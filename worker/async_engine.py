@@ -154,11 +154,15 @@ class AsyncEngine:
         block_hashes: Sequence[BlockHash],
         token_ids: Sequence[int],
         cache_salt: str | None = None,
+        shared_dir: str | None = None,
     ) -> KVPayload | None:
         """``LLMEngine.export_prefix``. An engine in its own process answers at once with
-        its device blocks while it steps (``engine_core.answer_now``); otherwise, or when a
-        host tier may hold more of the prefix, it is run between two steps."""
-        return await self._call("export_prefix", list(block_hashes), list(token_ids), cache_salt)
+        its device blocks while it steps (``engine_core.answer_now``); otherwise, or with a
+        host tier, it is run between two steps. ``shared_dir``: the importer is on this node
+        (``kv_transfer.SharedKV``)."""
+        return await self._call(
+            "export_prefix", list(block_hashes), list(token_ids), cache_salt, shared_dir
+        )
 
     async def import_prefix(self, payload: KVPayload) -> int:
         """``LLMEngine.import_prefix``, run by the engine between two steps; raises its refusals."""

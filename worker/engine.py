@@ -435,10 +435,12 @@ class LLMEngine:
         block_hashes: Sequence[BlockHash],
         token_ids: Sequence[int],
         cache_salt: str | None = None,
+        shared_dir: str | None = None,
     ) -> kv_transfer.KVPayload | None:
-        """The leading blocks of this prefix held here (either tier), as a picklable payload."""
+        """The leading blocks of this prefix held here (either tier), as a picklable payload;
+        with ``shared_dir``, K/V in a shared-memory file there (``kv_transfer.SharedKV``)."""
         return kv_transfer.export_prefix(
-            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt
+            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt, shared_dir
         )
 
     def export_device_prefix(
@@ -446,11 +448,12 @@ class LLMEngine:
         block_hashes: Sequence[BlockHash],
         token_ids: Sequence[int],
         cache_salt: str | None = None,
+        shared_dir: str | None = None,
     ) -> kv_transfer.KVPayload | None:
         """``export_prefix`` of the device pool alone, callable from another thread while this
         engine steps (``kv_transfer.export_device_prefix``)."""
         return kv_transfer.export_device_prefix(
-            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt
+            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt, shared_dir
         )
 
     @property

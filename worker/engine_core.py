@@ -40,19 +40,17 @@ def answer_now(engine: LLMEngine, command: tuple) -> tuple[object] | None:
     """A ``("call", ...)`` that needs no step boundary, answered on the caller's thread while
     the engine steps: ``(answer,)``, or None when the call must wait for a step boundary.
 
-    One call qualifies: ``export_prefix``, answered with the device blocks
-    (``LLMEngine.export_device_prefix``) unless a host tier may hold more of the prefix, which
-    only a between-steps export can read. A peer's pull then waits for the copy, not for
-    the holder's step (up to seconds on a busy CPU replica)."""
+    One call qualifies: ``export_prefix`` on an engine without a host tier, answered with the
+    device blocks (``LLMEngine.export_device_prefix``); a host tier is read between steps
+    only. A peer's pull then waits for the copy, not for the holder's step (up to seconds on
+    a busy CPU replica)."""
     _, _, method, args = command
-    if method != "export_prefix":
+    if method != "export_prefix" or engine.has_host_tier:
         return None
     try:
-        payload = engine.export_device_prefix(*args)
+        return (engine.export_device_prefix(*args),)
     except Exception as exc:  # noqa: BLE001 - bad input from a peer must not end the engine
         return (exc,)
-    whole = payload is not None and payload.num_blocks == len(args[0])
-    return (payload,) if whole or not engine.has_host_tier else None
 
 
 @dataclass(frozen=True)

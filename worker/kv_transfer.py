@@ -30,7 +30,11 @@ is rewritten only after it is evicted, so what is kept is what the blocks held.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+import os
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +52,72 @@ class KVPayloadMismatchError(ValueError):
     """A payload this engine must not import (other model, block size, dtype, shape or tokens)."""
 
 
+SHARED_KV_PREFIX = "prefixserve-kv-"
+"""Name prefix of the shared-memory files that carry K/V between two engines of one node."""
+
+
+def default_shared_dir() -> str | None:
+    """The node's shared-memory directory (``/dev/shm``), or None where there is none."""
+    path = "/dev/shm"
+    return path if os.path.isdir(path) and os.access(path, os.W_OK) else None
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """K/V rows (``KV_LAYOUT``) in a file of a node-local shared-memory directory. Between two
+    engines of one node a payload carries this name, not the bytes: the exporter writes the
+    rows once, the importer maps them, and no process in between (the replicas, Ray) copies
+    them. The importer removes the file (``load``); the exporter's replica removes it later in
+    case nobody did (``cluster/replica.py``)."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        element_size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return math.prod(self.shape) * element_size
+
+    def load(self) -> torch.Tensor:
+        """The rows, mapped from the file (not copied), which is removed: read once. Raises
+        ``OSError`` when the file is gone (the exporter gave up on it)."""
+        numel = math.prod(self.shape)
+        kv = torch.from_file(self.path, shared=False, size=numel, dtype=getattr(torch, self.dtype))
+        remove_shared(self.path)
+        return kv.view(self.shape)
+
+
+def remove_shared(path: str) -> None:
+    """Removes a ``SharedKV`` file; one already gone is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def write_shared(kv: torch.Tensor, directory: str) -> SharedKV | None:
+    """``kv`` copied into a new file under ``directory``; None when the file cannot be made (no
+    such directory, no space left), and the caller sends the bytes instead. The file's pages
+    are reserved before the copy, so a full tmpfs fails here rather than with a SIGBUS."""
+    if kv.numel() == 0:
+        return None
+    path = os.path.join(directory, f"{SHARED_KV_PREFIX}{uuid.uuid4().hex}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, kv.numel() * kv.element_size())
+        finally:
+            os.close(fd)
+        target = torch.from_file(path, shared=True, size=kv.numel(), dtype=kv.dtype)
+        target.view(kv.shape).copy_(kv)
+    except (OSError, RuntimeError):
+        remove_shared(path)
+        return None
+    return SharedKV(path, dtype_name(kv.dtype), tuple(kv.shape))
+
+
 @dataclass(frozen=True)
 class KVPayload:
     model_id: str
@@ -62,8 +132,8 @@ class KVPayload:
     block_hashes: tuple[BlockHash, ...]
     token_ids: tuple[int, ...]
     """``block_size`` tokens per block, the blocks' stored tokens in chain order."""
-    kv: torch.Tensor
-    """CPU tensor in ``KV_LAYOUT``."""
+    kv: torch.Tensor | SharedKV
+    """CPU tensor in ``KV_LAYOUT``, or the shared-memory file holding it (same node)."""
 
     @property
     def num_blocks(self) -> int:
@@ -75,15 +145,24 @@ class KVPayload:
 
     @property
     def kv_bytes(self) -> int:
+        if isinstance(self.kv, SharedKV):
+            return self.kv.nbytes
         return self.kv.numel() * self.kv.element_size()
 
     def __reduce__(self):
         """Pickles the K/V as plain bytes: never through torch's shared-memory reductions, which
-        ``multiprocessing`` connections would use and a peer process cannot open."""
+        ``multiprocessing`` connections would use and a peer process cannot open. A
+        ``SharedKV`` pickles as its name."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "kv"}
+        if isinstance(self.kv, SharedKV):
+            return _rebuild_shared_payload, (fields, self.kv)
         kv = self.kv.detach().to("cpu").contiguous()
         raw = kv.view(torch.uint8).numpy().tobytes() if kv.numel() else b""
         return _rebuild_payload, (fields, raw, dtype_name(kv.dtype), tuple(kv.shape))
+
+
+def _rebuild_shared_payload(fields: dict, kv: SharedKV) -> KVPayload:
+    return KVPayload(**fields, kv=kv)
 
 
 def _rebuild_payload(fields: dict, raw: bytes, dtype: str, shape: tuple[int, ...]) -> KVPayload:
@@ -143,11 +222,13 @@ def export_prefix(
     block_hashes: Sequence[BlockHash],
     token_ids: Sequence[int],
     cache_salt: str | None = None,
+    shared_dir: str | None = None,
 ) -> KVPayload | None:
     """The longest run of leading blocks held here (either tier) whose stored tokens equal
     ``token_ids``, as a payload; None when the first block is not held. Reads only: no
     reference, eviction order or tier changes. ``cache_salt`` rides along so the importer can
-    check the hash chain (the exporter finds blocks by hash alone)."""
+    check the hash chain (the exporter finds blocks by hash alone). With ``shared_dir`` (the
+    importer is on this node) the K/V go in a ``SharedKV`` file there when one can be made."""
     _refuse_tensor_parallel(runner)
     bs = pool.block_size
     sources: list[tuple[str, int]] = []  # ("device", block_id) or ("host", slot), chain order
@@ -176,7 +257,8 @@ def export_prefix(
             next_device += 1
         else:
             rows.append(host_slot_block(runner, idx).to("cpu"))
-    return _payload(runner, model_id, bs, block_hashes, token_ids, cache_salt, torch.stack(rows))
+    kv = torch.stack(rows)
+    return _payload(runner, model_id, bs, block_hashes, token_ids, cache_salt, kv, shared_dir)
 
 
 def export_device_prefix(
@@ -186,6 +268,7 @@ def export_device_prefix(
     block_hashes: Sequence[BlockHash],
     token_ids: Sequence[int],
     cache_salt: str | None = None,
+    shared_dir: str | None = None,
 ) -> KVPayload | None:
     """``export_prefix`` of the device blocks alone, safe on any thread while the engine steps:
     the leading run of matching device blocks not evicted while they were copied; None when
@@ -198,7 +281,8 @@ def export_device_prefix(
     n = pool.still_cached(hits)  # after the copy: a block evicted meanwhile may be rewritten
     if n == 0:
         return None
-    return _payload(runner, model_id, pool.block_size, block_hashes, token_ids, cache_salt, kv[:n])
+    bs = pool.block_size
+    return _payload(runner, model_id, bs, block_hashes, token_ids, cache_salt, kv[:n], shared_dir)
 
 
 def _payload(
@@ -209,8 +293,10 @@ def _payload(
     token_ids: Sequence[int],
     cache_salt: str | None,
     kv: torch.Tensor,
+    shared_dir: str | None = None,
 ) -> KVPayload:
     n, spec = kv.shape[0], runner.spec
+    shared = write_shared(kv.contiguous(), shared_dir) if shared_dir is not None else None
     return KVPayload(
         model_id=model_id,
         block_size=block_size,
@@ -222,7 +308,7 @@ def _payload(
         cache_salt=cache_salt,
         block_hashes=tuple(block_hashes[:n]),
         token_ids=tuple(int(t) for t in token_ids[: n * block_size]),
-        kv=kv.contiguous(),
+        kv=kv.contiguous() if shared is None else shared,
     )
 
 
@@ -233,6 +319,12 @@ def check_payload(
     """Raises ``KVPayloadMismatchError`` naming the first field that does not fit this engine."""
     if not isinstance(payload, KVPayload):
         raise KVPayloadMismatchError(f"payload: expected a KVPayload, got {type(payload).__name__}")
+    if isinstance(payload.kv, SharedKV):
+        try:
+            payload = dataclasses.replace(payload, kv=payload.kv.load())
+        except (OSError, RuntimeError, ValueError) as exc:
+            path = payload.kv.path
+            raise KVPayloadMismatchError(f"payload.kv: {path} unreadable: {exc}") from exc
     spec = runner.spec
     expected = {
         "model_id": model_id,

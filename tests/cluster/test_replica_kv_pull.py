@@ -92,3 +92,55 @@ def test_a_replica_pulls_a_prefix_from_its_peer(tiny_models, test_seed):
             await r.engine.shutdown(1.0)
 
     asyncio.run(main())
+
+
+def test_a_peer_on_the_same_node_gets_the_kv_through_shared_memory(
+    tiny_models, test_seed, tmp_path, monkeypatch
+):
+    """Same Ray node: the reply carries a ``SharedKV`` name, not the bytes, and the importer
+    removes the file. Another node (or an unknown one) gets the bytes."""
+    import cluster.replica as replica_module
+    from worker.kv_transfer import SHARED_KV_PREFIX, SharedKV
+
+    monkeypatch.setattr(replica_module, "default_shared_dir", lambda: str(tmp_path))
+    prompt = [random.Random(test_seed).randrange(5, 40000) for _ in range(100)]
+    config = EngineConfig(model=tiny_models["llama"], num_kv_blocks=64)
+    a, b, c = (replica(config, name) for name in "abc")
+    a.node_id = b.node_id = "node-1"
+    c.node_id = "node-2"
+    replies: list = []
+
+    class Recording(PeerHandle):
+        def __init__(self, replica_):
+            super().__init__(replica_)
+            inner = self.export_prefix
+
+            class Remote:
+                async def remote(self, *args):
+                    reply = await inner.remote(*args)
+                    replies.append(reply)
+                    return reply
+
+            self.export_prefix = Remote()
+
+    async def main():
+        [m async for m in a.generate("a0", prompt, PARAMS)]
+        hashes = hash_blocks(prompt, 16, a.engine.model_id, None)
+        for puller in (b, c):
+            pulled = await puller.pull_prefix(Recording(a), hashes, prompt)
+            assert (pulled["imported_blocks"], pulled["error"]) == (6, None)
+            assert pulled["payload_bytes"] == 96 * 2 * 2 * 2 * 32 * 4
+        same_node, other_node = replies
+        assert isinstance(same_node.kv, SharedKV) and not isinstance(other_node.kv, SharedKV)
+        assert len(pickle.dumps(same_node)) < 8192, "the reply is the name, not 49 KB of K/V"
+        assert not list(tmp_path.glob(f"{SHARED_KV_PREFIX}*")), "the importer removed the file"
+        outputs = []
+        for r in (b, c):
+            messages = [m async for m in r.generate(f"{r.replica_id}1", prompt, PARAMS)]
+            assert messages[-1]["num_cached_tokens"] == 96
+            outputs.append([t for m in messages for o in m["outputs"] for t in o["new_token_ids"]])
+        assert outputs[0] == outputs[1]
+        for r in (a, b, c):
+            await r.engine.shutdown(1.0)
+
+    asyncio.run(main())

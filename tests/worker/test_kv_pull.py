@@ -276,7 +276,7 @@ def test_a_busy_engine_process_answers_an_export_without_waiting_for_its_step(
 ):
     """The engine process's reader thread answers a peer's export itself, with nothing
     stepping the engine (the loop is not even running here), and queues every other command
-    for the loop; with a host tier that may hold more of the prefix it queues the export too."""
+    for the loop; an engine with a host tier (read between steps only) gets the export queued."""
     import queue
     import socket
     import threading
@@ -325,3 +325,32 @@ def test_a_busy_engine_process_answers_an_export_without_waiting_for_its_step(
     assert commands.get(timeout=30)[:3] == ("call", 9, "export_prefix")
     assert not parent.poll(0.2), "the host tier is read between steps only"
     parent.close()
+
+
+def test_a_shared_memory_payload_is_read_once_and_falls_back_to_bytes(
+    tiny_models, test_seed, tmp_path
+):
+    """``shared_dir``: the K/V go in a file there (both exports); the import maps and removes it,
+    a second import of the same payload is refused, and a directory that cannot hold the file
+    means a payload with the bytes."""
+    from worker.kv_transfer import SHARED_KV_PREFIX, SharedKV
+
+    rng = random.Random(test_seed)
+    prompt = prompt_of(rng, 100)
+    a = tiny(tiny_models)
+    first = run(a, {"a0": (prompt, PARAMS)})["a0"]
+    hashes = hash_blocks(prompt, a.block_size, a.model_id, None)
+    reference = export(a, prompt)
+    for exporter in (a.export_prefix, a.export_device_prefix):
+        shared = exporter(hashes, prompt, None, str(tmp_path))
+        assert isinstance(shared.kv, SharedKV) and shared.kv_bytes == reference.kv_bytes
+        assert len(list(tmp_path.glob(f"{SHARED_KV_PREFIX}*"))) == 1
+        shared = pickle.loads(pickle.dumps(shared))
+        b = tiny(tiny_models)
+        assert b.import_prefix(shared) == 6
+        assert not list(tmp_path.glob(f"{SHARED_KV_PREFIX}*")), "read once, then removed"
+        with pytest.raises(KVPayloadMismatchError, match="payload.kv: .* unreadable"):
+            tiny(tiny_models).import_prefix(shared)
+        same_output(run(b, {"b0": (prompt, PARAMS)})["b0"], first)
+    fallback = a.export_device_prefix(hashes, prompt, None, str(tmp_path / "missing"))
+    assert fallback.kv.equal(reference.kv)
