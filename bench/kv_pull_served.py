@@ -53,6 +53,11 @@ TOKEN_RANGE = (1000, 40000)  # ordinary SmolLM2 words, clear of the special toke
 SETTLE_S = 2.5
 
 
+def _as_list(tokens: list) -> list[list[int]]:
+    """One request's token ids (``follow_tokens``) or several (``burst_tokens``), as several."""
+    return tokens if tokens and isinstance(tokens[0], list) else [tokens]
+
+
 async def timed(handle, request_id, prompt, params, salt=None, hashes=None, keep=False):
     """(TTFT s, replica id, cached tokens, token ids, the stream when ``keep``)."""
     start_s = time.perf_counter()
@@ -172,7 +177,9 @@ def run_phase(
 
     async def run():
         described = await handle.describe.remote()
-        await warm_up(handle, described, rng)
+        # Its own generator: the warm-up sends as many prompts as the routing takes, and the
+        # measured prompts must be the same in both phases whatever that number was.
+        await warm_up(handle, described, random.Random(1))
         await asyncio.sleep(SETTLE_S)
         rows = [
             await one_repeat(handle, described, rng, args.prefix_tokens, args.burst, i)
@@ -262,6 +269,13 @@ def main(argv: list[str] | None = None) -> dict:
             a["follow_tokens"] == b["follow_tokens"] and a["burst_tokens"] == b["burst_tokens"]
             for a, b in zip(on, off, strict=True)
         ),
+        "token_mismatches": [  # (repeat, which list, index in it) where on and off differ
+            [repeat, name, i]
+            for repeat, (a, b) in enumerate(zip(on, off, strict=True))
+            for name in TOKEN_LISTS
+            for i, (x, y) in enumerate(zip(_as_list(a[name]), _as_list(b[name]), strict=True))
+            if x != y
+        ],
         "repeats": {
             name: [{k: v for k, v in r.items() if k not in TOKEN_LISTS} for r in rows]
             for name, rows in phases.items()
