@@ -65,6 +65,20 @@ def failed_pull(error: str, pull_s: float = 0.0) -> dict:
     }
 
 
+async def _done_or_set(
+    task: asyncio.Future, event: asyncio.Event, timeout_s: float | None = None
+) -> None:
+    """Returns once ``task`` is done or ``event`` is set (or after ``timeout_s``). Cancels
+    neither: a request that gives up while waiting leaves the pull running for the others."""
+    if task.done() or event.is_set():
+        return
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+
+
 def _failed(task: asyncio.Task) -> bool:
     return task.done() and (task.cancelled() or task.result()["error"] is not None)
 
@@ -148,12 +162,9 @@ class ReplicaKVPuller:
     async def _admissible(self, task: asyncio.Task) -> dict | None:
         """Waits until ``task`` finished or queued its import; its result, or None."""
         queued = self._queued.get(task)
-        if not task.done() and queued is not None and not queued.is_set():
-            waiter = asyncio.ensure_future(queued.wait())
-            try:  # asyncio.wait: cancelling this request cancels neither the pull nor the waiter
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
+        if queued is None:
+            return await asyncio.shield(task)
+        await _done_or_set(task, queued)
         return task.result() if task.done() else None
 
     def _covering(self, block_hashes: Sequence[bytes] | None) -> asyncio.Task | None:
@@ -190,13 +201,7 @@ class ReplicaKVPuller:
         then comes within one engine step)."""
         start_s = time.monotonic()
         pull = asyncio.ensure_future(self._pull_from(peer_id, hashes, tokens, cache_salt, queued))
-        waiter = asyncio.ensure_future(queued.wait())
-        try:
-            await asyncio.wait(
-                {pull, waiter}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            waiter.cancel()
+        await _done_or_set(pull, queued, self.timeout_s)
         if not pull.done() and not queued.is_set():
             pull.cancel()
             result = failed_pull(f"timed out after {self.timeout_s} s")
