@@ -395,19 +395,16 @@ def _read_commands(conn: Connection, engine, commands: queue.Queue, send) -> Non
     try:
         while True:
             command = conn.recv()
+            if command[0] != "call":
+                commands.put(command)
+                continue
             start_s = time.perf_counter()
-            answered = answer_now(engine, command) if command[0] == "call" else None
+            answered = answer_now(engine, command)
             if answered is None:
                 commands.put(command)
-            else:
-                answer_s = time.perf_counter() - start_s
-                send(("reply", (command[1], answered[0])))
-                log.debug(
-                    "call %s answered in %.3f s, sent in %.3f s",
-                    command[2],
-                    answer_s,
-                    time.perf_counter() - start_s - answer_s,
-                )
+                continue
+            send(("reply", (command[1], answered[0])))
+            log.debug("call %s answered in %.3f s", command[2], time.perf_counter() - start_s)
     except (EOFError, OSError):
         commands.put(_PARENT_GONE)
     except BaseException as exc:  # noqa: BLE001 - a command we cannot read ends the engine

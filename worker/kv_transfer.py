@@ -319,12 +319,6 @@ def check_payload(
     """Raises ``KVPayloadMismatchError`` naming the first field that does not fit this engine."""
     if not isinstance(payload, KVPayload):
         raise KVPayloadMismatchError(f"payload: expected a KVPayload, got {type(payload).__name__}")
-    if isinstance(payload.kv, SharedKV):
-        try:
-            payload = dataclasses.replace(payload, kv=payload.kv.load())
-        except (OSError, RuntimeError, ValueError) as exc:
-            path = payload.kv.path
-            raise KVPayloadMismatchError(f"payload.kv: {path} unreadable: {exc}") from exc
     spec = runner.spec
     expected = {
         "model_id": model_id,
@@ -371,12 +365,23 @@ def check_payload(
     return payload
 
 
+def _with_kv_loaded(payload: object) -> object:
+    """``payload`` with a ``SharedKV`` read into its tensor (and the file removed); anything else
+    as it is. An unreadable file is a ``KVPayloadMismatchError``."""
+    if not isinstance(payload, KVPayload) or not isinstance(payload.kv, SharedKV):
+        return payload
+    try:
+        return dataclasses.replace(payload, kv=payload.kv.load())
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise KVPayloadMismatchError(f"payload.kv: {payload.kv.path} unreadable: {exc}") from exc
+
+
 def import_prefix(pool: BlockPool, runner: ModelRunner, model_id: str, payload: KVPayload) -> int:
     """Copies the payload's blocks this engine lacks into free blocks and caches them; returns
     how many were copied (0 when all are held already, or none is free). Stops at the first
     block that does not fit, or whose hash this engine caches with other tokens."""
     _refuse_tensor_parallel(runner)
-    payload = check_payload(payload, pool, runner, model_id)
+    payload = check_payload(_with_kv_loaded(payload), pool, runner, model_id)
     if not pool.enable_prefix_caching or payload.num_blocks == 0:
         return 0
     bs = pool.block_size
