@@ -274,56 +274,47 @@ def test_export_while_stepping_copies_only_blocks_not_evicted_during_the_copy(
 def test_a_busy_engine_process_answers_an_export_without_waiting_for_its_step(
     tiny_models, test_seed
 ):
-    """The engine process's reader thread answers a peer's export itself, with nothing
-    stepping the engine (the loop is not even running here), and queues every other command
-    for the loop; an engine with a host tier (read between steps only) gets the export queued."""
-    import queue
+    """The engine process's calls thread answers a peer's export itself, with nothing stepping
+    the engine (the loop is not even running here); an engine with a host tier (read between
+    steps only) refuses to answer there (its ``ProcessCore`` sends exports to the loop)."""
     import socket
     import threading
     from multiprocessing.connection import Connection
 
-    from worker.engine_process import _PARENT_GONE, _read_commands
+    from worker.engine_process import answer_calls
 
     rng = random.Random(test_seed)
     prompt = prompt_of(rng, 100)
-    hashes = hash_blocks(prompt, 16, "tiny", None)
 
     def serve(engine):
         parent_sock, child_sock = socket.socketpair()
         parent, child = Connection(parent_sock.detach()), Connection(child_sock.detach())
-        commands: queue.Queue = queue.Queue()
-        reader = threading.Thread(
-            target=_read_commands, args=(child, engine, commands, child.send), daemon=True
-        )
-        reader.start()
-        return parent, commands, reader
+        thread = threading.Thread(target=answer_calls, args=(child, engine, child.send))
+        thread.daemon = True
+        thread.start()
+        return parent, thread
 
     a = tiny(tiny_models)
     run(a, {"a0": (prompt, PARAMS)})
     hashes = hash_blocks(prompt, a.block_size, a.model_id, None)
-    parent, commands, reader = serve(a)
+    parent, thread = serve(a)
     parent.send(("call", 7, "export_prefix", (hashes, prompt, None)))
-    parent.send(("abort", "x"))
     assert parent.poll(30), "the export was not answered while nothing steps the engine"
     kind, (call_id, payload) = parent.recv()
     assert (kind, call_id) == ("reply", 7)
     assert payload.kv.equal(export(a, prompt).kv)
-    assert commands.get(timeout=30) == ("abort", "x")
-    parent.send(("call", 8, "import_prefix", (payload,)))
-    assert commands.get(timeout=30)[:3] == ("call", 8, "import_prefix")
     parent.close()
-    assert commands.get(timeout=30) is _PARENT_GONE
-    reader.join(30)
+    thread.join(30)
+    assert not thread.is_alive(), "the thread ends when the socket closes"
 
     per_block = 2 * 2 * 2 * 16 * 32 * 4
     h = tiny(tiny_models, num_kv_blocks=12, host_kv_cache_bytes=64 * per_block)
     run(h, {"h0": (prompt, PARAMS)})
-    run(h, {f"f{i}": (prompt_of(rng, 120), SamplingParams(max_tokens=1)) for i in range(3)})
-    assert len(h.pool.find_cached_prefix(hashes, prompt)) < 6, "meant to push blocks to host"
-    parent, commands, _ = serve(h)
+    parent, _ = serve(h)
     parent.send(("call", 9, "export_prefix", (hashes, prompt, None)))
-    assert commands.get(timeout=30)[:3] == ("call", 9, "export_prefix")
-    assert not parent.poll(0.2), "the host tier is read between steps only"
+    assert parent.poll(30)
+    kind, (call_id, answer) = parent.recv()
+    assert (kind, call_id) == ("reply", 9) and isinstance(answer, ValueError)
     parent.close()
 
 
