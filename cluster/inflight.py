@@ -7,6 +7,14 @@ replica. Confirmation moves the entry to the replica Serve actually used (it fal
 another when the chosen one is full); Serve's completion removes it; a decision never
 confirmed (the caller gave up before it was sent) stops counting after ``ttl_s``.
 
+Serve registers the completion callback before it awaits the replica's acceptance, so a short
+request can be completed *before* it is confirmed. The ledger remembers completed keys for
+``COMPLETED_MEMORY_S`` and ignores a confirmation that comes after its completion; without
+that the late confirmation re-created an entry nothing would ever remove, and a replica
+looked busier forever (prefix routing then sent repeats elsewhere; seen once in a CI run of
+``tests/cluster/test_prefix_routing.py``, and once in 25 requests of a local run). The cost: a
+retry whose rejected attempt's completion arrives after the retry's decision is not counted.
+
 Each entry carries the prompt tokens the request will prefill on its replica (the prompt less
 the blocks the router matched there), so the policy prices the requests the replica's routing
 stats do not show yet (they arrive once a second) with the prefill they queued, not as one
@@ -22,7 +30,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+
+COMPLETED_MEMORY_S = 60.0
+"""How long a completed request's key is remembered, so that a confirmation arriving after
+its completion is ignored (the two arrive within one event-loop turn of each other)."""
 
 
 @dataclass
@@ -46,20 +59,26 @@ class InflightLedger:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._order = itertools.count()
+        self._completed: OrderedDict[str, float] = OrderedDict()
+        """Key -> monotonic time it completed, oldest first (``COMPLETED_MEMORY_S``)."""
 
     def decided(self, key: str, replica_id: str, prefill_tokens: int) -> None:
         """The router chose ``replica_id`` for request ``key`` (again, on a retry: the newer
         decision replaces the older)."""
         expiry_s = time.monotonic() + self.ttl_s
         with self._lock:
+            self._completed.pop(key, None)  # a retry after a rejection: a new attempt
             self._entries[key] = _Entry(
                 replica_id, prefill_tokens, next(self._order), time.time(), expiry_s
             )
 
     def routed(self, key: str, replica_id: str) -> None:
         """Serve sent request ``key`` to ``replica_id``: it counts there until completed. An
-        entry already confirmed stays as it is (Serve confirms a request once)."""
+        entry already confirmed stays as it is (Serve confirms a request once), and so does a
+        request that already completed (its completion callback ran first)."""
         with self._lock:
+            if key in self._completed:
+                return
             entry = self._entries.get(key)
             if entry is None:  # its decision expired first: count it, prefill unknown
                 self._entries[key] = _Entry(replica_id, 0, next(self._order), time.time(), None)
@@ -67,8 +86,13 @@ class InflightLedger:
                 entry.replica_id, entry.expiry_s = replica_id, None
 
     def completed(self, key: str) -> None:
+        now_s = time.monotonic()
         with self._lock:
             self._entries.pop(key, None)
+            self._completed[key] = now_s
+            self._completed.move_to_end(key)
+            while next(iter(self._completed.values())) < now_s - COMPLETED_MEMORY_S:
+                self._completed.popitem(last=False)
 
     def snapshot(self) -> dict[str, tuple[int, ...]]:
         """Replica id -> the prefill tokens of its in-flight requests, oldest decision first

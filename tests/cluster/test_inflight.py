@@ -48,3 +48,31 @@ def test_unconfirmed_decisions_expire_confirmed_ones_do_not():
     ledger.completed("sent")
     ledger.completed("late")
     assert ledger.snapshot() == {}
+
+
+def test_a_confirmation_after_its_completion_is_ignored():
+    # Serve runs the completion callback of a short request before the await on its
+    # acceptance returns: the late confirmation must not bring the request back.
+    ledger = InflightLedger(ttl_s=60.0)
+    ledger.decided("short", "a", 300)
+    ledger.decided("long", "a", 40)
+    ledger.completed("short")
+    ledger.routed("short", "a")
+    assert ledger.snapshot() == {"a": (40,)}
+    # A retry of a completed key (rejected, then routed again) is a new attempt and counts.
+    ledger.decided("short", "b", 280)
+    ledger.routed("short", "b")
+    assert ledger.snapshot() == {"a": (40,), "b": (280,)}
+
+
+def test_completed_keys_are_forgotten_after_a_while(monkeypatch):
+    from cluster import inflight
+
+    ledger = InflightLedger(ttl_s=60.0)
+    monkeypatch.setattr(inflight, "COMPLETED_MEMORY_S", 0.0)
+    ledger.completed("old")
+    time.sleep(0.01)
+    ledger.completed("new")  # prunes "old"
+    ledger.routed("old", "a")  # no longer remembered: counted as a late confirmation
+    ledger.routed("new", "a")  # remembered until the next completion prunes it
+    assert ledger.snapshot() == {"a": (0,)}
