@@ -12,7 +12,7 @@ request can be completed *before* it is confirmed. The ledger remembers complete
 ``COMPLETED_MEMORY_S`` and ignores a confirmation that comes after its completion; without
 that the late confirmation re-created an entry nothing would ever remove, and a replica
 looked busier forever (prefix routing then sent repeats elsewhere; seen once in a CI run of
-``tests/cluster/test_prefix_routing.py``, and once in 25 requests of a local run). The cost: a
+``tests/cluster/test_prefix_routing.py`` and once in a local run of that module). The cost: a
 retry whose rejected attempt's completion arrives after the retry's decision is not counted.
 
 Each entry carries the prompt tokens the request will prefill on its replica (the prompt less
