@@ -200,17 +200,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         )
         views = []
         for r, stats in zip(replicas, all_stats, strict=True):
-            entries = inflight.get(r.replica_id.unique_id, ())
-            num_unreported = None  # stats without a time: the policy estimates
-            if stats.as_of_s > 0:
-                num_unreported = sum(
-                    1 for decided_at_s, _ in entries if decided_at_s > stats.as_of_s
-                )
-            prefill_tokens = tuple(tokens for _, tokens in entries)
+            prefill_tokens = inflight.get(r.replica_id.unique_id, ())
             views.append(
-                ReplicaView(
-                    r.replica_id.unique_id, stats, len(entries), prefill_tokens, num_unreported
-                )
+                ReplicaView(r.replica_id.unique_id, stats, len(prefill_tokens), prefill_tokens)
             )
         return views
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
@@ -173,10 +172,7 @@ class EngineLoop:
             return exc
 
     def step(self) -> StepResult | None:
-        """One engine step (if anything is runnable); None when there is nothing to report.
-        The stats are stamped with the step's start (``ReplicaStats.as_of_s``): every request
-        added before it is in them."""
-        started_at_s = time.time()
+        """One engine step (if anything is runnable); None when there is nothing to report."""
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         outputs = self._aborted + outputs
         kv_batches = self.engine.drain_kv_events()
@@ -185,7 +181,7 @@ class EngineLoop:
         result = StepResult(
             outputs,
             self._rejected,
-            replace(self.engine.stats(), as_of_s=started_at_s),
+            self.engine.stats(),
             self.engine.metrics_snapshot().as_dict(),
             kv_batches,
             self.adds_handled,
