@@ -8,12 +8,15 @@ another when the chosen one is full); Serve's completion removes it; a decision 
 confirmed (the caller gave up before it was sent) stops counting after ``ttl_s``.
 
 Serve registers the completion callback before it awaits the replica's acceptance, so a short
-request can be completed *before* it is confirmed. The ledger remembers completed keys for
-``COMPLETED_MEMORY_S`` and ignores a confirmation that comes after its completion; without
-that the late confirmation re-created an entry nothing would ever remove, and a replica
-looked busier forever (prefix routing then sent repeats elsewhere; seen once in a CI run of
-``tests/cluster/test_prefix_routing.py`` and once in a local run of that module). The cost: a
-retry whose rejected attempt's completion arrives after the retry's decision is not counted.
+request can be completed *before* it is confirmed. The ledger remembers which replica each
+completed key finished on for ``COMPLETED_MEMORY_S`` and ignores a confirmation on that replica
+that comes after; without that the late confirmation re-created an entry nothing would ever
+remove, and a replica looked busier forever (prefix routing then sent repeats elsewhere; seen
+once in a CI run of ``tests/cluster/test_prefix_routing.py`` and once in a local run of that
+module). A completion removes an entry only on the replica it names: the completion of an
+attempt the replica rejected can arrive after the retry was decided elsewhere, and must not
+take the retry's entry. What it cannot tell apart: a retry decided for the very replica that
+rejected the first attempt, whose rejection completes after the retry's decision, is not counted.
 
 Each entry carries the prompt tokens the request will prefill on its replica (the prompt less
 the blocks the router matched there), so the policy prices the requests the replica's routing
@@ -59,8 +62,9 @@ class InflightLedger:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._order = itertools.count()
-        self._completed: OrderedDict[str, float] = OrderedDict()
-        """Key -> monotonic time it completed, oldest first (``COMPLETED_MEMORY_S``)."""
+        self._completed: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        """Key -> (monotonic time it completed, the replica it completed on), oldest first
+        (``COMPLETED_MEMORY_S``)."""
 
     def decided(self, key: str, replica_id: str, prefill_tokens: int) -> None:
         """The router chose ``replica_id`` for request ``key`` (again, on a retry: the newer
@@ -74,10 +78,13 @@ class InflightLedger:
 
     def routed(self, key: str, replica_id: str) -> None:
         """Serve sent request ``key`` to ``replica_id``: it counts there until completed. An
-        entry already confirmed stays as it is (Serve confirms a request once), and so does a
-        request that already completed (its completion callback ran first)."""
+        entry already confirmed stays as it is (Serve confirms a request once); a request that
+        already completed on ``replica_id`` (its completion callback ran first) is dropped."""
         with self._lock:
-            if key in self._completed:
+            done = self._completed.get(key)
+            if done is not None and done[1] == replica_id:
+                del self._completed[key]
+                self._entries.pop(key, None)  # its decision, if Serve fell through to here
                 return
             entry = self._entries.get(key)
             if entry is None:  # its decision expired first: count it, prefill unknown
@@ -85,13 +92,16 @@ class InflightLedger:
             elif entry.expiry_s is not None:
                 entry.replica_id, entry.expiry_s = replica_id, None
 
-    def completed(self, key: str) -> None:
+    def completed(self, key: str, replica_id: str) -> None:
+        """Serve's request ``key`` finished on ``replica_id`` (or was rejected there)."""
         now_s = time.monotonic()
         with self._lock:
-            self._entries.pop(key, None)
-            self._completed[key] = now_s
+            entry = self._entries.get(key)
+            if entry is not None and entry.replica_id == replica_id:
+                del self._entries[key]
+            self._completed[key] = (now_s, replica_id)
             self._completed.move_to_end(key)
-            while next(iter(self._completed.values())) < now_s - COMPLETED_MEMORY_S:
+            while next(iter(self._completed.values()))[0] < now_s - COMPLETED_MEMORY_S:
                 self._completed.popitem(last=False)
 
     def snapshot(self) -> dict[str, tuple[int, ...]]:

@@ -277,7 +277,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._ledger_changed()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.completed(internal_request_id)
+        self._inflight.completed(internal_request_id, replica_id.unique_id)
         self._ledger_changed()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

@@ -14,7 +14,7 @@ def test_a_decision_counts_on_its_replica_until_completed():
     ledger.decided("r3", "b", 300)
     assert ledger.snapshot() == {"a": (500, 20), "b": (300,)}
     ledger.routed("r1", "a")
-    ledger.completed("r1")
+    ledger.completed("r1", "a")
     assert ledger.snapshot() == {"a": (20,), "b": (300,)}
 
 
@@ -44,9 +44,9 @@ def test_unconfirmed_decisions_expire_confirmed_ones_do_not():
     assert ledger.snapshot() == {"a": (100,)}
     ledger.routed("late", "c")  # confirmed after its decision expired: counted, prefill unknown
     assert ledger.snapshot() == {"a": (100,), "c": (0,)}
-    ledger.completed("never-seen")  # harmless
-    ledger.completed("sent")
-    ledger.completed("late")
+    ledger.completed("never-seen", "a")  # harmless
+    ledger.completed("sent", "a")
+    ledger.completed("late", "c")
     assert ledger.snapshot() == {}
 
 
@@ -56,7 +56,7 @@ def test_a_confirmation_after_its_completion_is_ignored():
     ledger = InflightLedger(ttl_s=60.0)
     ledger.decided("short", "a", 300)
     ledger.decided("long", "a", 40)
-    ledger.completed("short")
+    ledger.completed("short", "a")
     ledger.routed("short", "a")
     assert ledger.snapshot() == {"a": (40,)}
     # A retry of a completed key (rejected, then routed again) is a new attempt and counts.
@@ -70,9 +70,32 @@ def test_completed_keys_are_forgotten_after_a_while(monkeypatch):
 
     ledger = InflightLedger(ttl_s=60.0)
     monkeypatch.setattr(inflight, "COMPLETED_MEMORY_S", 0.0)
-    ledger.completed("old")
+    ledger.completed("old", "a")
     time.sleep(0.01)
-    ledger.completed("new")  # prunes "old"
+    ledger.completed("new", "a")  # prunes "old"
     ledger.routed("old", "a")  # no longer remembered: counted as a late confirmation
     ledger.routed("new", "a")  # remembered until the next completion prunes it
     assert ledger.snapshot() == {"a": (0,)}
+
+
+def test_a_rejected_attempts_late_completion_leaves_the_retry_counted():
+    # Replica a rejected the first attempt; the retry was decided for b before Serve's
+    # completion of the rejected attempt (on a) came through.
+    ledger = InflightLedger(ttl_s=60.0)
+    ledger.decided("r", "a", 300)
+    ledger.decided("r", "b", 300)
+    ledger.completed("r", "a")
+    ledger.routed("r", "b")
+    assert ledger.snapshot() == {"b": (300,)}
+    ledger.completed("r", "b")
+    assert ledger.snapshot() == {}
+
+
+def test_a_fall_through_completed_before_its_confirmation_leaves_nothing():
+    # Decided for a, Serve used b (a was full), and b's completion came first.
+    ledger = InflightLedger(ttl_s=60.0)
+    ledger.decided("r", "a", 300)
+    ledger.completed("r", "b")
+    assert ledger.snapshot() == {"a": (300,)}  # until the confirmation says where it went
+    ledger.routed("r", "b")
+    assert ledger.snapshot() == {}
