@@ -47,7 +47,8 @@ per request its replica, cached tokens, start, TTFT and latency), ``.md`` (table
 verdicts) and ``.png`` (grouped bars: sizes on the x axis, one bar per policy). Each
 replica's torch runs ``--threads-per-replica`` threads.
 
-Failure modes: a cluster that is not healthy within ``--startup-timeout-s`` is stopped and its
+Failure modes: a cluster that is not healthy with every engine replica serving (``/health`` and
+``/metrics``) within ``--startup-timeout-s`` is stopped and its
 rows carry an ``error``; the other clusters still run; the exit status is then 1.
 """
 
@@ -57,6 +58,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -185,18 +187,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+ROUTERS_SETTLE_S = 3.0
+"""After the last engine replica reports, the ingress replicas' Serve handles learn it is
+running by long poll (the controller marks it running after its first health check)."""
+
+
+def serving_replicas(metrics_text: str) -> int:
+    """Engine replicas a cluster's ``/metrics`` shows (its ``replica`` label values)."""
+    return len(set(re.findall(r'\breplica="([^"]+)"', metrics_text)))
+
+
+def _wait_healthy(
+    base_url: str, proc: subprocess.Popen, timeout_s: float, num_replicas: int
+) -> None:
+    """Until ``/health`` answers and ``/metrics`` shows every engine replica, then
+    ``ROUTERS_SETTLE_S``. ``/health`` alone passes with one replica up: a run started then
+    measured a one-replica cluster for its first seconds (2026-11-26, the second replica ran
+    9 s later and the first 8 requests all went to the first)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with status {proc.returncode} before it was healthy")
         try:
-            if httpx.get(base_url + "/health", timeout=5.0).status_code == 200:
+            if (
+                httpx.get(base_url + "/health", timeout=5.0).status_code == 200
+                and serving_replicas(httpx.get(base_url + "/metrics", timeout=5.0).text)
+                >= num_replicas
+            ):
+                time.sleep(ROUTERS_SETTLE_S)
                 return
         except httpx.HTTPError:
             pass
         time.sleep(2.0)
-    raise RuntimeError(f"server not healthy within {timeout_s:.0f} s")
+    raise RuntimeError(f"server not healthy with {num_replicas} replicas within {timeout_s:.0f} s")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -266,7 +289,7 @@ def run_cluster(args, replicas: int, policy: str, workloads, loadgen_argv) -> li
     with open(log_path, "w") as log:
         proc = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            _wait_healthy(base_url, proc, args.startup_timeout_s)
+            _wait_healthy(base_url, proc, args.startup_timeout_s, replicas)
             base["startup_s"] = round(time.monotonic() - started, 1)
             for name, workload in workloads:
                 load_before = os.getloadavg()

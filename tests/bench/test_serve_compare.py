@@ -230,3 +230,11 @@ def test_arguments_defaults_and_quick():
     )
     with pytest.raises(SystemExit):
         sc.parse_args(["--workload", "nope"])
+
+
+def test_serving_replicas_counts_the_engine_replicas_in_metrics():
+    from cluster.metrics import render_prometheus
+
+    assert sc.serving_replicas(render_prometheus({}, {}).decode()) == 0
+    replicas = {"k78xttnw": {"model_name": "smollm2"}, "kvs1tr9q": {"model_name": "smollm2"}}
+    assert sc.serving_replicas(render_prometheus(replicas, {}).decode()) == 2
