@@ -90,14 +90,13 @@ class InflightBoard:
         return {replica_id: tuple(sorted(entries)) for replica_id, entries in merged.items()}
 
 
-def merge_inflight(own: InflightSnapshot, peers: Mapping[str, tuple]) -> dict[str, tuple[int, ...]]:
-    """Replica id -> prefill tokens of every in-flight request (this router's and its peers'),
-    oldest decision first: what ``router.policy.ReplicaView`` carries."""
-    merged: dict[str, tuple[int, ...]] = {}
-    for replica_id in own.keys() | peers.keys():
-        entries = sorted(own.get(replica_id, ()) + tuple(peers.get(replica_id, ())))
-        merged[replica_id] = tuple(tokens for _, tokens in entries)
-    return merged
+def merge_inflight(own: InflightSnapshot, peers: Mapping[str, tuple]) -> InflightSnapshot:
+    """Replica id -> ``(decided_at_s, prefill_tokens)`` of every in-flight request (this
+    router's and its peers'), oldest decision first."""
+    return {
+        replica_id: tuple(sorted(own.get(replica_id, ()) + tuple(peers.get(replica_id, ()))))
+        for replica_id in own.keys() | peers.keys()
+    }
 
 
 class LocalBoardClient:

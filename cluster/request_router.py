@@ -200,9 +200,17 @@ class PrefixAwareRequestRouter(RequestRouter):
         )
         views = []
         for r, stats in zip(replicas, all_stats, strict=True):
-            prefill_tokens = inflight.get(r.replica_id.unique_id, ())
+            entries = inflight.get(r.replica_id.unique_id, ())
+            num_unreported = None  # stats without a time: the policy estimates
+            if stats.as_of_s > 0:
+                num_unreported = sum(
+                    1 for decided_at_s, _ in entries if decided_at_s > stats.as_of_s
+                )
+            prefill_tokens = tuple(tokens for _, tokens in entries)
             views.append(
-                ReplicaView(r.replica_id.unique_id, stats, len(prefill_tokens), prefill_tokens)
+                ReplicaView(
+                    r.replica_id.unique_id, stats, len(entries), prefill_tokens, num_unreported
+                )
             )
         return views
 

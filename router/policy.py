@@ -69,6 +69,10 @@ class ReplicaView:
     """Prompt tokens each of the router's in-flight requests on the replica will prefill
     there, oldest decision first (empty when the caller does not track them): the newest
     ``unreported(view)`` of them are priced as queued prefill the stats do not show yet."""
+    num_unreported: int | None = None
+    """In-flight requests decided after the stats' ``as_of_s`` (the newest of them), when the
+    caller knows; None: estimated as in-flight less the stats' waiting and running, which
+    misses a request that replaced a finished one within the stats period."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,8 @@ def replica_load(view: ReplicaView) -> int:
 
 def unreported(view: ReplicaView) -> int:
     """Requests the router sent that the replica's stats do not show yet."""
+    if view.num_unreported is not None:
+        return view.num_unreported
     return max(0, view.num_inflight - view.stats.num_waiting - view.stats.num_running)
 
 

@@ -128,6 +128,11 @@ class ReplicaStats:
     """Prompt tokens admitted or waiting whose KV is not computed yet."""
     host_to_device_tokens_per_s: float = 0.0
     """Measured rate of bringing host-tier blocks back, in tokens; 0 without a host tier."""
+    as_of_s: float = 0.0
+    """Wall-clock time (``time.time``) up to which the counts include the requests sent to the
+    replica: the start of the engine step that produced them (requests are admitted between
+    steps). A router counts a request decided after it as not in these stats yet. 0: unknown
+    (the router then estimates, see ``router.policy.unreported``)."""
 
     def to_dict(self) -> dict:
         return {
@@ -138,6 +143,7 @@ class ReplicaStats:
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "num_queued_prefill_tokens": self.num_queued_prefill_tokens,
             "host_to_device_tokens_per_s": self.host_to_device_tokens_per_s,
+            "as_of_s": self.as_of_s,
         }
 
     @classmethod

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
@@ -172,7 +173,10 @@ class EngineLoop:
             return exc
 
     def step(self) -> StepResult | None:
-        """One engine step (if anything is runnable); None when there is nothing to report."""
+        """One engine step (if anything is runnable); None when there is nothing to report.
+        The stats are stamped with the step's start (``ReplicaStats.as_of_s``): every request
+        added before it is in them."""
+        started_at_s = time.time()
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         outputs = self._aborted + outputs
         kv_batches = self.engine.drain_kv_events()
@@ -181,7 +185,7 @@ class EngineLoop:
         result = StepResult(
             outputs,
             self._rejected,
-            self.engine.stats(),
+            replace(self.engine.stats(), as_of_s=started_at_s),
             self.engine.metrics_snapshot().as_dict(),
             kv_batches,
             self.adds_handled,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -63,7 +64,11 @@ def test_a_router_that_stops_reporting_stops_counting_after_the_ttl():
 def test_merge_orders_own_and_peer_requests_by_decision_time():
     own = {"a": ((2.0, 200),), "c": ((1.0, 16),)}
     peers = {"a": ((1.0, 500), (3.0, 0)), "b": ((5.0, 80),)}
-    assert merge_inflight(own, peers) == {"a": (500, 200, 0), "b": (80,), "c": (16,)}
+    assert merge_inflight(own, peers) == {
+        "a": ((1.0, 500), (2.0, 200), (3.0, 0)),
+        "b": ((5.0, 80),),
+        "c": ((1.0, 16),),
+    }
 
 
 def request_router(policy: str, index: EmbeddedIndex) -> PrefixAwareRequestRouter:
@@ -147,3 +152,22 @@ def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
     warnings = [m for m in records.messages if "in-flight board" in m]
     assert len(warnings) == 1, warnings
     assert len(attempts) >= 2  # not cached as dead: each call resolves the actor again
+
+
+def test_views_count_the_decisions_made_after_the_stats_as_unreported():
+    """A replica's stats carry the time they were taken (``as_of_s``): the in-flight requests
+    decided later are the ones they do not show, whatever the counts say; without a time the
+    policy estimates (``num_unreported`` None)."""
+    router = request_router("prefix", EmbeddedIndex())
+    router._inflight.decided("old", "a", 300)
+    time.sleep(0.01)
+    as_of_s = time.time()
+    time.sleep(0.01)
+    router._inflight.decided("new", "a", 120)
+    router._inflight.decided("other", "b", 40)
+    stamped = running("a", num_running=2, as_of_s=as_of_s)
+    unstamped = running("b", num_running=1)
+    views = {v.replica_id: v for v in router._views([stamped, unstamped])}
+    assert (views["a"].num_inflight, views["a"].num_unreported) == (2, 1)
+    assert views["a"].inflight_prefill_tokens == (300, 120)
+    assert views["b"].num_unreported is None

@@ -204,6 +204,20 @@ def test_only_the_requests_the_stats_do_not_show_add_their_prefill():
     assert model.queue_s(ReplicaView("a", ReplicaStats(num_running=1), 2)) == pytest.approx(step_s)
 
 
+def test_a_request_that_replaced_a_finished_one_is_priced_when_the_caller_counts_it():
+    model = TTFTModel(CONFIG)
+    rate = CONFIG.default_prefill_tokens_per_s
+    step_s = CONFIG.default_decode_step_s
+    # The stats show 2 running; since then one finished and a 120-token request was sent.
+    # In-flight less reported is 0, so the estimate misses it; a caller that knows the
+    # stats' time and each decision's counts it.
+    stats = ReplicaStats(num_running=2)
+    estimated = ReplicaView("a", stats, 2, (0, 120))
+    counted = ReplicaView("a", stats, 2, (0, 120), num_unreported=1)
+    assert model.queue_s(estimated) == 0.0
+    assert model.queue_s(counted) == pytest.approx(120 / rate + step_s)
+
+
 def test_baselines_behind_the_same_interface():
     replicas = [idle("a", num_running=2), idle("b"), idle("c", num_waiting=1)]
     blocks = prompt_blocks(5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -204,8 +205,11 @@ def test_async_engine_streams_and_aborts(tiny_models, spawn):
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+        sent_at_s = time.time()
         chunks = [o async for o in engine.generate("a", [1, 2, 3, 4], params)]
         assert chunks[-1].finished and len(chunks[-1].token_ids) == 12
+        # The routing stats say when they were taken: a step that began after the request.
+        assert sent_at_s <= engine.stats().as_of_s <= time.time()
         expected = run(offline, {"a": ([1, 2, 3, 4], params)})["a"]
         assert chunks[-1].token_ids == expected.token_ids and chunks[-1].text == expected.text
         assert [lp.token_id for lp in chunks[-1].outputs[0].logprobs] == expected.token_ids
