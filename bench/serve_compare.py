@@ -201,21 +201,22 @@ def _wait_healthy(
     base_url: str, proc: subprocess.Popen, timeout_s: float, num_replicas: int
 ) -> None:
     """Until ``/health`` answers and ``/metrics`` shows every engine replica, then
-    ``ROUTERS_SETTLE_S``. ``/health`` alone passes with one replica up: a run started then
-    measured a one-replica cluster for its first seconds (2026-11-26, the second replica ran
-    9 s later and the first 8 requests all went to the first)."""
+    ``ROUTERS_SETTLE_S`` (a server without ``/metrics`` is ready at ``/health``). ``/health``
+    alone passes with one replica up: a run started then measured a one-replica cluster for
+    its first seconds (2026-11-26, the second replica ran 9 s later and the first 8 requests
+    all went to the first)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with status {proc.returncode} before it was healthy")
         try:
-            if (
-                httpx.get(base_url + "/health", timeout=5.0).status_code == 200
-                and serving_replicas(httpx.get(base_url + "/metrics", timeout=5.0).text)
-                >= num_replicas
-            ):
-                time.sleep(ROUTERS_SETTLE_S)
-                return
+            if httpx.get(base_url + "/health", timeout=5.0).status_code == 200:
+                metrics = httpx.get(base_url + "/metrics", timeout=5.0)
+                if metrics.status_code == 404:  # not a prefixserve cluster: /health it is
+                    return
+                if serving_replicas(metrics.text) >= num_replicas:
+                    time.sleep(ROUTERS_SETTLE_S)
+                    return
         except httpx.HTTPError:
             pass
         time.sleep(2.0)
