@@ -58,10 +58,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -78,6 +75,7 @@ from bench.cache_accounting import (
     distinct_prefix_blocks,
     oracle_cached_tokens,
 )
+from bench.cluster_process import free_port, stop_server, wait_healthy
 from bench.loadgen import cli as loadgen_cli
 from bench.serve_compare_report import (
     busy_fractions,
@@ -115,7 +113,6 @@ SUMMARY_KEYS = (
     "cached_token_ratio",
     "replica_request_counts",
 )
-STOP_GRACE_S = 30.0  # Serve and Ray need a few seconds to drain and shut down cleanly
 OVERFLOW_NUM_KV_BLOCKS = 320
 
 
@@ -181,59 +178,6 @@ def cold_share_warning(info: dict) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-ROUTERS_SETTLE_S = 3.0
-"""After the last engine replica reports, the ingress replicas' Serve handles learn it is
-running by long poll (the controller marks it running after its first health check)."""
-
-
-def serving_replicas(metrics_text: str) -> int:
-    """Engine replicas a cluster's ``/metrics`` shows (its ``replica`` label values)."""
-    return len(set(re.findall(r'\breplica="([^"]+)"', metrics_text)))
-
-
-def _wait_healthy(
-    base_url: str, proc: subprocess.Popen, timeout_s: float, num_replicas: int
-) -> None:
-    """Until ``/health`` answers and ``/metrics`` shows every engine replica, then
-    ``ROUTERS_SETTLE_S`` (a server without ``/metrics`` is ready at ``/health``). ``/health``
-    alone passes with one replica up: a run started then measured a one-replica cluster for
-    its first seconds (2026-11-26, the second replica ran 9 s later and the first 8 requests
-    all went to the first)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(base_url + "/health", timeout=5.0).status_code == 200:
-                metrics = httpx.get(base_url + "/metrics", timeout=5.0)
-                if metrics.status_code == 404:  # not a prefixserve cluster: /health it is
-                    return
-                if serving_replicas(metrics.text) >= num_replicas:
-                    time.sleep(ROUTERS_SETTLE_S)
-                    return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2.0)
-    raise RuntimeError(f"server not healthy with {num_replicas} replicas within {timeout_s:.0f} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        proc.wait(timeout=STOP_GRACE_S)
-
-
 def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -> dict:
     """One workload against a running cluster: the load generator's result dict."""
     from bench.loadgen.client import RequestSettings, run_benchmark
@@ -273,7 +217,7 @@ def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -
 
 def run_cluster(args, replicas: int, policy: str, workloads, loadgen_argv) -> list[dict]:
     """One fresh cluster: every workload in turn; one row per workload."""
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = args.launch.format(
         replicas=replicas, policy=policy, port=port, engine_flags=engine_flags(args)
@@ -290,7 +234,7 @@ def run_cluster(args, replicas: int, policy: str, workloads, loadgen_argv) -> li
     with open(log_path, "w") as log:
         proc = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            _wait_healthy(base_url, proc, args.startup_timeout_s, replicas)
+            wait_healthy(base_url, proc, args.startup_timeout_s, replicas)
             base["startup_s"] = round(time.monotonic() - started, 1)
             for name, workload in workloads:
                 load_before = os.getloadavg()
@@ -305,7 +249,7 @@ def run_cluster(args, replicas: int, policy: str, workloads, loadgen_argv) -> li
                 {**base, "workload": n, "error": str(exc)} for n, _ in workloads if n not in done
             ]
         finally:
-            _stop(proc)
+            stop_server(proc)
     return rows
 
 
