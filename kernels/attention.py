@@ -203,7 +203,7 @@ def plan_for(
             ATTN_TILE_ROWS,
             ATTN_KV_CHUNK,
             exact_tile_rows(head_dim, dtype),
-        )
+        ).to(meta.block_tables.device)
         meta.plans[key] = plan
     return plan
 
@@ -235,7 +235,8 @@ def _block_ids(
     ids = meta.plans.get(key)
     if ids is None:
         ids = meta.plans[key] = (
-            torch.arange(num_kv_heads)[:, None] * num_blocks + blocks.reshape(1, -1)
+            torch.arange(num_kv_heads, device=blocks.device)[:, None] * num_blocks
+            + blocks.reshape(1, -1)
         ).reshape(-1)
     return ids
 
@@ -343,8 +344,8 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         nb = -(-lens[s] // block_size)
         k = _gather_kv(k_cache, meta.block_tables[s, :nb].long())[:, : lens[s]]  # [Hkv, L, D]
         v = _gather_kv(v_cache, meta.block_tables[s, :nb].long())[:, : lens[s]]
-        q_pos = torch.arange(lens[s] - q_len, lens[s])
-        mask = torch.arange(lens[s])[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(lens[s] - q_len, lens[s], device=query.device)
+        mask = torch.arange(lens[s], device=query.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
             query[qsl[s] : qsl[s + 1]].transpose(0, 1),
             k,
@@ -359,13 +360,15 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         sub = meta.plans.get("decodes")
         if sub is None:
             sub = meta.plans["decodes"] = AttentionMetadata(
-                query_start_loc=torch.arange(len(decodes) + 1, dtype=torch.int32),
+                query_start_loc=torch.arange(
+                    len(decodes) + 1, dtype=torch.int32, device=query.device
+                ),
                 seq_lens=meta.seq_lens[decodes],
                 block_tables=meta.block_tables[decodes],
                 slot_mapping=meta.slot_mapping[:0],
                 query_start_loc_list=list(range(len(decodes) + 1)),
                 seq_lens_list=[lens[s] for s in decodes],
             )
-        rows = torch.tensor([qsl[s] for s in decodes])
+        rows = torch.tensor([qsl[s] for s in decodes], device=query.device)
         out[rows] = _attention_tiled(query[rows], k_cache, v_cache, sub, scale)
     return out

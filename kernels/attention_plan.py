@@ -37,7 +37,7 @@ to the number of (sequence, chunk) pairs, not to the number of rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,6 +64,9 @@ class TileRegion:
     def shared(self) -> bool:
         return self.blocks.dim() == 1
 
+    def to(self, device: torch.device) -> TileRegion:
+        return replace(self, blocks=self.blocks.to(device))
+
 
 @dataclass
 class TileSet:
@@ -79,6 +82,14 @@ class TileSet:
     @property
     def num_tiles(self) -> int:
         return self.tile_masked.shape[0]
+
+    def to(self, device: torch.device) -> TileSet:
+        return TileSet(
+            self.tile_rows,
+            self.tile_row_ids.to(device),
+            self.tile_masked.to(device),
+            [region.to(device) for region in self.regions],
+        )
 
 
 @dataclass
@@ -97,6 +108,17 @@ class AttentionPlan:
     merge_index: torch.Tensor
     """[num_kv_heads, sum(merge_counts)] slot of each (chunk index, row of that prefix) pair's
     partial result, chunk index by chunk index."""
+
+    def to(self, device: torch.device) -> AttentionPlan:
+        """The plan with its index tensors on ``device`` (it is built on the CPU, in Python)."""
+        if self.merge_index.device == torch.device(device):
+            return self
+        return replace(
+            self,
+            tile_sets=[tiles.to(device) for tiles in self.tile_sets],
+            merge_rank=self.merge_rank.to(device),
+            merge_index=self.merge_index.to(device),
+        )
 
 
 @dataclass

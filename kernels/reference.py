@@ -65,8 +65,8 @@ def paged_attention_ref(
         k = k.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(ctx_len - q_len, ctx_len)
-        mask = torch.arange(ctx_len)[None, :] > q_pos[:, None]
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] > q_pos[:, None]
         scores.masked_fill_(mask[None], float("-inf"))
         probs = scores.softmax(dim=-1)
         out[qsl[s] : qsl[s + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

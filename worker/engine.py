@@ -39,6 +39,7 @@ from worker.parallel.workers import (
     LocalProcessLauncher,
     TensorParallelGroup,
     WorkerLauncher,
+    check_local_gpus,
     threads_per_rank,
 )
 from worker.prompt_logprobs import prompt_logit_rows, record_prompt_logprobs
@@ -50,6 +51,10 @@ from worker.structured_output import GrammarCompiler, check_spec
 from worker.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
+
+DEAD_RANK_GRACE_S = 1.0
+"""After a failed tensor-parallel step, how long to wait for a worker's exit to show before
+saying a rank stopped answering without naming it."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,8 @@ class LLMEngine:
         ShardPlan.make(
             read_spec(model_path), 0, config.tensor_parallel_size
         )  # sizes fail before any worker starts
+        if isinstance(launcher, LocalProcessLauncher) and config.device.startswith("cuda"):
+            check_local_gpus(config.tensor_parallel_size, torch.cuda.device_count())
         self.tp = TensorParallelGroup.start(
             config, model_path, self.max_model_len, launcher, replica_id
         )
@@ -189,7 +196,11 @@ class LLMEngine:
         return self.tp.dead_ranks() if self.tp is not None else []
 
     def _tp_failure(self, exc: BaseException) -> str:
-        dead = self.dead_tp_ranks()
+        # A killed worker's sockets close while it exits, a moment before the OS reports it
+        # ended (measured on a 16-core machine): wait that moment for the name of the rank.
+        deadline_s = time.monotonic() + DEAD_RANK_GRACE_S
+        while not (dead := self.dead_tp_ranks()) and time.monotonic() < deadline_s:
+            time.sleep(0.01)
         if dead:
             return f"worker rank(s) {dead} ended"
         detail = str(exc).split(". ", 1)[0][:200]  # gloo's first sentence names the peer

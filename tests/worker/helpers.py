@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.sampling_params import SamplingParams
+
+_RESOLVED_HERE = EngineConfig().resolved()
+AUTO_HERE = (_RESOLVED_HERE.device, _RESOLVED_HERE.dtype)
+"""What ``device``/``dtype`` ``auto`` resolve to on this machine: ``("cpu", "float32")`` on
+CI, CUDA and bfloat16 (or float16) where a GPU is visible."""
 
 PROMPTS = [
     "The capital of France is",

@@ -21,7 +21,9 @@ def run(engine: LLMEngine, prompts: dict) -> dict:
 
 
 def tiny(tiny_models, **kw) -> LLMEngine:
-    base = dict(model=tiny_models["llama"], max_num_batched_tokens=256)
+    base = dict(
+        model=tiny_models["llama"], max_num_batched_tokens=256, device="cpu"
+    )  # float32 KV: host_bytes assumes it
     base.update(kw)
     return LLMEngine(EngineConfig(**base))
 

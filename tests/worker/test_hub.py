@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.fake_hub import FakeHub, FakeRepo, folder_files
-from tests.worker.helpers import run
+from tests.worker.helpers import AUTO_HERE, run
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.hub import looks_like_repo_id, select_files
@@ -106,10 +106,7 @@ def test_offline_engine_loads_repo_id_from_hub_cache(hub_env, tmp_path, tiny_fol
     )
     assert engine.model_path == str(snapshot)
     assert engine.model_id == REPO  # served under the repo id, as vLLM does
-    assert (engine.config.device, engine.config.dtype) == (
-        "cpu",
-        "float32",
-    )  # "auto" resolved on this CPU
+    assert (engine.config.device, engine.config.dtype) == AUTO_HERE  # "auto" resolved here
     _, local_tokens = greedy_tokens(
         EngineConfig(model=tiny_folder, num_kv_blocks=16, max_num_batched_tokens=64)
     )

@@ -24,7 +24,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3
 
 
 def tiny(tiny_models, **kw) -> LLMEngine:
-    base = dict(model=tiny_models["llama"], max_num_batched_tokens=256, num_kv_blocks=64)
+    base = dict(
+        model=tiny_models["llama"], max_num_batched_tokens=256, num_kv_blocks=64, device="cpu"
+    )  # float32: the byte counts below assume it
     base.update(kw)
     return LLMEngine(EngineConfig(**base))
 

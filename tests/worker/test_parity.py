@@ -17,7 +17,11 @@ NUM_NEW_TOKENS = 32
 def _check_model(path: str, deterministic: bool, prompts=PROMPTS, max_new=NUM_NEW_TOKENS):
     engine = LLMEngine(
         EngineConfig(
-            model=path, num_kv_blocks=1024, deterministic=deterministic, max_num_batched_tokens=2048
+            model=path,
+            num_kv_blocks=1024,
+            deterministic=deterministic,
+            max_num_batched_tokens=2048,
+            device="cpu",  # float32 beside transformers' float32 (CUDA: tests/kernels)
         )
     )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -17,7 +17,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away
 
 
 def make_engine(path: str, **options) -> LLMEngine:
-    config = dict(model=path, num_kv_blocks=256, block_size=8, max_num_batched_tokens=2048)
+    config = dict(
+        model=path, num_kv_blocks=256, block_size=8, max_num_batched_tokens=2048, device="cpu"
+    )  # float32, compared with transformers' float32
     return LLMEngine(EngineConfig(**(config | options)))
 
 

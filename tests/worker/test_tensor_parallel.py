@@ -21,7 +21,7 @@ from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import EngineDeadError
 from worker.parallel.sharding import ShardPlan, read_spec
-from worker.parallel.workers import LocalProcessLauncher
+from worker.parallel.workers import LocalProcessLauncher, check_local_gpus
 from worker.sampling_params import SamplingParams
 from worker.testing import make_tiny_model
 
@@ -36,7 +36,11 @@ DEAD_WORKER_DEADLINE_S = 30.0
 
 def make_engine(model: str, tp: int, **overrides) -> LLMEngine:
     options = dict(
-        model=model, num_kv_blocks=256, max_num_batched_tokens=512, tensor_parallel_size=tp
+        model=model,
+        num_kv_blocks=256,
+        max_num_batched_tokens=512,
+        tensor_parallel_size=tp,
+        device="cpu",  # gloo ranks on this machine's cores, on any machine
     )
     options.update(overrides)
     return LLMEngine(EngineConfig(**options))
@@ -152,6 +156,10 @@ def test_sizes_that_do_not_divide_are_clear_errors(smollm2_path, tiny_models):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="EngineConfig.host_kv_cache_bytes"):
         EngineConfig(tensor_parallel_size=2, host_kv_cache_bytes=1 << 20)
+    # Local CUDA ranks take cuda:0 .. cuda:N-1 (checked before any worker starts).
+    with pytest.raises(ValueError, match="2 local ranks on CUDA need 2 visible GPUs.*sees 1"):
+        check_local_gpus(2, visible_gpus=1)
+    check_local_gpus(2, visible_gpus=2)
 
 
 def test_dead_worker_ends_in_flight_requests_with_a_clear_error(tiny_models):
@@ -162,6 +170,7 @@ def test_dead_worker_ends_in_flight_requests_with_a_clear_error(tiny_models):
             num_kv_blocks=256,
             tensor_parallel_size=2,
             max_model_len=1024,
+            device="cpu",
         ),
         launcher=launcher,
     )

@@ -44,10 +44,10 @@ PLAIN_SCRIPT = """\
     MODEL = sys.argv[1]
     GREEDY = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 
-    with LLM(model=MODEL, tensor_parallel_size=2, num_kv_blocks=64) as tp:
+    with LLM(model=MODEL, tensor_parallel_size=2, num_kv_blocks=64, device="cpu") as tp:
         print("with-block:", tp.generate([{prompt!r}], GREEDY)[0].token_ids, flush=True)
 
-    llm = LLM(model=MODEL, tensor_parallel_size=2, num_kv_blocks=64)  # never shut down
+    llm = LLM(model=MODEL, tensor_parallel_size=2, num_kv_blocks=64, device="cpu")  # never shut
     print("left open:", llm.generate([{prompt!r}], GREEDY)[0].token_ids, flush=True)
 """
 
@@ -66,8 +66,8 @@ DYING_PARENT_SCRIPT = """\
     model, port = sys.argv[1], int(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=60))
     launcher = LocalProcessLauncher()
-    launcher.start(WorkerSpec(EngineConfig(model=model, tensor_parallel_size=2), model, 256,
-                              "127.0.0.1", port, "dying-parent"))
+    config = EngineConfig(model=model, tensor_parallel_size=2, device="cpu")
+    launcher.start(WorkerSpec(config, model, 256, "127.0.0.1", port, "dying-parent"))
     store.wait(["ready/1"])
     print(launcher._procs[1].pid, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -81,7 +81,7 @@ def _write(tmp_path: Path, name: str, source: str) -> Path:
 
 
 def _reference_tokens(model: str) -> list[int]:
-    llm = LLM(model=model, num_kv_blocks=64)
+    llm = LLM(model=model, num_kv_blocks=64, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm.generate([PROMPT], params)[0].token_ids
 
@@ -122,7 +122,9 @@ def test_unguarded_script_runs_and_exits_quietly(tmp_path, tiny_models):
 def test_collected_engine_ends_its_workers(tiny_models):
     """The finalizer holds the group, not the engine: dropping the last reference is enough."""
     launcher = LocalProcessLauncher()
-    config = EngineConfig(model=tiny_models["llama"], num_kv_blocks=64, tensor_parallel_size=2)
+    config = EngineConfig(
+        model=tiny_models["llama"], num_kv_blocks=64, tensor_parallel_size=2, device="cpu"
+    )
     engine = LLMEngine(config, launcher=launcher)
     collected = weakref.ref(engine)
     assert launcher.dead_ranks() == []

@@ -104,6 +104,18 @@ def device_of_rank(config: EngineConfig, rank: int, local: bool) -> str:
     return config.device
 
 
+def check_local_gpus(tensor_parallel_size: int, visible_gpus: int) -> None:
+    """Local ranks take ``cuda:0 .. cuda:N-1``: a ValueError before any worker starts when
+    fewer GPUs are visible (a worker would otherwise die on an invalid device ordinal)."""
+    if visible_gpus < tensor_parallel_size:
+        raise ValueError(
+            f"EngineConfig.tensor_parallel_size: {tensor_parallel_size} local ranks on CUDA need "
+            f"{tensor_parallel_size} visible GPUs (rank r runs on cuda:r), this process sees "
+            f"{visible_gpus}; lower tensor_parallel_size, set device='cpu', or run the replica "
+            "under Ray with one GPU per rank"
+        )
+
+
 def _ready_key(rank: int) -> str:
     return f"ready/{rank}"
 
