@@ -21,8 +21,8 @@ sees what every router sent, a round trip old instead of a stats period old.
   re-sends a non-empty one every ``REFRESH_S`` so it does not expire.
 
 How it fails: an unreachable actor (dead, slow, not yet created) makes ``peers`` return
-``{}`` after at most the lookup timeout (the router then decides on its own ledger, as
-before this module existed), logged once per outage; a failed publish is dropped, and the
+None after at most the lookup timeout (the router then decides on its own ledger beside the
+replicas' stats, as before this module existed), logged once per outage; a failed publish is dropped, and the
 next change or refresh sends the whole snapshot again.
 """
 
@@ -164,14 +164,14 @@ class ActorBoardClient:
         """The ledger changed: the publisher thread sends the newest snapshot soon."""
         self._changed.set()
 
-    def peers(self) -> InflightSnapshot:
-        """The other routers' in-flight requests (``{}`` when the board does not answer)."""
+    def peers(self) -> InflightSnapshot | None:
+        """The other routers' in-flight requests (None when the board does not answer)."""
         try:
             ref = self._handle().peer_inflight.remote(self.router_id)
             answer = ray.get(ref, timeout=self._lookup_timeout_s)
         except Exception as exc:  # any Ray failure: decide without the peers
             self._failed("lookup", exc)
-            return {}
+            return None
         if self._down:
             self._down = False
             log.warning("in-flight board reachable again")

@@ -187,7 +187,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         if self._board is not None:
             self._board.changed()
 
-    async def _peer_inflight(self) -> dict:
+    async def _peer_inflight(self) -> dict | None:
+        """The other routers' in-flight requests; ``{}`` for a router outside a Serve
+        deployment (it has no peers), None when the board does not answer."""
         board = self._get_board()
         return {} if board is None else await asyncio.to_thread(board.peers)
 
@@ -195,6 +197,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self, replicas: list[RunningReplica], peers: dict | None = None
     ) -> list[ReplicaView]:
         inflight = merge_inflight(self._inflight.timed_snapshot(), peers or {})
+        complete = peers is not None  # every router's requests: the load now (ReplicaView)
         all_stats = pooled_prefill_rate(
             [ReplicaStats.from_dict(r.routing_stats or {}) for r in replicas]
         )
@@ -209,7 +212,12 @@ class PrefixAwareRequestRouter(RequestRouter):
             prefill_tokens = tuple(tokens for _, tokens in entries)
             views.append(
                 ReplicaView(
-                    r.replica_id.unique_id, stats, len(entries), prefill_tokens, num_unreported
+                    r.replica_id.unique_id,
+                    stats,
+                    len(entries),
+                    prefill_tokens,
+                    num_unreported,
+                    inflight_complete=complete,
                 )
             )
         return views

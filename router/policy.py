@@ -73,6 +73,12 @@ class ReplicaView:
     """In-flight requests decided after the stats' ``as_of_s`` (the newest of them), when the
     caller knows; None: estimated as in-flight less the stats' waiting and running, which
     misses a request that replaced a finished one within the stats period."""
+    inflight_complete: bool = False
+    """``num_inflight`` counts every router's requests on the replica, a round trip old (the
+    routers share them: ``cluster.inflight_board``), and drops each as it finishes: it is then
+    the replica's load now, where the stats are up to a period old and still count the
+    requests that finished since (a least-loaded router reading them sends the next request
+    away from the replica that just freed a slot)."""
 
 
 @dataclass(frozen=True)
@@ -126,9 +132,12 @@ class TTFTModel:
     def prefill_tokens_per_s(self, stats: ReplicaStats) -> float:
         return stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s
 
-    def decode_step_s(self, stats: ReplicaStats) -> float:
-        if stats.decode_tokens_per_s > 0 and stats.num_running > 0:
-            return stats.num_running / stats.decode_tokens_per_s
+    def decode_step_s(self, view: ReplicaView) -> float:
+        """One decode step of the replica's running batch now (``running_now``), at the decode
+        rate it reported."""
+        num_running = running_now(view)
+        if view.stats.decode_tokens_per_s > 0 and num_running > 0:
+            return num_running / view.stats.decode_tokens_per_s
         return self.default_decode_step_s
 
     def queue_s(self, view: ReplicaView) -> float:
@@ -141,7 +150,7 @@ class TTFTModel:
         num_queued_tokens = stats.num_queued_prefill_tokens + unreported_prefill_tokens(view)
         return num_queued_tokens / self.prefill_tokens_per_s(
             stats
-        ) + num_ahead * self.decode_step_s(stats)
+        ) + num_ahead * self.decode_step_s(view)
 
     def predicted_ttft_s(
         self,
@@ -174,13 +183,13 @@ class TTFTModel:
             num_miss_tokens -= num_remote_tokens
             pull_s = num_remote_tokens / self.kv_pull_tokens_per_s
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
-        busy = stats.num_running + stats.num_waiting + unreported(view) > 0
+        busy = running_now(view) + stats.num_waiting + unreported(view) > 0
         return (
             self.queue_s(view)
             + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
             + num_host_tokens / host_rate
             + pull_s
-            + (self.decode_step_s(stats) if busy else 0.0)
+            + (self.decode_step_s(view) if busy else 0.0)
         )
 
 
@@ -229,9 +238,21 @@ def pull_source(matches: Mapping[str, Match], replica_id: str) -> tuple[str, int
 
 
 def replica_load(view: ReplicaView) -> int:
-    """Requests on the replica: its reported waiting + running, or the router's own in-flight
-    count when that is larger (decisions the stats do not show yet)."""
+    """Requests on the replica now: every router's in-flight count when the view has it
+    (``inflight_complete``); else its reported waiting + running, or the router's own
+    in-flight count when that is larger (decisions the stats do not show yet)."""
+    if view.inflight_complete:
+        return view.num_inflight
     return max(view.stats.num_waiting + view.stats.num_running, view.num_inflight)
+
+
+def running_now(view: ReplicaView) -> int:
+    """Requests decoding on the replica now. With every router's in-flight requests and the
+    stats' time (``num_unreported`` known): those decided before the stats and still in
+    flight, less the stats' waiting ones; else the stats' running count."""
+    if view.inflight_complete and view.num_unreported is not None:
+        return max(0, view.num_inflight - view.num_unreported - view.stats.num_waiting)
+    return view.stats.num_running
 
 
 def unreported(view: ReplicaView) -> int:

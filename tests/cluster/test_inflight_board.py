@@ -144,8 +144,8 @@ def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
     serve_log.addHandler(records)
     client = ActorBoardClient(get_actor, lambda: {"a": ((1.0, 16),)}, lookup_timeout_s=0.1)
     try:
-        assert client.peers() == {}
-        assert client.peers() == {}
+        assert client.peers() is None  # not {}: the router must know it lacks the peers
+        assert client.peers() is None
     finally:
         client.close()
         serve_log.removeHandler(records)
@@ -171,3 +171,20 @@ def test_views_count_the_decisions_made_after_the_stats_as_unreported():
     assert (views["a"].num_inflight, views["a"].num_unreported) == (2, 1)
     assert views["a"].inflight_prefill_tokens == (300, 120)
     assert views["b"].num_unreported is None
+
+
+def test_views_are_complete_only_with_the_peers_answer():
+    """With the board's answer (even an empty one: no other router has anything in flight)
+    the in-flight counts are every router's, the load now; without it (None: the board did
+    not answer) they are this router's alone and the stats stay in charge."""
+    router = request_router("least_loaded", EmbeddedIndex())
+    router._inflight.decided("mine", "a", 50)
+    peers = {"b": ((time.time(), 80), (time.time(), 0))}
+    replicas = [running("a", num_running=3), running("b", num_running=1)]
+    views = {v.replica_id: v for v in router._views(replicas, peers)}
+    assert [(views[r].num_inflight, views[r].inflight_complete) for r in "ab"] == [
+        (1, True),
+        (2, True),
+    ]
+    assert all(v.inflight_complete for v in router._views(replicas, {}))
+    assert not any(v.inflight_complete for v in router._views(replicas, None))

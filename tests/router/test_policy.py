@@ -218,6 +218,37 @@ def test_a_request_that_replaced_a_finished_one_is_priced_when_the_caller_counts
     assert model.queue_s(counted) == pytest.approx(120 / rate + step_s)
 
 
+def test_a_complete_inflight_view_sees_a_finished_request_the_stats_still_count():
+    # Both replicas reported 4 running a moment ago; since then one of a's finished (every
+    # router's in-flight requests show 3 there) and nothing new was sent.
+    stats = ReplicaStats(num_running=4, decode_tokens_per_s=40.0)
+    a = ReplicaView("a", stats, 3, (0, 0, 0), num_unreported=0, inflight_complete=True)
+    b = ReplicaView("b", stats, 4, (0, 0, 0, 0), num_unreported=0, inflight_complete=True)
+    least = make_policy(RouterConfig(policy="least_loaded"))
+    assert least.choose(prompt_blocks(5), 128, [b, a], {}).replica_id == "a"
+    model = TTFTModel(CONFIG)
+    assert model.decode_step_s(a) == pytest.approx(3 / 40.0)  # 3 running now, not 4
+    assert model.decode_step_s(b) == pytest.approx(4 / 40.0)
+    # Without every router's requests (the board did not answer) the stats decide: a tie,
+    # which rendezvous on the first block breaks the same way for either order.
+    partial = [dataclasses.replace(v, inflight_complete=False) for v in (a, b)]
+    assert model.decode_step_s(partial[0]) == pytest.approx(4 / 40.0)
+    assert (
+        least.choose(prompt_blocks(5), 128, partial, {}).replica_id
+        == least.choose(prompt_blocks(5), 128, partial[::-1], {}).replica_id
+    )
+    # A request sent after the stats and one waiting in them are not running yet.
+    queued = ReplicaView(
+        "a",
+        ReplicaStats(num_running=2, num_waiting=1, decode_tokens_per_s=40.0),
+        4,
+        (0, 0, 0, 50),
+        num_unreported=1,
+        inflight_complete=True,
+    )
+    assert model.decode_step_s(queued) == pytest.approx(2 / 40.0)
+
+
 def test_baselines_behind_the_same_interface():
     replicas = [idle("a", num_running=2), idle("b"), idle("c", num_waiting=1)]
     blocks = prompt_blocks(5)
