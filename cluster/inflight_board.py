@@ -22,8 +22,8 @@ sees what every router sent, a round trip old instead of a stats period old.
 
 How it fails: an unreachable actor (dead, slow, not yet created) makes ``peers`` return
 None after at most the lookup timeout (the router then decides on its own ledger beside the
-replicas' stats, as before this module existed), logged once per outage; a failed publish is dropped, and the
-next change or refresh sends the whole snapshot again.
+replicas' stats, as before this module existed), logged once per outage; a failed publish is
+dropped, and the next change or refresh sends the whole snapshot again.
 """
 
 from __future__ import annotations
