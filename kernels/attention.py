@@ -74,8 +74,8 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     plans: dict = field(default_factory=dict, repr=False)
     """Per-step cache of the CPU attention: plans keyed by (block size, group), the fast path's
-    decode-only metadata under ``"decodes"``, and gather buffers (``_step_buffer``). Built on
-    the first layer, reused by the others."""
+    decode-only metadata and rows under ``"decodes"``, and gather buffers (``_step_buffer``).
+    Built on the first layer, reused by the others."""
 
 
 def paged_attention(
@@ -357,9 +357,9 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         out[qsl[s] : qsl[s + 1]] = o.transpose(0, 1)
     if decodes:
         # Decodes share prefix chunks: the tiled path reads each shared chunk once.
-        sub = meta.plans.get("decodes")
-        if sub is None:
-            sub = meta.plans["decodes"] = AttentionMetadata(
+        cached = meta.plans.get("decodes")
+        if cached is None:  # once per step; every layer reuses it
+            sub = AttentionMetadata(
                 query_start_loc=torch.arange(
                     len(decodes) + 1, dtype=torch.int32, device=query.device
                 ),
@@ -369,6 +369,8 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
                 query_start_loc_list=list(range(len(decodes) + 1)),
                 seq_lens_list=[lens[s] for s in decodes],
             )
-        rows = torch.tensor([qsl[s] for s in decodes], device=query.device)
+            rows = torch.tensor([qsl[s] for s in decodes], device=query.device)
+            cached = meta.plans["decodes"] = (sub, rows)
+        sub, rows = cached
         out[rows] = _attention_tiled(query[rows], k_cache, v_cache, sub, scale)
     return out

@@ -84,11 +84,11 @@ class TileSet:
         return self.tile_masked.shape[0]
 
     def to(self, device: torch.device) -> TileSet:
-        return TileSet(
-            self.tile_rows,
-            self.tile_row_ids.to(device),
-            self.tile_masked.to(device),
-            [region.to(device) for region in self.regions],
+        return replace(
+            self,
+            tile_row_ids=self.tile_row_ids.to(device),
+            tile_masked=self.tile_masked.to(device),
+            regions=[region.to(device) for region in self.regions],
         )
 
 

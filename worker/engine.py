@@ -39,7 +39,6 @@ from worker.parallel.workers import (
     LocalProcessLauncher,
     TensorParallelGroup,
     WorkerLauncher,
-    check_local_gpus,
     threads_per_rank,
 )
 from worker.prompt_logprobs import prompt_logit_rows, record_prompt_logprobs
@@ -166,8 +165,6 @@ class LLMEngine:
         ShardPlan.make(
             read_spec(model_path), 0, config.tensor_parallel_size
         )  # sizes fail before any worker starts
-        if isinstance(launcher, LocalProcessLauncher) and config.device.startswith("cuda"):
-            check_local_gpus(config.tensor_parallel_size, torch.cuda.device_count())
         self.tp = TensorParallelGroup.start(
             config, model_path, self.max_model_len, launcher, replica_id
         )

@@ -208,6 +208,8 @@ class LocalProcessLauncher:
     def start(self, spec: WorkerSpec) -> None:
         from worker.parallel.local_worker import encode_frame
 
+        if spec.config.device.startswith("cuda"):  # rank r takes cuda:r (device_of_rank)
+            check_local_gpus(spec.world_size, torch.cuda.device_count())
         env = child_env()
         for rank in range(1, spec.world_size):
             label = f"tp-{spec.replica_id}-rank{rank}"  # shows in ps; the worker ignores it
