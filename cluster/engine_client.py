@@ -4,7 +4,9 @@
 starts one engine request per prompt (block hashes attached for the request router) and
 awaits each first output, so refusals surface as ``APIError`` before the HTTP response
 starts: Serve's full queue (``BackPressureError``) -> 429, the replica's own refusals
-(``{"rejected": ...}``) -> 400/429/503/500, an unreachable replica -> 503. ``merge`` then
+(``{"rejected": ...}``) -> 400/429/503/500, an unreachable replica -> 503. Each first output is
+also reported to the request router that routed the call (``cluster.inflight``): the
+request is no longer in its replica's prefill queue. ``merge`` then
 yields ``(prompt index, output dict)`` as outputs arrive and, when the caller stops early
 (client gone, a sibling failed), cancels every stream not yet ended, which aborts the engine
 requests and frees their blocks.
@@ -34,6 +36,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster import errors
 from cluster.errors import APIError
+from cluster.inflight import first_output_arrived
 from cluster.serve_compat import own_internal_request_id
 from router.protocol import hash_blocks
 from worker.sampling_params import SamplingParams
@@ -149,7 +152,8 @@ class EngineClient:
     ):
         """Starts one engine request; returns (first output, response) or raises APIError."""
         hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
-        own_internal_request_id()  # this task's calls only: prompts of one request go in parallel
+        # This task's calls only (prompts of one request go in parallel); the router's key.
+        routing_key = own_internal_request_id()
         response = None
         try:
             # Serve may refuse in remote() itself (its queue is full) or on the first item.
@@ -162,6 +166,7 @@ class EngineClient:
                 resume_token_ids=resume_token_ids,
             )
             first = await response.__anext__()
+            first_output_arrived(routing_key)  # not queued or prefilling any more
         except BaseException as exc:
             if response is not None:
                 _cancel_quietly(response)

@@ -25,6 +25,15 @@ decode step each: without that, a burst of cold prompts all went to the replica 
 measured prefill rate was highest until the load bound stopped it (7 of 8 on one of three
 replicas in a real run, issue 19).
 
+Each entry also says whether the request is still waiting for its first output: the ingress's
+``EngineClient`` reports that output (``first_output_arrived``, keyed by the internal request
+id it gave the call) to every ledger in its process, and the one holding the key marks it.
+A replica's in-flight requests that have not produced a token yet are its prefill queue *now*
+(the stats are up to a period old); the policy prices that queue once a ledger has seen
+marks (``marks_first_outputs``): callers that never report first outputs (a bare handle) keep
+the stats-based estimate. Why it matters: at concurrency 8 on 2 replicas, a warm request's
+TTFT was set by whether its replica was prefilling another request when it arrived (issue 19).
+
 Thread-safe (one lock; Serve calls the router from its event loop and routing threads).
 """
 
@@ -33,7 +42,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 COMPLETED_MEMORY_S = 60.0
@@ -52,19 +63,44 @@ class _Entry:
     (``cluster.inflight_board``)."""
     expiry_s: float | None
     """Monotonic time an unconfirmed decision stops counting; None once Serve confirmed it."""
+    awaiting_first_output: bool = True
+    """No output has reached the caller yet: the request is queued or prefilling."""
+
+
+_LEDGERS: weakref.WeakSet[InflightLedger] = weakref.WeakSet()
+_LEDGERS_LOCK = threading.Lock()
+
+
+def first_output_arrived(key: str) -> None:
+    """The first output of request ``key`` (Serve's internal request id) reached its caller:
+    marks it in whichever ledger of this process holds it (the request router that decided
+    it). Cheap and safe to call for a key no ledger holds."""
+    with _LEDGERS_LOCK:
+        ledgers = list(_LEDGERS)
+    for ledger in ledgers:
+        if ledger.first_output(key):
+            return
 
 
 class InflightLedger:
     """Requests in flight per replica, with the prompt tokens each will prefill there."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, on_change: Callable[[], None] | None = None) -> None:
+        """``on_change`` is called after a first output is marked (``first_output_arrived``
+        comes from outside the router, which publishes its ledger on every change)."""
         self.ttl_s = ttl_s
+        self.on_change = on_change
+        self.marks_first_outputs = False
+        """A first output has been marked here: whoever calls through this router reports
+        them, so an entry still awaiting one is queued or prefilling."""
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._order = itertools.count()
         self._completed: OrderedDict[str, tuple[float, str]] = OrderedDict()
         """Key -> (monotonic time it completed, the replica it completed on), oldest first
         (``COMPLETED_MEMORY_S``)."""
+        with _LEDGERS_LOCK:
+            _LEDGERS.add(self)
 
     def decided(self, key: str, replica_id: str, prefill_tokens: int) -> None:
         """The router chose ``replica_id`` for request ``key`` (again, on a retry: the newer
@@ -92,6 +128,19 @@ class InflightLedger:
             elif entry.expiry_s is not None:
                 entry.replica_id, entry.expiry_s = replica_id, None
 
+    def first_output(self, key: str) -> bool:
+        """Request ``key``'s first output reached its caller; False when this ledger does not
+        hold it (another router's, or already completed)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.awaiting_first_output = False
+            self.marks_first_outputs = True
+        if self.on_change is not None:
+            self.on_change()
+        return True
+
     def completed(self, key: str, replica_id: str) -> None:
         """Serve's request ``key`` finished on ``replica_id`` (or was rejected there)."""
         now_s = time.monotonic()
@@ -108,15 +157,16 @@ class InflightLedger:
         """Replica id -> the prefill tokens of its in-flight requests, oldest decision first
         (the count is the tuple's length); expired unconfirmed decisions are dropped."""
         return {
-            replica_id: tuple(tokens for _, tokens in entries)
+            replica_id: tuple(tokens for _, tokens, _ in entries)
             for replica_id, entries in self.timed_snapshot().items()
         }
 
-    def timed_snapshot(self) -> dict[str, tuple[tuple[float, int], ...]]:
-        """Replica id -> ``(decided_at_s, prefill_tokens)`` of its in-flight requests, oldest
-        decision first: what the router shares with its peers (``cluster.inflight_board``)."""
+    def timed_snapshot(self) -> dict[str, tuple[tuple[float, int, bool], ...]]:
+        """Replica id -> ``(decided_at_s, prefill_tokens, awaiting_first_output)`` of its
+        in-flight requests, oldest decision first: what the router shares with its peers
+        (``cluster.inflight_board``)."""
         now_s = time.monotonic()
-        by_replica: dict[str, list[tuple[int, float, int]]] = {}
+        by_replica: dict[str, list[tuple[int, float, int, bool]]] = {}
         with self._lock:
             expired = [
                 k
@@ -127,9 +177,14 @@ class InflightLedger:
                 del self._entries[key]
             for entry in self._entries.values():
                 by_replica.setdefault(entry.replica_id, []).append(
-                    (entry.order, entry.decided_at_s, entry.prefill_tokens)
+                    (
+                        entry.order,
+                        entry.decided_at_s,
+                        entry.prefill_tokens,
+                        entry.awaiting_first_output,
+                    )
                 )
         return {
-            replica_id: tuple((at_s, tokens) for _, at_s, tokens in sorted(rows))
+            replica_id: tuple(row[1:] for row in sorted(rows))
             for replica_id, rows in by_replica.items()
         }

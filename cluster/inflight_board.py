@@ -10,10 +10,10 @@ router publishes its ledger, and reads the others' beside every index lookup, so
 sees what every router sent, a round trip old instead of a stats period old.
 
 - ``InflightBoard``: the shared state, plain Python. One snapshot per router (replica id ->
-  ``(decided_at_s, prefill_tokens)`` per request, oldest first), replaced by each report
-  with a newer sequence number (reports of a router may arrive out of order: the actor is
-  threaded) and dropped ``ttl_s`` after it arrived unless refreshed, so a router that died
-  stops counting. ``peers(router_id)`` merges the other routers' snapshots.
+  ``(decided_at_s, prefill_tokens, awaiting_first_output)`` per request, oldest first),
+  replaced by each report with a newer sequence number (reports of a router may arrive out of
+  order: the actor is threaded) and dropped ``ttl_s`` after it arrived unless refreshed, so a
+  router that died stops counting. ``peers(router_id)`` merges the other routers' snapshots.
 - ``LocalBoardClient``: a router's client of an ``InflightBoard`` in the same process.
 - ``ActorBoardClient``: a router's client of the board the application's index actor hosts
   (``cluster.index_actor.IndexActor``, with either index backend). ``changed()`` is cheap
@@ -39,10 +39,12 @@ import ray
 
 log = logging.getLogger("ray.serve")
 
-InflightSnapshot = dict[str, tuple[tuple[float, int], ...]]
-"""Replica id -> ``(decided_at_s, prefill_tokens)`` of each in-flight request, oldest first.
-``decided_at_s`` is wall-clock time (``time.time``), comparable across a cluster's hosts to
-within their clock skew: it only orders requests, to price the newest ones."""
+InflightSnapshot = dict[str, tuple[tuple[float, int, bool], ...]]
+"""Replica id -> ``(decided_at_s, prefill_tokens, awaiting_first_output)`` of each in-flight
+request, oldest first. ``decided_at_s`` is wall-clock time (``time.time``), comparable across
+a cluster's hosts to within their clock skew: it only orders requests, to price the newest
+ones. ``awaiting_first_output``: no token of it has reached its caller yet
+(``cluster.inflight``)."""
 
 BOARD_TTL_S = 10.0
 """A router's snapshot stops counting this long after it arrived unless refreshed."""
@@ -78,7 +80,7 @@ class InflightBoard:
         """The other routers' in-flight requests per replica, merged oldest first; expired
         snapshots are dropped."""
         now_s = self._clock()
-        merged: dict[str, list[tuple[float, int]]] = {}
+        merged: dict[str, list[tuple]] = {}
         with self._lock:
             for other in [r for r, (_, expiry_s, _) in self._reports.items() if expiry_s <= now_s]:
                 del self._reports[other]
@@ -91,8 +93,8 @@ class InflightBoard:
 
 
 def merge_inflight(own: InflightSnapshot, peers: Mapping[str, tuple]) -> InflightSnapshot:
-    """Replica id -> ``(decided_at_s, prefill_tokens)`` of every in-flight request (this
-    router's and its peers'), oldest decision first."""
+    """Replica id -> ``(decided_at_s, prefill_tokens, awaiting_first_output)`` of every
+    in-flight request (this router's and its peers'), oldest decision first."""
     return {
         replica_id: tuple(sorted(own.get(replica_id, ()) + tuple(peers.get(replica_id, ()))))
         for replica_id in own.keys() | peers.keys()

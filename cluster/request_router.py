@@ -138,7 +138,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._load_policy = make_policy(self.config)
         """Decides, with no index, until the Redis namespace (the model) is known."""
         self._router_lock = threading.Lock()
-        self._inflight = InflightLedger(UNCONFIRMED_DECISION_TTL_S)
+        self._inflight = InflightLedger(UNCONFIRMED_DECISION_TTL_S, self._ledger_changed)
         self._board = None
         """Shares ``_inflight`` with the other ingress replicas' routers (``_get_board``)."""
         self._board_lock = threading.Lock()
@@ -201,15 +201,19 @@ class PrefixAwareRequestRouter(RequestRouter):
         all_stats = pooled_prefill_rate(
             [ReplicaStats.from_dict(r.routing_stats or {}) for r in replicas]
         )
+        # The requests awaiting their first output are the prefill queue now, once this
+        # router's callers are seen reporting first outputs (``cluster.inflight``).
+        pending_known = complete and self._inflight.marks_first_outputs
         views = []
         for r, stats in zip(replicas, all_stats, strict=True):
             entries = inflight.get(r.replica_id.unique_id, ())
             num_unreported = None  # stats without a time: the policy estimates
             if stats.as_of_s > 0:
-                num_unreported = sum(
-                    1 for decided_at_s, _ in entries if decided_at_s > stats.as_of_s
-                )
-            prefill_tokens = tuple(tokens for _, tokens in entries)
+                num_unreported = sum(1 for at_s, _, _ in entries if at_s > stats.as_of_s)
+            prefill_tokens = tuple(tokens for _, tokens, _ in entries)
+            pending = None
+            if pending_known:
+                pending = tuple(tokens for _, tokens, awaiting in entries if awaiting)
             views.append(
                 ReplicaView(
                     r.replica_id.unique_id,
@@ -218,6 +222,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                     prefill_tokens,
                     num_unreported,
                     inflight_complete=complete,
+                    pending_prefill_tokens=pending,
                 )
             )
         return views

@@ -212,13 +212,16 @@ def peer_replica(own_replica_id, peer_unique_id: str) -> PeerReplica:
     return PeerReplica(actor, deployment_id.app_name)
 
 
-def own_internal_request_id() -> None:
+def own_internal_request_id() -> str:
     """Gives the handle calls made from the current asyncio task (and its context copy) an
-    internal request id of their own; see the module docstring for why."""
+    internal request id of their own (see the module docstring for why) and returns it: the
+    key the request router's ledger holds the next call under (``request_key``)."""
     from ray.serve._private.utils import generate_request_id
     from ray.serve.context import _set_request_context
 
-    _set_request_context(_internal_request_id=generate_request_id())
+    internal_request_id = generate_request_id()
+    _set_request_context(_internal_request_id=internal_request_id)
+    return internal_request_id
 
 
 def serve_namespace() -> str:

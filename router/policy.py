@@ -13,9 +13,11 @@ host_rate + remote_tokens / pull_rate + (one decode step if the replica is busy)
 would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses),
 and ``queue_s = (queued_prefill_tokens + unreported in-flight prefill tokens) /
 prefill_rate + (waiting + unreported in-flight) * step_s``: chunked
-prefill shares each step with the running decodes. Unmeasured rates fall back to the
-configured defaults. Every policy's ``choose`` raises ``ValueError`` on an empty candidate
-list or a negative prompt length.
+prefill shares each step with the running decodes. When the view knows which in-flight
+requests have produced no output yet (``pending_prefill_tokens``), they are the queue:
+``queue_s = their prefill tokens / prefill_rate + their count * step_s``. Unmeasured rates
+fall back to the configured defaults. Every policy's ``choose`` raises ``ValueError`` on an
+empty candidate list or a negative prompt length.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class ReplicaView:
     the replica's load now, where the stats are up to a period old and still count the
     requests that finished since (a least-loaded router reading them sends the next request
     away from the replica that just freed a slot)."""
+    pending_prefill_tokens: tuple[int, ...] | None = None
+    """Prefill tokens of the in-flight requests on the replica that have produced no output
+    yet (every router's, oldest first), when the callers report first outputs
+    (``cluster.inflight``): the replica's prefill queue now, which replaces the stats' queue
+    and the unreported-request estimate in ``TTFTModel.queue_s``. None: not known."""
 
 
 @dataclass(frozen=True)
@@ -144,8 +151,15 @@ class TTFTModel:
         """Wait before this replica starts a new prefill: the prompt tokens queued ahead, plus
         one decode step per request ahead (chunked prefill shares each step with the running
         decodes). Requests the router sent that the stats do not show yet count as waiting,
-        with the prefill they queued when the view carries it."""
+        with the prefill they queued when the view carries it. When the view knows which
+        in-flight requests have produced no output yet (``pending_prefill_tokens``), those
+        are the queue instead."""
         stats = view.stats
+        pending = view.pending_prefill_tokens
+        if pending is not None:
+            return sum(pending) / self.prefill_tokens_per_s(stats) + len(
+                pending
+            ) * self.decode_step_s(view)
         num_ahead = stats.num_waiting + unreported(view)
         num_queued_tokens = stats.num_queued_prefill_tokens + unreported_prefill_tokens(view)
         return num_queued_tokens / self.prefill_tokens_per_s(
@@ -183,7 +197,11 @@ class TTFTModel:
             num_miss_tokens -= num_remote_tokens
             pull_s = num_remote_tokens / self.kv_pull_tokens_per_s
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
-        busy = running_now(view) + stats.num_waiting + unreported(view) > 0
+        busy = (
+            view.num_inflight > 0
+            if view.pending_prefill_tokens is not None
+            else running_now(view) + stats.num_waiting + unreported(view) > 0
+        )
         return (
             self.queue_s(view)
             + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
@@ -247,9 +265,12 @@ def replica_load(view: ReplicaView) -> int:
 
 
 def running_now(view: ReplicaView) -> int:
-    """Requests decoding on the replica now. With every router's in-flight requests and the
-    stats' time (``num_unreported`` known): those decided before the stats and still in
-    flight, less the stats' waiting ones; else the stats' running count."""
+    """Requests decoding on the replica now. With every router's in-flight requests and which
+    of them produced output (``pending_prefill_tokens``): those that did. With every router's
+    requests and the stats' time (``num_unreported`` known): those decided before the stats
+    and still in flight, less the stats' waiting ones. Else the stats' running count."""
+    if view.inflight_complete and view.pending_prefill_tokens is not None:
+        return max(0, view.num_inflight - len(view.pending_prefill_tokens))
     if view.inflight_complete and view.num_unreported is not None:
         return max(0, view.num_inflight - view.num_unreported - view.stats.num_waiting)
     return view.stats.num_running

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.inflight import InflightLedger
+from cluster.inflight import InflightLedger, first_output_arrived
 
 
 def test_a_decision_counts_on_its_replica_until_completed():
@@ -99,3 +99,27 @@ def test_a_fall_through_completed_before_its_confirmation_leaves_nothing():
     assert ledger.snapshot() == {"a": (300,)}  # until the confirmation says where it went
     ledger.routed("r", "b")
     assert ledger.snapshot() == {}
+
+
+def test_a_first_output_marks_the_entry_in_whichever_ledger_holds_it():
+    """The ingress reports a first output by key alone; the ledger holding it marks it (and
+    says so to its router), the others ignore it; a completed key marks nothing."""
+    changes = []
+    mine = InflightLedger(ttl_s=60.0, on_change=lambda: changes.append("mine"))
+    other = InflightLedger(ttl_s=60.0, on_change=lambda: changes.append("other"))
+    mine.decided("first-output-r1", "a", 500)
+    mine.decided("first-output-r2", "a", 20)
+    other.decided("first-output-r3", "a", 64)
+    assert not mine.marks_first_outputs
+    first_output_arrived("first-output-r1")
+    first_output_arrived("first-output-gone")
+    assert changes == ["mine"]
+    assert mine.marks_first_outputs and not other.marks_first_outputs
+    assert [(tokens, awaiting) for _, tokens, awaiting in mine.timed_snapshot()["a"]] == [
+        (500, False),
+        (20, True),
+    ]
+    mine.routed("first-output-r1", "a")  # a confirmation after the first output keeps the mark
+    assert not mine.timed_snapshot()["a"][0][2]
+    mine.completed("first-output-r2", "a")
+    assert not mine.first_output("first-output-r2")

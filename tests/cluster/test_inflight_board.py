@@ -14,10 +14,11 @@ import time
 
 import pytest
 
+from cluster.inflight import first_output_arrived
 from cluster.inflight_board import InflightBoard, LocalBoardClient, merge_inflight
 from cluster.request_router import PrefixAwareRequestRouter
 from router.embedded_index import EmbeddedIndex
-from router.protocol import hash_blocks
+from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
 from router.routing import Router
 from tests.cluster.test_kv_pull_request_path import pending, running
 
@@ -179,7 +180,7 @@ def test_views_are_complete_only_with_the_peers_answer():
     not answer) they are this router's alone and the stats stay in charge."""
     router = request_router("least_loaded", EmbeddedIndex())
     router._inflight.decided("mine", "a", 50)
-    peers = {"b": ((time.time(), 80), (time.time(), 0))}
+    peers = {"b": ((time.time(), 80, True), (time.time(), 0, False))}
     replicas = [running("a", num_running=3), running("b", num_running=1)]
     views = {v.replica_id: v for v in router._views(replicas, peers)}
     assert [(views[r].num_inflight, views[r].inflight_complete) for r in "ab"] == [
@@ -188,3 +189,60 @@ def test_views_are_complete_only_with_the_peers_answer():
     ]
     assert all(v.inflight_complete for v in router._views(replicas, {}))
     assert not any(v.inflight_complete for v in router._views(replicas, None))
+
+
+def test_views_price_the_requests_awaiting_their_first_output_once_first_outputs_are_reported():
+    """Every router's in-flight requests that have produced no output are the replica's
+    prefill queue now. Until this router has seen a first output reported (a caller that
+    never reports them) the view does not claim to know (None)."""
+    router = request_router("prefix", EmbeddedIndex())
+    router._inflight.decided("views-mine-done", "a", 50)
+    router._inflight.decided("views-mine-prefilling", "a", 70)
+    peers = {"a": ((time.time(), 300, True),), "b": ((time.time(), 80, False),)}
+    replicas = [running("a", num_running=3), running("b", num_running=1)]
+    views = {v.replica_id: v for v in router._views(replicas, peers)}
+    assert views["a"].pending_prefill_tokens is None  # no first output reported yet
+    first_output_arrived("views-mine-done")
+    views = {v.replica_id: v for v in router._views(replicas, peers)}
+    assert views["a"].pending_prefill_tokens == (70, 300)
+    assert views["b"].pending_prefill_tokens == ()
+    assert router._views(replicas, None)[0].pending_prefill_tokens is None  # board silent
+
+
+def test_a_replica_whose_prefill_finished_since_its_stats_is_priced_as_free_to_start_another():
+    """Both replicas hold the prompt's prefix. Their stats, taken after every decision, show
+    x decoding two requests and y prefilling a long prompt (900 tokens queued); since then
+    y's request produced its first output. Priced from the stats, y looks 3 s busy and the
+    request goes to x; with the first outputs reported, y (one decode, no prefill) wins."""
+    index = EmbeddedIndex()
+    warm = [5] * 96
+    hashes = hash_blocks(warm, BLOCK_SIZE, MODEL_ID, None)
+    stored = KVEvent(EventKind.STORED, tuple(hashes), Tier.DEVICE)
+    for replica_id in "xy":
+        index.heartbeat(replica_id, 0)
+        index.apply(KVEventBatch(replica_id, 0, (stored,)))
+    chosen = {}
+    for reported in (False, True):
+        router = request_router("prefix", index)
+        router._board = LocalBoardClient(InflightBoard(), router._inflight.timed_snapshot)
+        keys = {name: f"{name}-{reported}" for name in ("x1", "x2", "y1")}  # unique per process
+        for name, replica_id, tokens in (("x1", "x", 40), ("x2", "x", 40), ("y1", "y", 900)):
+            router._inflight.decided(keys[name], replica_id, tokens)
+            router._inflight.routed(keys[name], replica_id)
+        rates = {"prefill_tokens_per_s": 300.0, "decode_tokens_per_s": 100.0}
+        as_of_s = time.time() + 0.001
+        candidates = [
+            running("x", num_running=2, as_of_s=as_of_s, **rates),
+            running("y", num_running=1, num_queued_prefill_tokens=900, as_of_s=as_of_s, **rates),
+        ]
+        first_output_arrived(keys["x1"])
+        first_output_arrived(keys["x2"])
+        if reported:
+            first_output_arrived(keys["y1"])
+
+        async def main(router=router, candidates=candidates):
+            ranks = await router.choose_replicas(candidates, pending("new", warm, hashes))
+            return ranks[0][0].replica_id.unique_id
+
+        chosen[reported] = asyncio.run(main())
+    assert chosen == {False: "x", True: "y"}

@@ -249,6 +249,35 @@ def test_a_complete_inflight_view_sees_a_finished_request_the_stats_still_count(
     assert model.decode_step_s(queued) == pytest.approx(2 / 40.0)
 
 
+def test_requests_awaiting_their_first_output_are_the_queue_in_place_of_the_stats():
+    # The stats (a period old) show 600 tokens queued and 1 running; since then that prefill
+    # finished, and of the 3 requests in flight now one (80 tokens) has produced no output.
+    stats = ReplicaStats(
+        num_running=1,
+        num_queued_prefill_tokens=600,
+        prefill_tokens_per_s=400.0,
+        decode_tokens_per_s=40.0,
+    )
+    view = ReplicaView(
+        "a",
+        stats,
+        3,
+        (600, 0, 80),
+        num_unreported=1,
+        inflight_complete=True,
+        pending_prefill_tokens=(80,),
+    )
+    model = TTFTModel(CONFIG)
+    assert model.decode_step_s(view) == pytest.approx(2 / 40.0)  # the two past their output
+    assert model.queue_s(view) == pytest.approx(80 / 400.0 + 2 / 40.0)
+    stale = dataclasses.replace(view, pending_prefill_tokens=None)
+    assert model.queue_s(stale) == pytest.approx(
+        (600 + 80) / 400.0 + 1 * model.decode_step_s(stale)
+    )
+    idle_now = dataclasses.replace(view, num_inflight=0, pending_prefill_tokens=())
+    assert model.predicted_ttft_s(idle_now, None, 40) == pytest.approx(40 / 400.0)  # not busy
+
+
 def test_baselines_behind_the_same_interface():
     replicas = [idle("a", num_running=2), idle("b"), idle("c", num_waiting=1)]
     blocks = prompt_blocks(5)
