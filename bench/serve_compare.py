@@ -78,6 +78,7 @@ from bench.cache_accounting import (
 from bench.cluster_process import free_port, stop_server, wait_healthy
 from bench.loadgen import cli as loadgen_cli
 from bench.serve_compare_report import (
+    arrivals_during_prefill,
     busy_fractions,
     groups,
     markdown,
@@ -274,6 +275,7 @@ def make_row(base: dict, name: str, workload, result: dict, replicas: int, block
                 block_size,
             )
             row["replica_busy_fraction"] = busy_fractions(sent)
+            row["arrivals_during_prefill"] = arrivals_during_prefill(sent)
     return row
 
 

@@ -239,3 +239,23 @@ def test_serving_replicas_counts_the_engine_replicas_in_metrics():
     assert serving_replicas(render_prometheus({}, {}).decode()) == 0
     replicas = {"k78xttnw": {"model_name": "smollm2"}, "kvs1tr9q": {"model_name": "smollm2"}}
     assert serving_replicas(render_prometheus(replicas, {}).decode()) == 2
+
+
+def test_arrivals_during_prefill_counts_requests_that_met_another_before_its_first_token():
+    def req(replica, start_s, ttft_s):
+        return {"replica": replica, "start_s": start_s, "ttft_s": ttft_s}
+
+    # a1 awaits its first token 0-1 s: a2 (at 0.5 s) meets it, a3 (at 2 s) does not; b1 is
+    # alone on b, and a request never meets itself.
+    reqs = [req("a", 0.0, 1.0), req("a", 0.5, 0.3), req("b", 0.6, 0.9), req("a", 2.0, 0.1)]
+    assert report.arrivals_during_prefill(reqs) == {
+        "share": 0.25,
+        "ttft_ms_met": 300.0,
+        "ttft_ms_clear": 900.0,
+    }
+    assert report.arrivals_during_prefill([]) is None
+    row = {
+        **_row("prefix", 1.0, 1, 2, 3),
+        "arrivals_during_prefill": {"share": 0.25, "ttft_ms_met": 300.0, "ttft_ms_clear": None},
+    }
+    assert "| 25% (300 / -) |" in report.runs_markdown([row])
