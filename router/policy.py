@@ -150,20 +150,10 @@ class TTFTModel:
     def queue_s(self, view: ReplicaView) -> float:
         """Wait before this replica starts a new prefill: the prompt tokens queued ahead, plus
         one decode step per request ahead (chunked prefill shares each step with the running
-        decodes). Requests the router sent that the stats do not show yet count as waiting,
-        with the prefill they queued when the view carries it. When the view knows which
-        in-flight requests have produced no output yet (``pending_prefill_tokens``), those
-        are the queue instead."""
-        stats = view.stats
-        pending = view.pending_prefill_tokens
-        if pending is not None:
-            return sum(pending) / self.prefill_tokens_per_s(stats) + len(
-                pending
-            ) * self.decode_step_s(view)
-        num_ahead = stats.num_waiting + unreported(view)
-        num_queued_tokens = stats.num_queued_prefill_tokens + unreported_prefill_tokens(view)
+        decodes); what is ahead is ``queued_now``."""
+        num_ahead, num_queued_tokens = queued_now(view)
         return num_queued_tokens / self.prefill_tokens_per_s(
-            stats
+            view.stats
         ) + num_ahead * self.decode_step_s(view)
 
     def predicted_ttft_s(
@@ -197,11 +187,7 @@ class TTFTModel:
             num_miss_tokens -= num_remote_tokens
             pull_s = num_remote_tokens / self.kv_pull_tokens_per_s
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
-        busy = (
-            view.num_inflight > 0
-            if view.pending_prefill_tokens is not None
-            else running_now(view) + stats.num_waiting + unreported(view) > 0
-        )
+        busy = running_now(view) + queued_now(view)[0] > 0
         return (
             self.queue_s(view)
             + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
@@ -274,6 +260,20 @@ def running_now(view: ReplicaView) -> int:
     if view.inflight_complete and view.num_unreported is not None:
         return max(0, view.num_inflight - view.num_unreported - view.stats.num_waiting)
     return view.stats.num_running
+
+
+def queued_now(view: ReplicaView) -> tuple[int, int]:
+    """(requests ahead of a new prefill on the replica, the prompt tokens they have still to
+    prefill): its requests with no output yet when the view knows them
+    (``pending_prefill_tokens``); else the stats' waiting requests and queued tokens plus the
+    requests the stats do not show yet, with the prefill they queued."""
+    pending = view.pending_prefill_tokens
+    if pending is not None:
+        return len(pending), sum(pending)
+    return (
+        view.stats.num_waiting + unreported(view),
+        view.stats.num_queued_prefill_tokens + unreported_prefill_tokens(view),
+    )
 
 
 def unreported(view: ReplicaView) -> int:
