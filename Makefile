@@ -3,6 +3,8 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 CONSTRAINTS ?= -c constraints/cpu.txt
+# The test and benchmark tools, pinned to the versions CI last passed with.
+TOOL_CONSTRAINTS := -c constraints/test.txt
 
 .PHONY: install serve test-deps test lint bench bench-deps
 
@@ -14,7 +16,7 @@ serve: install
 	prefixserve serve
 
 test-deps: install
-	$(PIP) install $(CONSTRAINTS) -e '.[test]'
+	$(PIP) install $(CONSTRAINTS) $(TOOL_CONSTRAINTS) -e '.[test]'
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 	bash scripts/get_helm.sh
 
@@ -25,7 +27,7 @@ lint:
 	ruff check .
 
 bench-deps: install
-	$(PIP) install $(CONSTRAINTS) -e '.[bench]'
+	$(PIP) install $(CONSTRAINTS) $(TOOL_CONSTRAINTS) -e '.[bench]'
 	bash scripts/build_llama_server.sh
 
 # The served path beside the offline engine and llama.cpp's server, one run (issue 16).

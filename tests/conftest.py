@@ -97,11 +97,36 @@ def is_ray_test(path: Path) -> bool:
     return relative.startswith(RAY_TEST_PATHS)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Puts every Ray test in the ``ray`` xdist group (a no-op marker without xdist). First:
-    xdist's own hook turns the group marks into node ids, and this conftest is registered
-    before it, so without ``tryfirst`` xdist would run first and see no marks."""
-    for item in items:
-        if is_ray_test(Path(str(item.fspath))):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+def pytest_itemcollected(item):
+    """Puts every Ray test in the ``ray`` xdist group (a no-op marker without xdist).
+
+    Marked as each item is collected, which pytest does before any
+    ``pytest_collection_modifyitems`` hook runs, so xdist (which turns the group marks into
+    ``@ray`` node ids in its own ``modifyitems``) sees the mark whatever order pytest calls
+    the plugins' ``modifyitems`` in: under pytest 9.2 a ``tryfirst`` conftest hook there ran
+    after xdist's, and no test was grouped."""
+    if is_ray_test(Path(str(item.path))):
+        item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Stops the run when xdist's ``loadgroup`` left a Ray test outside its group.
+
+    xdist applies a group by renaming the item (``item._nodeid += "@ray"``); pytest 9.2 keeps
+    node ids elsewhere (``Node._id``), so with pytest-xdist 3.8 the rename is lost and every
+    Ray test could run on both workers at once. ``constraints/test.txt`` pins a pair that
+    works; this says so as soon as a worker has collected, instead of letting two Ray
+    clusters fight."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    root = Path(str(node.config.rootpath))
+    lost = [i for i in ids if is_ray_test(root / i.split("::")[0]) and not i.endswith("@ray")]
+    if lost:
+        pytest.exit(
+            f"pytest-xdist did not put {len(lost)} Ray tests in the 'ray' group (first: "
+            f"{lost[0]}) under pytest {pytest.__version__}; install the test tools pinned in "
+            "constraints/test.txt (make test-deps)",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
