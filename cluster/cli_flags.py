@@ -167,6 +167,18 @@ FLAGS = [
         "torch intra-op threads per engine replica on CPU (default: torch's choice).",
         "engine",
     ),
+    (
+        "--engine", "engine", "engine", str,
+        "model (run the model) or sim (the whole engine with its forward pass replaced by a "
+        "timing model and pseudo-tokens: a GPU's token rate without a GPU, for load tests).",
+        "engine",
+    ),
+    (
+        "--sim-profile", "engine", "sim_profile", str,
+        "With --engine sim: the timing profile, a preset (cpu, gpu) or a JSON file of one "
+        "(worker/sim_profiles.json shows the fields).",
+        "engine",
+    ),
     # parallelism & placement
     (
         "--device", "engine", "device", str,

@@ -46,6 +46,7 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO = "auto"
 PREFILL_ORDERS = ("shortest_first", "fcfs")
+ENGINES = ("model", "sim")
 BF16_MIN_CAPABILITY = (8, 0)
 """Ampere and later compute bfloat16 natively; older GPUs emulate it slowly, so float16 there."""
 
@@ -131,6 +132,13 @@ class EngineConfig:
     """Where converted GGUF models are cached; defaults to ``~/.cache/prefixserve``."""
     tensor_parallel_size: int = 1
     """Ranks one replica's model is split over (``worker/parallel``); 1: no splitting."""
+    engine: str = "model"
+    """``model`` runs the model; ``sim`` keeps the whole engine but replaces its forward pass
+    with a timing model and pseudo-tokens (``worker/sim_runner.py``): a device of
+    ``sim_profile``'s speed at no compute cost, for load and host-overhead tests."""
+    sim_profile: str = "gpu"
+    """With ``engine="sim"``: a preset of ``worker/sim_profiles.json`` (``cpu``, ``gpu``) or a
+    JSON file of one profile (``worker/sim_model.py``)."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:
@@ -248,6 +256,23 @@ class EngineConfig:
             and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE,
             "tensor_parallel_size",
             f"must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {tp!r}",
+        )
+        need(
+            self.engine in ENGINES,
+            "engine",
+            f"must be one of {', '.join(ENGINES)}, got {self.engine!r}",
+        )
+        need(
+            self.engine != "sim" or tp == 1,
+            "engine",
+            "the simulated engine runs one rank; leave tensor_parallel_size at 1",
+        )
+        need(
+            self.engine != "sim"
+            or (self.kv_cache_memory_fraction is None and self.gpu_memory_utilization is None),
+            "engine",
+            "the simulated engine sizes its KV cache from its profile (kv_capacity_tokens); "
+            "set num_kv_blocks or kv_cache_bytes instead of a memory fraction",
         )
         need(
             tp == 1 or self.host_kv_cache_bytes is None,

@@ -46,6 +46,8 @@ from worker.request import Request
 from worker.sampler import Sampler, SampleResult
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
+from worker.sim_model import load_profile
+from worker.sim_runner import SimModelRunner, SimSampler
 from worker.structured_output import GrammarCompiler, check_spec
 from worker.tokenizer import IncrementalDetokenizer
 
@@ -124,7 +126,17 @@ class LLMEngine:
             )
         self.model_path = resolved.path
         self.tokenizer = load_tokenizer(config, model_path=resolved.path, chat_template=False)
-        if tp == 1:
+        simulated = config.engine == "sim"
+        if simulated:
+            spec = read_spec(resolved.path)
+            self.runner = SimModelRunner(
+                config,
+                spec,
+                self.max_model_len,
+                load_profile(config.sim_profile),
+                self.tokenizer.vocab_size,
+            )
+        elif tp == 1:
             spec, weights = load_weights(resolved.path, config.torch_dtype)
             self.runner = ModelRunner(config, spec, weights, self.max_model_len)
         else:
@@ -139,7 +151,7 @@ class LLMEngine:
         if self.runner.host_kv is not None:
             self.pool.attach_host(self.runner.num_host_blocks, self.runner)
         self.scheduler = Scheduler(config, self.pool)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.sampler = (SimSampler if simulated else Sampler)(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size)
         self.metrics = EngineMetrics()
         self._groups: dict[str, list[Request]] = {}
@@ -149,13 +161,16 @@ class LLMEngine:
         self._kv_batches: list[KVEventBatch] = []
         self._unseeded = itertools.count()
         log.info(
-            "engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s",
+            "engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s%s",
             replica_id,
             self.model_id,
             time.perf_counter() - t0,
             self.pool.num_blocks,
             self.pool.num_blocks * self.block_size,
             config.deterministic,
+            f", simulated ({self.runner.profile.name}: {self.runner.profile.description})"
+            if simulated
+            else "",
         )
 
     def _start_tensor_parallel(

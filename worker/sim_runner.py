@@ -1,0 +1,247 @@
+"""The simulated engine's forward pass: ``SimModelRunner`` and ``SimSampler``.
+
+With ``EngineConfig.engine = "sim"`` the ``LLMEngine`` is the real one (scheduler, block pool
+and its token-compared prefix cache, host tier, KV events, stats, preemption, in-flight
+dedup, KV export and import, stop checks, detokenizing); only the model is simulated, the way
+NVIDIA Dynamo's mocker and llm-d's inference simulator stand in for a GPU:
+
+- **Time.** ``execute`` builds the step's inputs as the real runner does, then waits until the
+  forward pass has taken what the profile predicts (``worker/sim_model.py``), so the engine
+  sees a device of the profile's speed and its host work costs what it costs.
+- **Tokens.** The simulated model is certain of one next token, ``pseudo_token``: a hash of
+  the prompt and the position (and, for a sampled request, of its seed and choice index, as
+  the real sampler's key is). Greedy outputs are therefore the same in any batch, after any
+  preemption, with or without cache hits, and on any replica, so a stream resumed elsewhere
+  goes on with the same tokens. ``SimSampler`` takes that token as it is for every plain row;
+  a row with a grammar, logprobs, a logit bias, penalties or an unmet ``min_tokens`` gets a
+  logits row certain of it (``SIM_LOGIT`` for the token, 0 for the rest) and the real
+  sampler's treatment.
+- **KV.** A real cache tensor of one layer, one head and one element per token, in the block-
+  major layout: K holds each slot's token id, V its position. Export, import and the host tier
+  move these bytes with the real code (a payload from a real engine is refused by its shape);
+  ``kv_bytes_per_token`` of the profile sizes the cache in the simulated model's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from array import array
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from worker.config import EngineConfig
+from worker.models.llama import ModelSpec
+from worker.parallel.communicator import SINGLE_RANK
+from worker.parallel.step_message import inputs_of
+from worker.request import Request
+from worker.sampler import Sampler, SampleResult, sampling_key
+from worker.scheduler import ScheduledBatch
+from worker.sim_model import SimProfile
+
+SIM_LOGIT = 30.0
+"""The logit of the simulated model's token in a materialized row (the rest are 0): certain
+enough that every sampling setting picks it unless a mask, bias or penalty moves it."""
+
+
+@dataclass(frozen=True)
+class SimOps:
+    """The part of a ``KernelBackend`` that KV transfer reads: the cache layout."""
+
+    name: str = "sim"
+    head_major_cache: bool = False
+
+
+_prompt_digests: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+
+
+def _prompt_digest(req: Request) -> int:
+    digest = _prompt_digests.get(req)
+    if digest is None:
+        digest = xxhash.xxh64_intdigest(array("q", req.prompt_token_ids).tobytes())
+        _prompt_digests[req] = digest
+    return digest
+
+
+def pseudo_token(req: Request, position: int, num_token_ids: int) -> int:
+    """The simulated model's token at ``position`` (0-based over prompt and outputs) of
+    ``req``: a function of the prompt and the position only, plus the seed and choice index
+    for a sampled request."""
+    key = _prompt_digest(req) ^ position
+    if not req.params.greedy:
+        key ^= sampling_key(req.seed, req.index, position) << 1
+    return xxhash.xxh64_intdigest(key.to_bytes(16, "little", signed=False)) % num_token_ids
+
+
+@dataclass
+class SimLogits:
+    """A step's "logits": the simulated model's token per sampling row, and materialized rows
+    for the extra rows (prompt logprobs) that follow them."""
+
+    tokens: list[int]
+    extra: torch.Tensor | None
+    vocab_size: int
+
+    def __getitem__(self, rows: slice):
+        """``[n:]`` the extra rows (a tensor), ``[:n]`` the sampling rows alone."""
+        if rows.stop is None:
+            return self.extra
+        return SimLogits(self.tokens[rows], None, self.vocab_size)
+
+
+def certain_row(token: int, vocab_size: int) -> torch.Tensor:
+    row = torch.zeros(vocab_size)
+    row[token] = SIM_LOGIT
+    return row
+
+
+class SimSampler(Sampler):
+    """The real sampler over the simulated model's certainty; see the module docstring."""
+
+    def sample(self, logits: SimLogits, requests: list[Request]) -> list[SampleResult]:
+        results = []
+        for token, req in zip(logits.tokens, requests, strict=True):
+            if self._plain(req):
+                results.append(SampleResult(token, None))
+            else:
+                results.append(self._sample_row(certain_row(token, logits.vocab_size), req))
+        return results
+
+    @staticmethod
+    def _plain(req: Request) -> bool:
+        p = req.params
+        return (
+            req.grammar is None
+            and p.logprobs is None
+            and not p.logit_bias
+            and not p.needs_penalties
+            and len(req.output_token_ids) >= p.min_tokens
+        )
+
+
+class SimModelRunner:
+    """``ModelRunner``'s interface over the timing model and a one-element-per-token cache."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        max_model_len: int,
+        profile: SimProfile,
+        num_token_ids: int,
+    ) -> None:
+        """``spec``: the served model's shape (its vocabulary); ``num_token_ids``: how many
+        ids the tokenizer knows (pseudo-tokens stay below it)."""
+        self.config = config
+        self.profile = profile
+        self.vocab_size = spec.vocab_size
+        self.num_token_ids = min(num_token_ids, spec.vocab_size)
+        self.spec = dataclasses.replace(spec, num_layers=1, num_kv_heads=1, head_dim=1)
+        """The cache's shape, which KV payloads carry and check."""
+        self.comm = SINGLE_RANK
+        self.ops = SimOps()
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.num_blocks = self._decide_num_blocks()
+        self.kv = torch.zeros(1, 2, self.num_blocks, self.block_size, 1, 1)
+        self.host_kv: torch.Tensor | None = None
+        self.num_host_blocks = (config.host_kv_cache_bytes or 0) // self.bytes_per_block
+        if config.host_kv_cache_bytes is not None:
+            if self.num_host_blocks < 1:
+                raise ValueError(
+                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block "
+                    f"({self.bytes_per_block} bytes of the simulated model)"
+                )
+            self.host_kv = torch.zeros(self.num_host_blocks, 1, 2, self.block_size, 1, 1)
+        self._load_s = 0.0
+        self._owed_load_s = 0.0
+        """Host-tier loads since the last step: the next forward pass waits for them."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block of the simulated model's KV (what the byte knobs are divided by)."""
+        return self.profile.kv_bytes_per_token * self.block_size
+
+    def _decide_num_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_bytes is not None:
+            blocks = c.kv_cache_bytes // self.bytes_per_block
+            if blocks < 2:
+                raise ValueError(
+                    f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of "
+                    f"{self.bytes_per_block} bytes (simulated model); need at least 2"
+                )
+        else:
+            blocks = self.profile.kv_capacity_tokens // self.block_size
+        return int(min(blocks, c.max_num_seqs * self.max_blocks_per_seq + 64))
+
+    # -- host tier (worker/host_cache.py's KVMover) --------------------------------------------
+    def save(self, block_id: int, slot: int) -> None:
+        self.host_kv[slot].copy_(self.kv[:, :, block_id])
+
+    def load(self, slot: int, block_id: int) -> None:
+        self.kv[:, :, block_id].copy_(self.host_kv[slot])
+        seconds = self.bytes_per_block / self.profile.host_to_device_bytes_per_s
+        self._load_s += seconds
+        self._owed_load_s += seconds
+
+    @property
+    def load_seconds_total(self) -> float:
+        """Simulated seconds spent bringing host-tier blocks onto the device, since start."""
+        return self._load_s
+
+    # -- the step --------------------------------------------------------------------------------
+    def execute(
+        self, batch: ScheduledBatch, extra_rows: list[int] | None = None
+    ) -> tuple[SimLogits, list[int]]:
+        """``ModelRunner.execute``: writes the step's tokens into the cache, waits the forward
+        pass's predicted time, returns the simulated model's tokens for the sampling rows
+        (and certain rows for ``extra_rows``)."""
+        start_s = time.perf_counter()
+        inputs, sampling_idx = inputs_of(batch)
+        bs = self.block_size
+        slots: list[int] = []
+        positions: list[int] = []
+        row_owner: list[tuple[Request, int]] = []  # flat row -> (request, its position)
+        prefill_tokens = decode_seqs = decode_context = 0
+        for req, table, begin, count in zip(
+            batch.requests, inputs.tables, inputs.starts, inputs.counts, strict=True
+        ):
+            span = range(begin, begin + count)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            positions.extend(span)
+            if extra_rows:
+                row_owner.extend((req, p) for p in span)
+            if count == 1 and begin >= len(req.prompt_token_ids):
+                decode_seqs += 1
+                decode_context += begin + 1
+            else:
+                prefill_tokens += count
+        flat = self.kv.view(2, -1)
+        index = torch.tensor(slots, dtype=torch.long)
+        flat[0].index_copy_(0, index, torch.tensor(inputs.token_ids, dtype=torch.float32))
+        flat[1].index_copy_(0, index, torch.tensor(positions, dtype=torch.float32))
+        tokens = [
+            pseudo_token(batch.requests[i], batch.requests[i].num_tokens, self.num_token_ids)
+            for i in sampling_idx
+        ]
+        extra = None
+        if extra_rows:
+            extra = torch.zeros(len(extra_rows), self.vocab_size)
+            for row, flat_index in enumerate(extra_rows):
+                req, position = row_owner[flat_index]
+                extra[row, pseudo_token(req, position + 1, self.num_token_ids)] = SIM_LOGIT
+        forward_s = self._owed_load_s + self.profile.step_seconds(
+            prefill_tokens, decode_seqs, decode_context
+        )
+        self._owed_load_s = 0.0
+        wait_s = forward_s - (time.perf_counter() - start_s)
+        if wait_s > 0:
+            time.sleep(wait_s)
+        return SimLogits(tokens, extra, self.vocab_size), sampling_idx
