@@ -5,6 +5,11 @@
 # the `llama-cpp-python==0.3.36` sdist on PyPI (the one registry this project's machines reach).
 # Needs cmake, ninja and a C++ compiler; about 20 minutes on 2 cores. Prints the binary's path.
 #
+# CPU features are chosen here, not by GGML_NATIVE: a native build crashes with a general
+# protection fault at model load on Intel machines with AMX. AVX2 always, AVX-512 when this
+# CPU has it (a probe of /proc/cpuinfo, printed), AMX never. The flags are stamped beside the
+# build; a build made with other flags (another machine's) is rebuilt.
+#
 # Usage: scripts/build_llama_server.sh [BUILD_DIR]   (default: <repo>/.tools/llama.cpp)
 set -euo pipefail
 
@@ -13,7 +18,14 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_root="${1:-${repo_root}/.tools/llama.cpp}"
 binary="${build_root}/build/bin/llama-server"
 
-if [[ -x "${binary}" ]]; then
+avx512=OFF
+grep -qw avx512f /proc/cpuinfo 2>/dev/null && avx512=ON
+cpu_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+    "-DGGML_AVX512=${avx512}" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+stamp="${build_root}/build/cpu_flags"
+echo "build_llama_server.sh: CPU flags ${cpu_flags[*]}" >&2
+
+if [[ -x "${binary}" && -f "${stamp}" && "$(cat "${stamp}")" == "${cpu_flags[*]}" ]]; then
     echo "${binary}"
     exit 0
 fi
@@ -36,6 +48,7 @@ fi
 
 cmake -S "${src}" -B "${build_root}/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON >&2
+    -DLLAMA_BUILD_SERVER=ON "${cpu_flags[@]}" >&2
 cmake --build "${build_root}/build" --target llama-server -j "$(nproc)" >&2
+echo "${cpu_flags[*]}" > "${stamp}"
 echo "${binary}"
