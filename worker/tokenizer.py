@@ -86,12 +86,23 @@ class Tokenizer:
         eos = self._tok.eos_token_id
         self.eos_token_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        self._backend_decode = (
+            backend.decode
+            if backend is not None and not getattr(self._tok, "clean_up_tokenization_spaces", True)
+            else None
+        )
+        """The Rust tokenizer's own ``decode``, where transformers' wrapper would only add its
+        argument handling (no space clean-up to apply): the detokenizer decodes twice per
+        output token, and the wrapper doubles what that costs."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (BOS)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_str(self, token_id: int) -> str:

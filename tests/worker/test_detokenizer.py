@@ -37,3 +37,19 @@ def test_stop_string_spanning_tokens_is_never_streamed(tok):
     assert d.stop_reason == "forty-two"
     assert "".join(deltas) == "The answer is "
     assert not any("forty" in x for x in deltas)
+
+
+def test_decode_equals_transformers_decode(tok, test_seed):
+    """``Tokenizer.decode`` calls the Rust tokenizer directly where it may: same text as
+    transformers' ``decode`` for any ids, special tokens kept or skipped."""
+    import random
+
+    rng = random.Random(test_seed)
+    assert tok._backend_decode is not None  # SmolLM2's tokenizer takes the direct path
+    specials = sorted(tok.eos_token_ids) + [0, 1, 2]
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 12))]
+        ids += rng.sample(specials, k=rng.randrange(0, 2))
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok._tok.decode(ids, skip_special_tokens=skip)
