@@ -280,6 +280,13 @@ FLAGS = [
         "http",
     ),
     (
+        "--push-outputs", "cluster", "push_outputs", None,
+        "Engine replicas push outputs to the ingress replica that called them, every request's "
+        "of an engine step in one call; --no-push-outputs streams each output through its "
+        "request's own handle call.",
+        "http",
+    ),
+    (
         "--support-nice", "cluster", "support_nice", int,
         "Nice steps below the engines for the processes off the request path (metrics hub, a "
         "local Ray's GCS, agents and Serve controller); 0: no change.",

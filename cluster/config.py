@@ -94,6 +94,11 @@ class ClusterConfig:
     """Tokens per streamed message from an engine replica (vLLM's ``--stream-interval``): more
     send fewer, larger messages (each crosses two Ray hops) and stream in bursts. A request's
     first tokens and its end go at once."""
+    push_outputs: bool = True
+    """Engine replicas push a request's outputs between its first and its last to the ingress
+    replica that called them, every request's in one call per engine step
+    (``cluster/ingress_channel.py``), instead of one streamed Ray object per output; False
+    streams every output through the request's own handle call."""
     support_nice: int = SUPPORT_NICE_DEFAULT
     """Nice steps (0-19, as ``nice -n``) below the engines for the processes off the request
     path: the metrics hub and, for a local cluster, Ray's GCS, agents and Serve controller.

@@ -6,8 +6,11 @@ awaits each first output, so refusals surface as ``APIError`` before the HTTP re
 starts: Serve's full queue (``BackPressureError``) -> 429, the replica's own refusals
 (``{"rejected": ...}``) -> 400/429/503/500, an unreachable replica -> 503. Each first output is
 also reported to the request router that routed the call (``cluster.inflight``): the
-request is no longer in its replica's prefill queue. ``merge`` then
-yields ``(prompt index, output dict)`` as outputs arrive and, when the caller stops early
+request is no longer in its replica's prefill queue. With ``push_to`` the replica pushes the
+outputs between a call's first and its last to this ingress replica (``deliver``, one call
+per engine step for every request: ``cluster/ingress_channel.py``); each call's inbox gets
+them and, behind them, what its handle stream carries (``_Call``), in the replica's order.
+``merge`` then yields ``(prompt index, output dict)`` as outputs arrive and, when the caller stops early
 (client gone, a sibling failed), cancels every stream not yet ended, which aborts the engine
 requests and frees their blocks.
 
@@ -92,6 +95,44 @@ class ReplicaDiedError(Exception):
     """The replica serving a stream is gone (or its engine is): the stream may fail over."""
 
 
+_END = object()
+"""Put into a call's inbox when its handle stream ended."""
+
+
+class _Call:
+    """One engine call as the ingress sees it: its handle stream and its inbox, where the
+    outputs the replica pushed (``EngineClient.deliver``) and, behind them, what the handle
+    stream carries arrive in the replica's order."""
+
+    def __init__(self, request_id: str, inbox: asyncio.Queue, response) -> None:
+        self.request_id = request_id
+        self.inbox = inbox
+        self.response = response
+
+    async def rest(self):
+        """The outputs after the first, in order; raises what ended the handle stream."""
+        watcher = asyncio.create_task(self._watch())
+        try:
+            while True:
+                item = await self.inbox.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            watcher.cancel()
+
+    async def _watch(self) -> None:
+        try:
+            async for item in self.response:
+                self.inbox.put_nowait(item)
+        except Exception as exc:
+            self.inbox.put_nowait(exc)
+        else:
+            self.inbox.put_nowait(_END)
+
+
 class _Stream:
     """One engine request's stream and what the client has had of it so far."""
 
@@ -102,22 +143,36 @@ class _Stream:
         params: SamplingParams,
         salt,
         first: dict,
-        response,
+        call: _Call,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.salt = salt
         self.first = first
-        self.response = response
+        self.call = call
         self.num_cached_tokens = first.get("num_cached_tokens", 0)
         self.token_ids: list[int] = []
         """Output tokens streamed so far (choice 0; failover is for ``n == 1``)."""
         self.finished = False
         self.num_failovers = 0
+        self._next_seq = 0
+
+    @property
+    def response(self):
+        return self.call.response
 
     def record(self, item: dict) -> dict:
-        """Notes what ``item`` streams; after a failover, shows the first replica's cache hit."""
+        """Notes what ``item`` streams; after a failover, shows the first replica's cache hit.
+        Raises ``ReplicaDiedError`` when an output of the call never arrived (a push lost
+        with a broken channel): the stream fails over from what the client has."""
+        seq = item.get("seq")
+        if seq is not None:
+            if seq != self._next_seq:
+                raise ReplicaDiedError(
+                    f"output {self._next_seq} of {self.call.request_id} was lost in transit"
+                )
+            self._next_seq += 1
         for choice in item.get("outputs", ()):
             if choice.get("index", 0) == 0:
                 self.token_ids += choice.get("new_token_ids") or ()
@@ -125,6 +180,11 @@ class _Stream:
         if self.num_failovers:
             item["num_cached_tokens"] = self.num_cached_tokens
         return item
+
+    def resumed_with(self, call: _Call) -> None:
+        """The stream goes on in ``call`` (a failover): its outputs are numbered anew."""
+        self.call = call
+        self._next_seq = 0
 
     def can_fail_over(self) -> bool:
         return not self.finished and self.params.n == 1 and self.num_failovers < MAX_FAILOVERS
@@ -137,10 +197,30 @@ def _died(exc: BaseException) -> bool:
 class EngineClient:
     """Streaming calls to ``EngineReplica.generate`` for one model."""
 
-    def __init__(self, stream_handle, *, block_size: int, model_id: str) -> None:
+    def __init__(
+        self, stream_handle, *, block_size: int, model_id: str, push_to: dict | None = None
+    ) -> None:
+        """``push_to``: this ingress replica's address (``serve_compat.own_address``): the
+        replicas push a call's outputs between its first and its last to ``deliver`` here
+        (``cluster/ingress_channel.py``); None: every output comes through the handle call."""
         self._stream_handle = stream_handle
         self.block_size = block_size
         self.model_id = model_id
+        self.push_to = push_to
+        self._inboxes: dict[str, asyncio.Queue] = {}
+
+    def deliver(self, batch: list[tuple[str, dict]]) -> None:
+        """Outputs a replica pushed, into their calls' inboxes; a call that ended already
+        (cancelled, failed over) drops its outputs."""
+        inboxes = self._inboxes
+        for request_id, item in batch:
+            inbox = inboxes.get(request_id)
+            if inbox is not None:
+                inbox.put_nowait(item)
+
+    def _forget(self, call: _Call) -> None:
+        if self._inboxes.get(call.request_id) is call.inbox:
+            del self._inboxes[call.request_id]
 
     async def _open(
         self,
@@ -150,11 +230,14 @@ class EngineClient:
         salt,
         resume_token_ids: list[int] | None = None,
     ):
-        """Starts one engine request; returns (first output, response) or raises APIError."""
+        """Starts one engine request; returns (first output, its ``_Call``) or raises
+        APIError."""
         hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
         # This task's calls only (prompts of one request go in parallel); the router's key.
         routing_key = own_internal_request_id()
         response = None
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._inboxes[request_id] = inbox  # before the call: pushes may come before its first
         try:
             # Serve may refuse in remote() itself (its queue is full) or on the first item.
             response = self._stream_handle.generate.remote(
@@ -164,10 +247,13 @@ class EngineClient:
                 cache_salt=salt,
                 block_hashes=hashes,
                 resume_token_ids=resume_token_ids,
+                push_to=self.push_to,
             )
             first = await response.__anext__()
             first_output_arrived(routing_key)  # not queued or prefilling any more
         except BaseException as exc:
+            if self._inboxes.get(request_id) is inbox:
+                del self._inboxes[request_id]
             if response is not None:
                 _cancel_quietly(response)
             if isinstance(exc, BackPressureError):
@@ -178,10 +264,17 @@ class EngineClient:
                 raise
             log.warning("request %s failed to start: %r", request_id, exc)
             raise errors.unavailable("no replica could take the request") from None
+        call = _Call(request_id, inbox, response)
         if "rejected" in first:
-            _cancel_quietly(response)
+            self.close(call)
             raise rejection_error(first["rejected"])
-        return first, response
+        return first, call
+
+    def close(self, call: _Call) -> None:
+        """Ends ``call``: cancels its handle stream (aborting the engine request if it still
+        runs) and drops its inbox."""
+        self._forget(call)
+        _cancel_quietly(call.response)
 
     async def open_all(self, request_id: str, prompts: list[list[int]], params: list, salt):
         """Starts every prompt's engine request at once; on any failure cancels the rest."""
@@ -201,17 +294,17 @@ class EngineClient:
         if failures:
             for result in results:
                 if not isinstance(result, BaseException):
-                    _cancel_quietly(result[1])
+                    self.close(result[2])
             raise failures[0]
         return [
-            _Stream(sub_id, prompt, p, salt, first, response)
-            for prompt, p, (sub_id, first, response) in zip(prompts, params, results, strict=True)
+            _Stream(sub_id, prompt, p, salt, first, call)
+            for prompt, p, (sub_id, first, call) in zip(prompts, params, results, strict=True)
         ]
 
     async def _open_retrying(self, request_id: str, prompt_ids, params, salt):
         """``_open``, re-submitted while it fails with 503 (``MAX_FAILOVERS`` times, backing off
         like a failover): a replica whose engine died answers so until Serve's health check
-        replaces it. Returns (the request id used, first output, response)."""
+        replaces it. Returns (the request id used, first output, its ``_Call``)."""
         sub_id, attempt = request_id, 0
         while True:
             try:
@@ -237,15 +330,14 @@ class EngineClient:
                 stream.num_failovers,
             )
             try:
-                first, stream.response = await self._open(
+                first, call = await self._open(
                     f"{stream.request_id}@{stream.num_failovers}",
                     stream.prompt_ids,
                     stream.params,
                     stream.salt,
                     resume_token_ids=list(stream.token_ids),
                 )
-                if first.get("rejected", {}).get("kind") == "dead":
-                    raise ReplicaDiedError(first["rejected"]["message"])
+                stream.resumed_with(call)
                 return first
             except APIError as exc:
                 if exc.status != 503 or not stream.can_fail_over():
@@ -263,7 +355,7 @@ class EngineClient:
                 await queue.put((_Event.ITEM, index, stream.record(stream.first)))
                 while not stream.finished:
                     try:
-                        async for item in stream.response:
+                        async for item in stream.call.rest():
                             if item.get("rejected", {}).get("kind") == "dead":
                                 raise ReplicaDiedError(item["rejected"]["message"])
                             await queue.put((_Event.ITEM, index, stream.record(item)))
@@ -280,7 +372,7 @@ class EngineClient:
                             break
                         if not (_died(exc) and stream.can_fail_over()):
                             raise
-                        _cancel_quietly(stream.response)
+                        self.close(stream.call)
                         first = await self._fail_over(stream, exc)
                         await queue.put((_Event.ITEM, index, stream.record(first)))
                 await queue.put((_Event.END, index, None))
@@ -304,3 +396,4 @@ class EngineClient:
             for index, stream in enumerate(opened):
                 if index not in ended:  # client gone or a sibling failed: abort the engine request
                     _cancel_quietly(stream.response)
+                self._forget(stream.call)

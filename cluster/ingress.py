@@ -56,6 +56,7 @@ from cluster.openai_protocol import (
 )
 from cluster.request_router import router_metrics_snapshot
 from cluster.responses import ResponseBuilder
+from cluster.serve_compat import own_address
 from cluster.tool_calls import (
     apply_tool_plan,
     plan_tool_calls,
@@ -119,7 +120,10 @@ class Ingress:
         self.block_size: int = info["block_size"]
         self.vocab_size: int = info["vocab_size"]
         self.engines = EngineClient(
-            engine.options(stream=True), block_size=self.block_size, model_id=self.model_id
+            engine.options(stream=True),
+            block_size=self.block_size,
+            model_id=self.model_id,
+            push_to=own_address() if self.cluster.push_outputs else None,
         )
         self.served_name = self.cluster.served_model_name or self.model_id
         self.accepted_names = {self.served_name}
@@ -155,6 +159,12 @@ class Ingress:
                 else [],
             )
         return app
+
+    def deliver(self, batch: list[tuple[str, dict]]) -> None:
+        """Outputs an engine replica pushed here (``cluster/ingress_channel.py``): (request
+        id, output dict) of every call this replica has open there, from one engine step or
+        more; called on this replica's actor, not over HTTP."""
+        self.engines.deliver(batch)
 
     # ---- request plumbing ---------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -1,9 +1,13 @@
 """The engine-replica deployment: one ``AsyncEngine`` per Serve replica, streamed over handles.
 
 ``EngineReplica.generate`` is an async generator called through a streaming
-``DeploymentHandle``; it yields plain dicts (``output_to_dict``), one per engine step that
-advanced the request, carrying only what is new (``new_text``, ``new_token_ids``, new logprobs)
-plus, once per choice, its ``finish_reason`` and full ``text``; the first dict also carries
+``DeploymentHandle``; it makes plain dicts (``output_to_dict``), one per engine step that
+advanced the request, numbered (``seq``), carrying only what is new (``new_text``,
+``new_token_ids``, new logprobs) plus, once per choice, its ``finish_reason`` and full
+``text``. It yields the first and the last; with ``push_to`` (the calling ingress replica)
+the ones in between go to that ingress through an ``IngressChannel``
+(``cluster/ingress_channel.py``: every request's outputs of an engine step in one call),
+else it yields them too; the first dict also carries
 ``prefill_time_s`` (the engine's first scheduling to first token) for the ingress's queue time,
 and the replica times the engine-side phases (``cluster.metrics.ReplicaMetrics``). A request
 the engine refuses (bad input, full queue, dead engine) yields one
@@ -37,10 +41,11 @@ import ray
 from ray import serve
 
 from cluster.index_actor import make_cluster_index
+from cluster.ingress_channel import IngressChannels
 from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.kv_pull import ReplicaKVPuller
 from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
-from cluster.serve_compat import peer_replica
+from cluster.serve_compat import peer_replica, replica_of
 from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
@@ -131,6 +136,12 @@ def rejection(replica_id: str, kind: RejectKind, message: str) -> dict:
     return {"replica_id": replica_id, "rejected": {"kind": kind.value, "message": message}}
 
 
+def _deliver_to(address: dict):
+    """``Ingress.deliver`` of the ingress replica at ``address``, called on its actor."""
+    ingress = replica_of(address["app"], address["deployment"], address["replica_id"])
+    return ingress.deliver.remote
+
+
 SHARED_KV_TTL_S = 30.0
 """A ``SharedKV`` file this replica exported is removed after this long if its importer has
 not removed it (it timed out or died first): well past ``cluster.kv_pull.KV_PULL_TIMEOUT_S``."""
@@ -172,6 +183,7 @@ class EngineReplica:
             lambda peer_id: peer_replica(context.replica_id, peer_id),
             self.metrics,
         )
+        self._channels = IngressChannels(_deliver_to)
         self._kv_publisher = None
         if router_config is not None:  # KV events and heartbeats to the prefix index
             router = RouterConfig(**router_config)
@@ -194,14 +206,20 @@ class EngineReplica:
         block_hashes: list[bytes] | None = None,
         resume_token_ids: list[int] | None = None,
         kv_pull: dict | None = None,
+        push_to: dict | None = None,
     ):
-        """Streams the request's outputs as dicts. ``block_hashes`` are for the router (and a
-        pull); ``resume_token_ids`` continue a stream a dead replica began (the ingress's
-        failover); ``kv_pull``: the request router's order to pull leading blocks from a peer
-        first (``cluster.request_router.kv_pull_order``), set by the router, not the caller."""
+        """Streams the request's outputs as dicts, each numbered (``seq``). ``block_hashes``
+        are for the router (and a pull); ``resume_token_ids`` continue a stream a dead replica
+        began (the ingress's failover); ``kv_pull``: the request router's order to pull leading
+        blocks from a peer first (``cluster.request_router.kv_pull_order``), set by the router,
+        not the caller; ``push_to``: the calling ingress replica's address
+        (``serve_compat.own_address``): the outputs between the first and the last go to it
+        through its ``IngressChannel`` instead of this call (``cluster/ingress_channel.py``)."""
         reported: set[int] = set()
         last_step_s: float | None = None
         pending: RequestOutput | None = None  # outputs held back to send stream_interval tokens
+        channel = None
+        seq = 0
         self._in_flight.add(request_id)
         try:
             if block_hashes:  # never raises: a failed pull means a prefill
@@ -226,23 +244,38 @@ class EngineReplica:
                         continue
                     last_step_s = now_s
                     item = output_to_dict(pending, self.replica_id, reported)
+                    item["seq"], seq = seq, seq + 1
+                    pending = None
                     if is_first:  # for the ingress's queue time: its TTFT less this
                         prefill_s = prefill_time_s(out.metrics)
                         if prefill_s is not None:
                             item["prefill_time_s"] = prefill_s
-                    yield item
-                    pending = None
+                        yield item
+                        if push_to is not None and not out.finished:
+                            channel = self._channels.get(push_to)
+                    elif out.finished or channel is None or not channel.push(request_id, item):
+                        if channel is not None:
+                            await channel.flushed()  # what was pushed arrives first
+                        yield item
         except ValueError as exc:
-            yield rejection(self.replica_id, RejectKind.INVALID, str(exc))
+            yield await self._after_pushes(channel, RejectKind.INVALID, str(exc))
         except EngineOverloadedError as exc:
-            yield rejection(self.replica_id, RejectKind.OVERLOADED, str(exc) or "queue full")
+            yield await self._after_pushes(channel, RejectKind.OVERLOADED, str(exc) or "queue full")
         except EngineDeadError as exc:
-            yield rejection(self.replica_id, RejectKind.DEAD, str(exc) or "engine loop died")
+            yield await self._after_pushes(channel, RejectKind.DEAD, str(exc) or "engine loop died")
         except Exception as exc:  # an engine bug fails this request only, visibly
             log.exception("request %s failed", request_id)
-            yield rejection(self.replica_id, RejectKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+            yield await self._after_pushes(
+                channel, RejectKind.INTERNAL, f"{type(exc).__name__}: {exc}"
+            )
         finally:
             self._in_flight.discard(request_id)
+
+    async def _after_pushes(self, channel, kind: RejectKind, message: str) -> dict:
+        """The rejection to stream, once what was pushed for the request has arrived."""
+        if channel is not None:
+            await channel.flushed()
+        return rejection(self.replica_id, kind, message)
 
     def _due(self, pending: RequestOutput) -> bool:
         """Whether held-back outputs go now: the request ended, or a choice has
@@ -420,6 +453,7 @@ class EngineReplica:
         if not hasattr(self, "_push_task"):  # __init__ failed (the engine did not start)
             return
         self._push_task.cancel()
+        self._channels.close()
         if self._drain_task is not None:
             self._drain_task.cancel()
         if self._kv_publisher is not None:

@@ -22,7 +22,9 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
   replica's actor ``ReplicaID.to_full_id_str()`` in ``SERVE_NAMESPACE``, and
   ``ReplicaActor.handle_request`` takes a pickled ``RequestMetadata`` (``call_method``) before
   the method's arguments. The call skips Serve's queue and rejection, not the replica's
-  ``max_ongoing_requests`` slot.
+  ``max_ongoing_requests`` slot. ``replica_of`` finds a replica of another deployment the
+  same way (an engine replica pushing outputs to an ingress replica, ``Ingress.deliver``),
+  by the address ``own_address`` gives (``DeploymentID`` and ``ReplicaID`` are private).
 
 Everything else (``RequestRouter.curr_replicas``, ``RunningReplica.replica_id``/
 ``routing_stats``) is public. ``TESTED_RAY`` is the range these were checked against; it
@@ -42,6 +44,7 @@ import functools
 import logging
 
 import ray
+from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter
 
 log = logging.getLogger("ray.serve")
@@ -91,15 +94,18 @@ def missing_serve_internals() -> list[str]:
 
 
 def _missing_peer_call() -> list[str]:
-    """What ``peer_replica`` needs and the installed Ray lacks."""
+    """What ``peer_replica`` and ``replica_of`` need and the installed Ray lacks."""
     missing = []
     try:
-        from ray.serve._private.common import ReplicaID, RequestMetadata
+        from ray.serve._private.common import DeploymentID, ReplicaID, RequestMetadata
         from ray.serve._private.replica import ReplicaActor
     except ImportError as exc:
         return [f"ray.serve._private peer call ({exc.name or exc})"]
     if not hasattr(ReplicaID, "to_full_id_str"):
         missing.append("ReplicaID.to_full_id_str")
+    deployment_fields = {f.name for f in dataclasses.fields(DeploymentID)}
+    if not {"name", "app_name"} <= deployment_fields:
+        missing.append("DeploymentID(name, app_name)")
     if not hasattr(ReplicaActor, "handle_request"):
         missing.append("ReplicaActor.handle_request")
     metadata_fields = {f.name for f in dataclasses.fields(RequestMetadata)}
@@ -204,12 +210,30 @@ def peer_replica(own_replica_id, peer_unique_id: str) -> PeerReplica:
     """The replica ``peer_unique_id`` of the deployment of ``own_replica_id`` (a ``ReplicaID``,
     ``serve.get_replica_context().replica_id``). Blocks on a GCS lookup; raises ``ValueError``
     when no such actor lives."""
-    from ray.serve._private.common import ReplicaID
-
     deployment_id = own_replica_id.deployment_id
-    name = ReplicaID(peer_unique_id, deployment_id).to_full_id_str()
+    return replica_of(deployment_id.app_name, deployment_id.name, peer_unique_id)
+
+
+def replica_of(app_name: str, deployment_name: str, unique_id: str) -> PeerReplica:
+    """Replica ``unique_id`` of deployment ``deployment_name`` in application ``app_name``,
+    called directly on its actor. Blocks on a GCS lookup; raises ``ValueError`` when no such
+    actor lives."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    deployment_id = DeploymentID(name=deployment_name, app_name=app_name)
+    name = ReplicaID(unique_id, deployment_id).to_full_id_str()
     actor = ray.get_actor(name, namespace=serve_namespace())
-    return PeerReplica(actor, deployment_id.app_name)
+    return PeerReplica(actor, app_name)
+
+
+def own_address() -> dict:
+    """This replica's address for ``replica_of``: ``{"app", "deployment", "replica_id"}``."""
+    replica_id = serve.get_replica_context().replica_id
+    return {
+        "app": replica_id.deployment_id.app_name,
+        "deployment": replica_id.deployment_id.name,
+        "replica_id": replica_id.unique_id,
+    }
 
 
 def own_internal_request_id() -> str:

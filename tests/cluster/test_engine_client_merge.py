@@ -1,4 +1,6 @@
-"""``EngineClient.merge`` without a cluster: how a stream ends when its replica dies.
+"""``EngineClient.merge`` without a cluster: how a stream ends when its replica dies, and
+how outputs pushed by a replica (``EngineClient.deliver``) and those of the handle call
+become one stream in order.
 
 The handle call is a stand-in async iterator (the test judges ``merge``'s bookkeeping, not
 Serve); the real failover through Serve is ``tests/cluster/tiny/test_replica_failover.py``.
@@ -11,7 +13,7 @@ import asyncio
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from cluster.engine_client import EngineClient, _Stream
+from cluster.engine_client import EngineClient, ReplicaDiedError, _Call, _Stream
 from worker.sampling_params import SamplingParams
 
 
@@ -34,16 +36,39 @@ class _DyingCall:
         self.cancelled = True
 
 
-def _item(token_id: int, finished: bool) -> dict:
-    return {"outputs": [{"index": 0, "new_token_ids": [token_id]}], "finished": finished}
+class _EndingCall(_DyingCall):
+    """A handle call that yields ``items`` after ``before_end`` ran, then ends normally."""
+
+    def __init__(self, items: list[dict], before_end=None) -> None:
+        super().__init__(items)
+        self._before_end = before_end
+
+    async def __anext__(self) -> dict:
+        if self._before_end is not None:
+            before, self._before_end = self._before_end, None
+            before()
+        if self._items:
+            return self._items.pop(0)
+        raise StopAsyncIteration
+
+
+def _item(token_id: int, finished: bool, seq: int | None = None) -> dict:
+    item = {"outputs": [{"index": 0, "new_token_ids": [token_id]}], "finished": finished}
+    if seq is not None:
+        item["seq"] = seq
+    return item
+
+
+def _stream(call, params=None, first=None) -> _Stream:
+    params = params or SamplingParams(max_tokens=3)
+    return _Stream("r", [1, 2, 3], params, None, first or _item(7, False), _Call("r", *call))
 
 
 def _merge(items: list[dict]) -> list[dict]:
     client = EngineClient(None, block_size=16, model_id="m")
-    stream = _Stream("r", [1, 2, 3], SamplingParams(max_tokens=3), None, _item(7, False), None)
-    stream.response = _DyingCall(items)
 
     async def collect():
+        stream = _stream((asyncio.Queue(), _DyingCall(items)))
         return [item async for _, item in client.merge([stream])]
 
     return asyncio.run(collect())
@@ -58,9 +83,9 @@ def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
     # n > 1 never fails over: the loss before the last output is the caller's error.
     client = EngineClient(None, block_size=16, model_id="m")
     params = SamplingParams(max_tokens=3, n=2)
-    stream = _Stream("r", [1, 2, 3], params, None, _item(7, False), _DyingCall([_item(8, False)]))
 
     async def collect():
+        stream = _stream((asyncio.Queue(), _DyingCall([_item(8, False)])), params)
         return [item async for _, item in client.merge([stream])]
 
     with pytest.raises(ActorUnavailableError):
@@ -95,3 +120,34 @@ def test_an_engine_calls_first_output_is_reported_to_the_ledger_that_routed_it()
     assert seen["key"] and seen["awaiting"]  # a fresh id, awaiting at the decision
     assert ledger.timed_snapshot()["a"][0][2] is False
     assert ledger.marks_first_outputs
+
+
+def _pushed_run(pushed: list[dict], last: dict, params: SamplingParams | None = None) -> list[dict]:
+    """A call whose replica pushed ``pushed`` (delivered before its handle's last output, as
+    ``IngressChannel.flushed`` makes it) and then sent ``last`` through the handle."""
+    client = EngineClient(None, block_size=16, model_id="m", push_to={"replica_id": "i"})
+
+    async def collect():
+        inbox = asyncio.Queue()
+        client._inboxes["r"] = inbox
+        call = _EndingCall([last], lambda: client.deliver([("r", i) for i in pushed]))
+        stream = _stream((inbox, call), params, first=_item(7, False, 0))
+        got = [item async for _, item in client.merge([stream])]
+        assert "r" not in client._inboxes  # the ended call's inbox is gone
+        client.deliver([("r", _item(99, False, 9))])  # a late push is dropped, not kept
+        return got
+
+    return asyncio.run(collect())
+
+
+def test_pushed_outputs_and_the_handles_last_one_make_one_stream_in_order():
+    got = _pushed_run([_item(8, False, 1), _item(9, False, 2)], _item(10, True, 3))
+    assert [i["outputs"][0]["new_token_ids"] for i in got] == [[7], [8], [9], [10]]
+
+
+def test_a_lost_push_is_a_lost_replica():
+    """An output that never arrived (its channel broke) shows as a gap in the numbers: the
+    stream fails over as for a dead replica; with n > 1, which never fails over, the error
+    reaches the caller."""
+    with pytest.raises(ReplicaDiedError, match="lost in transit"):
+        _pushed_run([_item(8, False, 1)], _item(10, True, 3), SamplingParams(max_tokens=3, n=2))

@@ -1,0 +1,74 @@
+"""``IngressChannel`` without a cluster: one delivery in flight, what piles up meanwhile goes
+in the next, ``flushed`` waits for what was pushed, a failed delivery breaks the channel."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.ingress_channel import IngressChannel, IngressChannels
+
+
+class _Ingress:
+    """Stands in for ``Ingress.deliver``: records batches; each call waits for ``gate``."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.batches: list[list] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self._fail_on = fail_on
+
+    async def deliver(self, batch):
+        await self.gate.wait()
+        if self._fail_on is not None and len(self.batches) == self._fail_on:
+            raise RuntimeError("the ingress replica is gone")
+        self.batches.append(batch)
+
+
+def test_outputs_pushed_while_a_delivery_is_in_flight_go_together_in_order():
+    async def scenario():
+        ingress = _Ingress()
+        channel = IngressChannel("i", ingress.deliver)
+        ingress.gate.clear()  # the first delivery hangs until released
+        assert channel.push("a", {"seq": 1})
+        await asyncio.sleep(0)
+        for i in range(2, 6):
+            assert channel.push("a" if i % 2 else "b", {"seq": i})
+        waiter = asyncio.create_task(channel.flushed())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # nothing delivered yet
+        ingress.gate.set()
+        await asyncio.wait_for(waiter, 1.0)
+        channel.close()
+        return ingress.batches, channel.num_deliveries
+
+    batches, deliveries = asyncio.run(scenario())
+    assert [[item["seq"] for _, item in b] for b in batches] == [[1], [2, 3, 4, 5]]
+    assert deliveries == 2
+
+
+def test_a_failed_delivery_breaks_the_channel_and_releases_its_waiters():
+    async def scenario():
+        ingress = _Ingress(fail_on=0)
+        channel = IngressChannel("i", ingress.deliver)
+        channel.push("a", {"seq": 1})
+        await asyncio.wait_for(channel.flushed(), 1.0)
+        pushed_after = channel.push("a", {"seq": 2})
+        channels = IngressChannels(lambda address: _Ingress().deliver)
+        first = channels.get({"replica_id": "i"})
+        first.broken = True  # a broken channel is replaced on the next request
+        second = channels.get({"replica_id": "i"})
+        channels.close()
+        return channel.broken, pushed_after, first is not second
+
+    broken, pushed_after, replaced = asyncio.run(scenario())
+    assert broken and not pushed_after and replaced
+
+
+def test_an_unreachable_ingress_gives_no_channel():
+    def connect(address):
+        raise ValueError(f"no actor for {address['replica_id']}")
+
+    async def scenario():
+        return IngressChannels(connect).get({"replica_id": "gone"})
+
+    assert asyncio.run(scenario()) is None
