@@ -10,9 +10,9 @@ request is no longer in its replica's prefill queue. With ``push_to`` the replic
 outputs between a call's first and its last to this ingress replica (``deliver``, one call
 per engine step for every request: ``cluster/ingress_channel.py``); each call's inbox gets
 them and, behind them, what its handle stream carries (``_Call``), in the replica's order.
-``merge`` then yields ``(prompt index, output dict)`` as outputs arrive and, when the caller stops early
-(client gone, a sibling failed), cancels every stream not yet ended, which aborts the engine
-requests and frees their blocks.
+``merge`` then yields ``(prompt index, output dict)`` as outputs arrive and, when the caller
+stops early (client gone, a sibling failed), cancels every stream not yet ended, which aborts
+the engine requests and frees their blocks.
 
 Stream failover: when the replica serving a stream dies mid-stream (its actor is gone, or its
 engine died and it says so), ``merge`` re-submits the request to a live replica with the

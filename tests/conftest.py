@@ -109,7 +109,6 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.xdist_group("ray"))
 
 
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """Stops the run when xdist's ``loadgroup`` left a Ray test outside its group.
