@@ -135,10 +135,19 @@ def serve_env() -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in SERVE_LOOP_ENV.items()}
 
 
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+"""Ray Serve's switch for direct ingress (``ClusterConfig.direct_ingress``): read by the
+controller and by each replica's process when Serve is imported there."""
+
+
 def runtime_env(cluster: ClusterConfig) -> dict:
     """Env variables of every deployment's processes (and their children: engine processes):
-    the log level, and Serve's event loops (``SERVE_LOOP_ENV``)."""
-    return {"env_vars": {LOG_LEVEL_ENV: cluster.log_level.upper(), **serve_env()}}
+    the log level, Serve's event loops (``SERVE_LOOP_ENV``) and, with ``direct_ingress``,
+    Serve's direct-ingress switch."""
+    env = {LOG_LEVEL_ENV: cluster.log_level.upper(), **serve_env()}
+    if cluster.direct_ingress:
+        env[DIRECT_INGRESS_ENV] = "1"
+    return {"env_vars": env}
 
 
 def ingress_options(cluster: ClusterConfig) -> dict:

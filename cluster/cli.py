@@ -53,6 +53,8 @@ RAY_WATCH_PERIOD_S = 0.2
 DETACH_READY_TIMEOUT_S = 1800.0
 READY_PROBE_TIMEOUT_S = 60.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+DIRECT_INGRESS_WAIT_S = 60.0
+"""How long ``--direct-ingress`` waits for every ingress replica's own port before printing."""
 RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
 RAY_SYSTEM_RENICE_DELAYS_S = (0.0, 2.0, 5.0, 10.0, 30.0)
 """Ray's setting for the niceness of the worker processes it starts (its default is 15)."""
@@ -200,7 +202,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app_from_configs, serve_env
+    from cluster.app import DIRECT_INGRESS_ENV, build_app_from_configs, serve_env
 
     started_ray = cluster.ray_address is None
     if started_ray:
@@ -218,6 +220,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         # Serve's proxy and controller read these from the cluster's environment (the
         # deployments get them through their runtime_env): cluster/app.py's SERVE_LOOP_ENV.
         os.environ.update(serve_env())
+        if cluster.direct_ingress:
+            os.environ[DIRECT_INGRESS_ENV] = "1"  # the controller allocates the ports
         # A local cluster stays on loopback: nothing it runs listens on another address.
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
                  _node_ip_address="127.0.0.1", logging_level=cluster.log_level.upper())  # fmt: skip
@@ -273,6 +277,8 @@ def run_serve(ns: argparse.Namespace) -> int:
             f"{shown_url}/v1 (Ctrl-C to stop)",
             flush=True,
         )
+        if cluster.direct_ingress:
+            _print_direct_ingress(cluster)
         ray_children = _child_pids() if started_ray else None
         _wait_for_signal()
         print("prefixserve: shutting down", flush=True)
@@ -293,6 +299,32 @@ def run_serve(ns: argparse.Namespace) -> int:
                 ray.shutdown()
     print("prefixserve: stopped", flush=True)
     return 0
+
+
+def _print_direct_ingress(cluster) -> None:
+    """Prints each ingress replica's own URL (``--direct-ingress``) once all are up, or says
+    that none came up in time."""
+    from cluster.serve_compat import direct_ingress_targets
+
+    deadline_s = time.monotonic() + DIRECT_INGRESS_WAIT_S
+    targets: list[tuple[str, int]] = []
+    while time.monotonic() < deadline_s:
+        targets = direct_ingress_targets(cluster.app_name)
+        if len(targets) >= cluster.ingress_replicas:
+            break
+        time.sleep(1.0)
+    if not targets:
+        print(
+            "prefixserve: warning: --direct-ingress: no ingress replica serves a port of its own "
+            f"after {DIRECT_INGRESS_WAIT_S:.0f}s (a running cluster needs "
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS=1 where it was started)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    for node_ip, port in targets:  # each listens where the proxy does, at its own port
+        host = node_ip if cluster.host in ("0.0.0.0", "::") else cluster.host
+        print(f"prefixserve: direct ingress at http://{host}:{port}/v1", flush=True)
 
 
 def _lower_ray_system_priority_soon(nice: int) -> None:

@@ -280,6 +280,12 @@ FLAGS = [
         "http",
     ),
     (
+        "--direct-ingress", "cluster", "direct_ingress", None,
+        "Each ingress replica also serves HTTP on a port of its own (Ray Serve's direct ingress, "
+        "30000 and up; printed at start), skipping Serve's proxy; the proxy port still serves.",
+        "http",
+    ),
+    (
         "--push-outputs", "cluster", "push_outputs", None,
         "Engine replicas push outputs to the ingress replica that called them, every request's "
         "of an engine step in one call; --no-push-outputs streams each output through its "

@@ -105,6 +105,12 @@ class ClusterConfig:
     They then yield the cores to an engine that wants them (``cluster/priority.py``); the
     proxy, ingress, relays and index stay at the engines' priority. 0 leaves all alone."""
     enable_log_requests: bool = False
+    direct_ingress: bool = False
+    """Each ingress replica also serves HTTP on a port of its own (Ray Serve's direct
+    ingress: 30000 and up on its node, at ``host``), so a client or load balancer that calls it
+    skips Serve's proxy, one Ray hop per streamed message; the proxy at ``port`` still serves.
+    A local cluster (no ``ray_address``) is started with it; a running cluster must have been
+    started with ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``."""
     expose_replica_headers: bool = False
     """Send ``x-prefixserve-replica`` and ``x-prefixserve-ingress`` (the engine and ingress
     replicas that served a request) on every response. Off by default: they tell clients how
@@ -248,6 +254,11 @@ class ClusterConfig:
             "root_path",
             "must be empty or a path like /api (leading '/', no trailing '/'), "
             f"got {self.root_path!r}",
+        )
+        need(
+            isinstance(self.direct_ingress, bool),
+            "direct_ingress",
+            f"must be true or false, got {self.direct_ingress!r}",
         )
         need(
             isinstance(self.expose_replica_headers, bool),

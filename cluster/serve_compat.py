@@ -25,6 +25,8 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
   ``max_ongoing_requests`` slot. ``replica_of`` finds a replica of another deployment the
   same way (an engine replica pushing outputs to an ingress replica, ``Ingress.deliver``),
   by the address ``own_address`` gives (``DeploymentID`` and ``ReplicaID`` are private).
+- ``ServeController.get_target_groups`` (its ``TargetGroup``s are public, the call is not):
+  the ingress replicas' own HTTP ports under direct ingress (``direct_ingress_targets``).
 
 Everything else (``RequestRouter.curr_replicas``, ``RunningReplica.replica_id``/
 ``routing_stats``) is public. ``TESTED_RAY`` is the range these were checked against; it
@@ -234,6 +236,24 @@ def own_address() -> dict:
         "deployment": replica_id.deployment_id.name,
         "replica_id": replica_id.unique_id,
     }
+
+
+def direct_ingress_targets(app_name: str) -> list[tuple[str, int]]:
+    """(node ip, port) of each ingress replica of ``app_name`` that serves HTTP itself (Ray
+    Serve's direct ingress), from the controller's HTTP target groups; empty when none does
+    (direct ingress off, or no replica running yet). The replica listens on Serve's HTTP host
+    at that port."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    groups = ray.get(controller.get_target_groups.remote(app_name), timeout=10.0)
+    targets = []
+    for group in groups:
+        direct = bool(getattr(group, "ingress_deployment_name", ""))  # not the proxies
+        if not direct or group.app_name != app_name or "HTTP" not in str(group.protocol):
+            continue
+        targets += [(target.ip, target.port) for target in group.targets]
+    return sorted(set(targets))
 
 
 def own_internal_request_id() -> str:
