@@ -30,6 +30,9 @@ Systems, per (engine, concurrency c):
   --num-threads 1`` (default routing, a local Ray of its own).
 - ``served2``: the same with ``--num-replicas 2 --num-ingress-replicas 2`` (two engines: at
   c > 256 it holds twice the running sequences of the others).
+- ``direct1``, ``direct2``: ``served1``, ``served2`` with ``--direct-ingress``, loaded through
+  the ingress replicas' own ports (printed by ``prefixserve serve``; requests spread over them
+  in turn), not through Serve's proxy.
 
 Every server gets ``--max-num-seqs`` as above, ``--num-kv-blocks`` for twice the running
 sequences' prompt and output, and ``--max-ongoing-requests``/``--max-queued-requests``/
@@ -81,6 +84,7 @@ import math
 import os
 import platform
 import random
+import re
 import resource
 import signal
 import sys
@@ -99,7 +103,7 @@ from bench.serve.stats import percentile, summarize
 from bench.serve.systems import replicas_in_metrics
 
 ENGINES = ("tiny", "sim")
-SYSTEMS = ("offline", "bare", "served1", "served2")
+SYSTEMS = ("offline", "bare", "served1", "served2", "direct1", "direct2")
 MAX_NUM_SEQS = {"tiny": 64, "sim": 256}
 KINDS = ("engine", "server", "proxy", "ingress", "replica", "ray", "client")
 BLOCK_SIZE = 16  # the engine's default
@@ -267,47 +271,72 @@ def server_argv(engine: str, system: str, model: str, port: int, args) -> list[s
     ]  # fmt: skip
     if system == "bare":
         return [sys.executable, "-m", "bench.bare_server", *common]
-    n = "2" if system == "served2" else "1"
+    n = str(num_replicas(system))
     return [
         sys.executable, "-m", "cluster.cli", "serve", *common,
         "--num-replicas", n, "--num-ingress-replicas", n,
         "--max-ongoing-requests", str(max(*args.concurrency, seqs)), "--max-queued-requests", limit,
+        *(["--direct-ingress"] if system.startswith("direct") else []),
     ]  # fmt: skip
 
 
-def start_server(engine: str, system: str, model: str, args) -> tuple[Server, str, str]:
-    """Starts, waits for and warms up one server: (it, its base URL, the model id it serves);
-    on failure it is stopped and the error raised."""
+def num_replicas(system: str) -> int:
+    return 2 if system.endswith("2") else 1
+
+
+DIRECT_LINE = re.compile(r"prefixserve: direct ingress at (http://\S+)/v1")
+
+
+def direct_urls(srv: Server, n: int, timeout_s: float = 90.0) -> list[str]:
+    """The ``n`` ingress replicas' own URLs, as ``prefixserve serve --direct-ingress`` prints
+    them into its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        urls = DIRECT_LINE.findall(srv.log_path.read_text(errors="replace"))
+        if len(urls) >= n:
+            return urls[:n]
+        time.sleep(1.0)
+    raise RuntimeError(f"{srv.name}: no {n} direct ingress URLs in {srv.log_path}")
+
+
+def start_server(engine: str, system: str, model: str, args) -> tuple[Server, list[str], str]:
+    """Starts, waits for and warms up one server: (it, the base URLs to load, the model id it
+    serves); on failure it is stopped and the error raised."""
     port = free_port()
     argv = server_argv(engine, system, model, port, args)
     log = args.log_dir / f"{engine}_{system}.log"
     srv = Server(f"{engine} {system}", argv, log, server_env(1))
     base = f"http://127.0.0.1:{port}"
-    replicas = 2 if system == "served2" else 1
+    replicas = num_replicas(system)
     try:
         srv.wait_ready(
             base + "/health",
             args.startup_timeout_s,
             ready=(lambda: replicas_in_metrics(base) >= replicas) if replicas > 1 else None,
         )
-        if system.startswith("served"):
+        bases = [base]
+        if system != "bare":
             time.sleep(ROUTERS_SETTLE_S)
+        if system.startswith("direct"):
+            bases = direct_urls(srv, replicas)
         model_id = _model_name(base) or Path(model).name
-        warm_up(base, model_id, _vocab_size(model), args)
+        warm_up(bases, model_id, _vocab_size(model), args)
     except BaseException:
         srv.stop()
         raise
-    return srv, base, model_id
+    return srv, bases, model_id
 
 
-def warm_up(base: str, model_id: str, vocab_size: int, args, patience_s: float = 120.0) -> None:
+def warm_up(
+    bases: list[str], model_id: str, vocab_size: int, args, patience_s: float = 120.0
+) -> None:
     """A burst of short requests until one goes through without a failure; raises after
     ``patience_s`` (a server may answer /health before it can route)."""
     n = warm_up_size(args)
     prompts = make_prompts(n, args, vocab_size, -2)
     deadline = time.monotonic() + patience_s
     while True:
-        records, _ = asyncio.run(_load(base, model_id, prompts, n, WARMUP_TOKENS, 120.0))
+        records, _ = asyncio.run(_load(bases, model_id, prompts, n, WARMUP_TOKENS, 120.0))
         bad = [r["error"] for r in records if not r["success"]]
         if not bad:
             return
@@ -317,14 +346,24 @@ def warm_up(base: str, model_id: str, vocab_size: int, args, patience_s: float =
 
 
 async def _load(
-    base: str, model_id: str, prompts: list[list[int]], c: int, max_tokens: int, timeout_s: float
+    bases: list[str],
+    model_id: str,
+    prompts: list[list[int]],
+    c: int,
+    max_tokens: int,
+    timeout_s: float,
 ) -> tuple[list[dict], float]:
-    """Every prompt as a streaming completion, ``c`` in flight; per-request records."""
+    """Every prompt as a streaming completion, ``c`` in flight, request i to ``bases[i %
+    len(bases)]``; per-request records."""
     import httpx
 
     from bench.loadgen.client import RequestOutput, RequestSettings, send_request
 
-    settings = RequestSettings(base_url=base, model=model_id, ignore_eos=True, timeout_s=timeout_s)
+    doors = [
+        RequestSettings(base_url=base, model=model_id, ignore_eos=True, timeout_s=timeout_s)
+        for base in bases
+    ]
+    settings = doors[0]
     limiter = asyncio.Semaphore(c)
     limits = httpx.Limits(max_connections=c + 8, max_keepalive_connections=c + 8)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
@@ -342,7 +381,7 @@ async def _load(
             }
             out = RequestOutput(i, 0)
             async with limiter:
-                await send_request(client, settings, body, out, t0)
+                await send_request(client, doors[i % len(doors)], body, out, t0)
             return {
                 "success": out.success,
                 "error": out.error,
@@ -359,13 +398,15 @@ async def _load(
     return list(records), duration
 
 
-def run_served(srv: Server, base: str, model_id: str, prompts: list[list[int]], c, args) -> dict:
+def run_served(
+    srv: Server, bases: list[str], model_id: str, prompts: list[list[int]], c, args
+) -> dict:
     """One measured run against a started server: latency, throughput, CPU by kind."""
     if srv.proc.poll() is not None:
         raise RuntimeError(f"{srv.name} exited with status {srv.proc.returncode} ({srv.log_path})")
     before, client0 = srv.cpu_by_process(), _rusage_s()
     records, duration = asyncio.run(
-        _load(base, model_id, prompts, c, args.output_tokens, args.request_timeout_s)
+        _load(bases, model_id, prompts, c, args.output_tokens, args.request_timeout_s)
     )
     client, after = _rusage_s() - client0, srv.cpu_by_process()
     row = summarize(records, duration)
@@ -492,13 +533,13 @@ def run_all(args, model: str, rows: list[dict]) -> None:
     total = len(args.engines) * len(args.systems) * len(args.concurrency)
     for engine in args.engines:
         for system in args.systems:
-            srv = base = model_id = None
+            srv = bases = model_id = None
             start_error = None
             if system != "offline":
                 _progress(f"{engine} {system}: starting")
                 t0 = time.monotonic()
                 try:
-                    srv, base, model_id = start_server(engine, system, model, args)
+                    srv, bases, model_id = start_server(engine, system, model, args)
                     _progress(f"{engine} {system}: ready in {time.monotonic() - t0:.0f} s")
                 except Exception as exc:  # its runs get the error, the others still run
                     start_error = f"{type(exc).__name__}: {exc}"
@@ -510,7 +551,7 @@ def run_all(args, model: str, rows: list[dict]) -> None:
                         "concurrency": c,
                         "num_requests": len(prompts[c]),
                         "max_num_seqs": MAX_NUM_SEQS[engine],
-                        "replicas": 2 if system == "served2" else 1,
+                        "replicas": num_replicas(system),
                     }
                     _progress(f"[{len(rows) + 1}/{total}] {engine} {system} c={c}")
                     try:
@@ -520,7 +561,7 @@ def run_all(args, model: str, rows: list[dict]) -> None:
                             row.update(run_offline(engine, model, prompts[c], c, args))
                         else:
                             row["command"] = srv.command
-                            row.update(run_served(srv, base, model_id, prompts[c], c, args))
+                            row.update(run_served(srv, bases, model_id, prompts[c], c, args))
                     except Exception as exc:
                         row["error"] = str(exc) if start_error else f"{type(exc).__name__}: {exc}"
                     rows.append(row)
