@@ -467,6 +467,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if "error" not in r and r.get("output_tokens")]
+    colors = dict(zip(SYSTEMS, plt.get_cmap("tab10").colors, strict=False))  # one per system
     engines = list(dict.fromkeys(r["engine"] for r in rows)) or ["none"]
     fig, axes = plt.subplots(len(engines), 2, figsize=(13, 4.2 * len(engines)), squeeze=False)
     for (left, right), engine in zip(axes, engines, strict=True):
@@ -479,7 +480,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             pts = sorted(
                 (r["concurrency"], r["output_tok_per_s"]) for r in mine if r["system"] == s
             )
-            left.plot([concs.index(x) for x, _ in pts], [y for _, y in pts], "o-", label=s)
+            xs, ys = [concs.index(x) for x, _ in pts], [y for _, y in pts]
+            left.plot(xs, ys, "o-", label=s, color=colors[s])
         for j, s in enumerate(served):
             xs, ys = [], []
             for i, c in enumerate(concs):
@@ -487,7 +489,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                 if hit and hit[0].get("outside_engine_ms_per_token") is not None:
                     xs.append(i + (j - (len(served) - 1) / 2) * width)
                     ys.append(hit[0]["outside_engine_ms_per_token"])
-            bars = right.bar(xs, ys, width, label=s)
+            bars = right.bar(xs, ys, width, label=s, color=colors[s])
             right.bar_label(bars, labels=[f"{y:.2g}" for y in ys], fontsize=7)
         for ax in (left, right):
             ax.set_xticks(range(len(concs)))

@@ -101,9 +101,12 @@ class Scheduler:
             if not preempted_now:
                 self._admit(batch, budget)
             return batch
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        decoding, prefilling = [], []  # one pass, running order kept in each
+        for r in self.running:
+            (decoding if r.num_tokens - r.num_computed_tokens <= 1 else prefilling).append(r)
         budget = self._continue_running(batch, decoding, budget, preempted_now)
-        prefilling = [r for r in self.running if r not in decoding]
+        if preempted_now:  # victims of the decodes' growth left the running set
+            prefilling = [r for r in prefilling if r not in preempted_now]
         self._shortest_first(batch, prefilling, budget, preempted_now)
         return batch
 
@@ -131,8 +134,8 @@ class Scheduler:
         """Make ``req`` hold blocks for ``num_new`` more tokens, preempting the newest running
         request not already in this step's batch while blocks are short. False when ``req``
         itself was the one preempted."""
-        scheduled = set(batch.requests)
         while not self._grow(req, num_new):
+            scheduled = set(batch.requests)  # only when blocks are short: this step's so far
             victim = [r for r in self.running if r not in scheduled][-1]  # req is among them
             self._preempt(victim)
             preempted_now.add(victim)
