@@ -418,13 +418,21 @@ class LLMEngine:
                     stop_reason=req.stop_reason,
                 )
             )
-        first_token_time = min(
-            (r.first_token_time for r in group if r.first_token_time), default=None
-        )
-        metrics = {"arrival_time": first.arrival_time, "first_token_time": first_token_time}
-        metrics["first_scheduled_time"] = min(
-            (r.first_scheduled_time for r in group if r.first_scheduled_time), default=None
-        )
+        if len(group) == 1:  # most requests: no earliest-of-the-group to find
+            first_token_time = first.first_token_time
+            first_scheduled_time = first.first_scheduled_time
+        else:
+            first_token_time = min(
+                (r.first_token_time for r in group if r.first_token_time), default=None
+            )
+            first_scheduled_time = min(
+                (r.first_scheduled_time for r in group if r.first_scheduled_time), default=None
+            )
+        metrics = {
+            "arrival_time": first.arrival_time,
+            "first_token_time": first_token_time or None,
+            "first_scheduled_time": first_scheduled_time or None,
+        }
         if finished:
             metrics["finished_time"] = time.monotonic()
         return RequestOutput(
