@@ -344,37 +344,61 @@ class EngineClient:
                     raise
                 cause = exc
 
+    async def _items(self, stream: _Stream):
+        """``stream``'s outputs in order, from its first on; fails over (``_fail_over``)
+        while it may when its replica dies, and raises when it may not."""
+        yield stream.record(stream.first)
+        while not stream.finished:
+            rest = stream.call.rest()
+            try:
+                async for item in rest:
+                    if item.get("rejected", {}).get("kind") == "dead":
+                        raise ReplicaDiedError(item["rejected"]["message"])
+                    yield stream.record(item)
+                break
+            except Exception as exc:
+                if _died(exc) and stream.finished:
+                    # It died after its last output (the stream's end was still in
+                    # flight): the client has every token, nothing is lost.
+                    log.info(
+                        "request %s: replica lost after its last output: %r",
+                        stream.request_id,
+                        exc,
+                    )
+                    break
+                if not (_died(exc) and stream.can_fail_over()):
+                    raise
+                self.close(stream.call)
+                first = await self._fail_over(stream, exc)
+                yield stream.record(first)
+            finally:
+                await rest.aclose()
+
     async def merge(self, opened: list[_Stream]):
         """(prompt index, output dict) from every stream as they arrive; raises on failure.
 
-        A stream whose replica dies fails over (``_fail_over``) while it may."""
+        A stream whose replica dies fails over (``_fail_over``) while it may. One stream (a
+        request with one prompt) is read in this task; several are pumped by a task each
+        into one queue."""
+        if len(opened) == 1:
+            stream, ended = opened[0], False
+            items = self._items(stream)
+            try:
+                async for item in items:
+                    yield 0, item
+                ended = True
+            finally:
+                await items.aclose()
+                if not ended:  # client gone: abort the engine request
+                    _cancel_quietly(stream.response)
+                self._forget(stream.call)
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: _Stream) -> None:
             try:
-                await queue.put((_Event.ITEM, index, stream.record(stream.first)))
-                while not stream.finished:
-                    try:
-                        async for item in stream.call.rest():
-                            if item.get("rejected", {}).get("kind") == "dead":
-                                raise ReplicaDiedError(item["rejected"]["message"])
-                            await queue.put((_Event.ITEM, index, stream.record(item)))
-                        break
-                    except Exception as exc:
-                        if _died(exc) and stream.finished:
-                            # It died after its last output (the stream's end was still in
-                            # flight): the client has every token, nothing is lost.
-                            log.info(
-                                "request %s: replica lost after its last output: %r",
-                                stream.request_id,
-                                exc,
-                            )
-                            break
-                        if not (_died(exc) and stream.can_fail_over()):
-                            raise
-                        self.close(stream.call)
-                        first = await self._fail_over(stream, exc)
-                        await queue.put((_Event.ITEM, index, stream.record(first)))
+                async for item in self._items(stream):
+                    await queue.put((_Event.ITEM, index, item))
                 await queue.put((_Event.END, index, None))
             except Exception as exc:
                 await queue.put((_Event.FAILED, index, exc))

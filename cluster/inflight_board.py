@@ -17,8 +17,9 @@ sees what every router sent, a round trip old instead of a stats period old.
 - ``LocalBoardClient``: a router's client of an ``InflightBoard`` in the same process.
 - ``ActorBoardClient``: a router's client of the board the application's index actor hosts
   (``cluster.index_actor.IndexActor``, with either index backend). ``changed()`` is cheap
-  (sets an event); a daemon thread sends the newest snapshot, coalescing bursts, and
-  re-sends a non-empty one every ``REFRESH_S`` so it does not expire.
+  (sets an event); a daemon thread sends the newest snapshot, coalescing bursts (at most one
+  per ``MIN_PUBLISH_INTERVAL_S``), and re-sends a non-empty one every ``REFRESH_S`` so it
+  does not expire.
 
 How it fails: an unreachable actor (dead, slow, not yet created) makes ``peers`` return
 None after at most the lookup timeout (the router then decides on its own ledger beside the
@@ -50,6 +51,11 @@ BOARD_TTL_S = 10.0
 """A router's snapshot stops counting this long after it arrived unless refreshed."""
 REFRESH_S = 3.0
 """A router re-sends a non-empty snapshot this often (well inside ``BOARD_TTL_S``)."""
+MIN_PUBLISH_INTERVAL_S = 0.01
+"""A router sends at most one snapshot per this many seconds; the changes in between go in
+the next. A snapshot holds every request in flight, so at hundreds of decisions and first
+outputs per second one per change would cost the ingress and the index actor more than the
+routing it informs; 10 ms is far inside a stats period and a prefill."""
 
 
 class InflightBoard:
@@ -198,6 +204,7 @@ class ActorBoardClient:
             if changed or snapshot or sent_nonempty:
                 self._send(snapshot)
                 sent_nonempty = bool(snapshot)
+                self._stop.wait(MIN_PUBLISH_INTERVAL_S)  # what changes meanwhile goes next
 
     def close(self) -> None:
         """Stop publishing and withdraw this router's snapshot (best effort)."""
