@@ -70,6 +70,23 @@ def kv_bytes_for_utilization(
     return kv_bytes
 
 
+def explicit_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int | None:
+    """The KV blocks ``num_kv_blocks`` or ``kv_cache_bytes`` ask for (the bytes divided by
+    ``bytes_per_block``); None when neither is set. A budget under two blocks is a
+    ``ValueError`` naming it."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_bytes is None:
+        return None
+    blocks = config.kv_cache_bytes // bytes_per_block
+    if blocks < 2:
+        raise ValueError(
+            f"kv_cache_bytes={config.kv_cache_bytes} holds {blocks} blocks of "
+            f"{bytes_per_block} bytes; need at least 2"
+        )
+    return int(blocks)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -192,16 +209,9 @@ class ModelRunner:
 
     def _decide_num_blocks(self) -> int:
         c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if c.kv_cache_bytes is not None:
-            blocks = c.kv_cache_bytes // self.bytes_per_block
-            if blocks < 2:
-                raise ValueError(
-                    f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of "
-                    f"{self.bytes_per_block} bytes; need at least 2"
-                )
-            return int(blocks)
+        explicit = explicit_kv_blocks(c, self.bytes_per_block)
+        if explicit is not None:
+            return explicit
         if c.gpu_memory_utilization is not None:
             budget = self._utilization_budget_bytes()
             knob = f"gpu_memory_utilization={c.gpu_memory_utilization}"

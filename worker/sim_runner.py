@@ -34,6 +34,7 @@ import torch
 import xxhash
 
 from worker.config import EngineConfig
+from worker.model_runner import explicit_kv_blocks
 from worker.models.llama import ModelSpec
 from worker.parallel.communicator import SINGLE_RANK
 from worker.parallel.step_message import inputs_of
@@ -167,19 +168,14 @@ class SimModelRunner:
         return self.profile.kv_bytes_per_token * self.block_size
 
     def _decide_num_blocks(self) -> int:
-        c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if c.kv_cache_bytes is not None:
-            blocks = c.kv_cache_bytes // self.bytes_per_block
-            if blocks < 2:
-                raise ValueError(
-                    f"kv_cache_bytes={c.kv_cache_bytes} holds {blocks} blocks of "
-                    f"{self.bytes_per_block} bytes (simulated model); need at least 2"
-                )
-        else:
-            blocks = self.profile.kv_capacity_tokens // self.block_size
-        return int(min(blocks, c.max_num_seqs * self.max_blocks_per_seq + 64))
+        """``num_kv_blocks`` or ``kv_cache_bytes`` (in the simulated model's bytes) as the
+        real runner takes them; else the profile's capacity, no more than every running
+        sequence could fill at full length (plus slack), as the real runner caps a fraction."""
+        explicit = explicit_kv_blocks(self.config, self.bytes_per_block)
+        if explicit is not None:
+            return explicit
+        blocks = self.profile.kv_capacity_tokens // self.block_size
+        return int(min(blocks, self.config.max_num_seqs * self.max_blocks_per_seq + 64))
 
     # -- host tier (worker/host_cache.py's KVMover) --------------------------------------------
     def save(self, block_id: int, slot: int) -> None:
