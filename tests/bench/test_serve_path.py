@@ -27,12 +27,15 @@ def test_served_command_lines_leave_room_for_the_largest_concurrency():
     args = serve_path.parse_args(["--concurrency", "64,1024"])
     argv = serve_path.server_argv("sim", "served2", "/m", 8000, args)
     flags = dict(zip(argv[4::2], argv[5::2], strict=False))
-    assert argv[1:4] == ["-m", "cluster.cli", "serve"]
+    assert argv[1:3] == ["-m", "cluster.cli"] and argv[3] == "serve"  # a command line only
     assert flags["--num-replicas"] == flags["--num-ingress-replicas"] == "2"
     assert flags["--max-num-seqs"] == "256" and flags["--engine"] == "sim"
     assert int(flags["--max-ongoing-requests"]) >= 1024
     assert int(flags["--max-queued-requests"]) >= 1024
     assert int(flags["--num-kv-blocks"]) >= 256 * (32 + 128) // 16
+    assert "--direct-ingress" not in argv
+    direct = serve_path.server_argv("sim", "direct2", "/m", 8000, args)
+    assert "--direct-ingress" in direct and direct[direct.index("--num-replicas") + 1] == "2"
     bare = serve_path.server_argv("tiny", "bare", "/m", 8000, args)
     assert bare[1:3] == ["-m", "bench.bare_server"] and "--engine" not in bare
 
