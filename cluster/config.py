@@ -92,8 +92,8 @@ class ClusterConfig:
     """Serve application name (several apps may share one Ray cluster)."""
     stream_interval: int = 1
     """Tokens per streamed message from an engine replica (vLLM's ``--stream-interval``): more
-    send fewer, larger messages (each crosses two Ray hops) and stream in bursts. A request's
-    first tokens and its end go at once."""
+    send fewer, larger messages (to the ingress, then through Serve's proxy) and stream in
+    bursts. A request's first tokens and its end go at once."""
     push_outputs: bool = True
     """Engine replicas push a request's outputs between its first and its last to the ingress
     replica that called them, every request's in one call per engine step
