@@ -87,6 +87,20 @@ def explicit_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int | None
     return int(blocks)
 
 
+def host_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """Blocks of the host tier ``host_kv_cache_bytes`` holds (0: no host tier); a budget
+    under one block is a ``ValueError`` naming it."""
+    if config.host_kv_cache_bytes is None:
+        return 0
+    blocks = config.host_kv_cache_bytes // bytes_per_block
+    if blocks < 1:
+        raise ValueError(
+            f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block "
+            f"({bytes_per_block} bytes)"
+        )
+    return blocks
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -129,13 +143,8 @@ class ModelRunner:
         ]
         block_shape = tuple(self.kv[self._block(0)].shape[2:])
         self.host_kv: torch.Tensor | None = None
-        self.num_host_blocks = (config.host_kv_cache_bytes or 0) // self.bytes_per_block
-        if config.host_kv_cache_bytes is not None:
-            if self.num_host_blocks < 1:
-                raise ValueError(
-                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block "
-                    f"({self.bytes_per_block} bytes)"
-                )
+        self.num_host_blocks = host_kv_blocks(config, self.bytes_per_block)
+        if self.num_host_blocks:
             self.host_kv = torch.zeros(
                 self.num_host_blocks,
                 spec.num_layers,

@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from worker.config import EngineConfig
-from worker.model_runner import explicit_kv_blocks
+from worker.model_runner import explicit_kv_blocks, host_kv_blocks
 from worker.models.llama import ModelSpec
 from worker.parallel.communicator import SINGLE_RANK
 from worker.parallel.step_message import inputs_of
@@ -150,13 +150,8 @@ class SimModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv = torch.zeros(1, 2, self.num_blocks, self.block_size, 1, 1)
         self.host_kv: torch.Tensor | None = None
-        self.num_host_blocks = (config.host_kv_cache_bytes or 0) // self.bytes_per_block
-        if config.host_kv_cache_bytes is not None:
-            if self.num_host_blocks < 1:
-                raise ValueError(
-                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} is under one block "
-                    f"({self.bytes_per_block} bytes of the simulated model)"
-                )
+        self.num_host_blocks = host_kv_blocks(config, self.bytes_per_block)  # simulated bytes
+        if self.num_host_blocks:
             self.host_kv = torch.zeros(self.num_host_blocks, 1, 2, self.block_size, 1, 1)
         self._load_s = 0.0
         self._owed_load_s = 0.0

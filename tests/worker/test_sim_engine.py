@@ -165,3 +165,21 @@ def test_profiles_are_checked():
         EngineConfig(engine="sim", kv_cache_memory_fraction=0.5)
     with pytest.raises(ValueError, match="engine"):
         EngineConfig(engine="fake")
+
+
+def test_the_host_tier_keeps_evicted_prefixes(tiny_models, test_seed):
+    """Blocks evicted from the device go to the host tier and come back on a hit, with the
+    simulated model's bytes sizing it; tokens are those of a cold run."""
+    rng = random.Random(test_seed)
+    first = [rng.randrange(5, 40000) for _ in range(4 * BLOCK)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    block_bytes = load_profile("gpu").kv_bytes_per_token * BLOCK
+    e = engine(tiny_models, num_kv_blocks=8, host_kv_cache_bytes=16 * block_bytes)
+    assert e.runner.num_host_blocks == 16
+    cold = run(e, {"a": (first, params)})["a"]
+    for i in range(3):  # other prompts push the first one's blocks out of the device
+        run(e, {f"x{i}": ([rng.randrange(5, 40000) for _ in range(4 * BLOCK)], params)})
+    again = run(e, {"b": (first, params)})["b"]
+    assert e.scheduler.counters.host_cache_hits_tokens > 0
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
