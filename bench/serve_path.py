@@ -96,7 +96,7 @@ from pathlib import Path
 
 from bench.cluster_process import ROUTERS_SETTLE_S
 from bench.result_files import RESULTS, result_header
-from bench.serve.http_load import _cpu_used, _model_name
+from bench.serve.http_load import _cpu_used, _model_name, record_of
 from bench.serve.processes import Server, free_port, server_env
 from bench.serve.report import cpu_model, git_commit
 from bench.serve.stats import percentile, summarize
@@ -381,16 +381,7 @@ async def _load(
             out = RequestOutput(i, 0)
             async with limiter:
                 await send_request(client, doors[i % len(doors)], body, out, t0)
-            return {
-                "success": out.success,
-                "error": out.error,
-                "prompt_tokens": out.prompt_len,
-                "output_tokens": out.output_tokens,
-                "cached_tokens": out.cached_tokens,
-                "ttft_s": out.ttft_s,
-                "itl_s": out.itl_s,
-                "latency_s": out.latency_s,
-            }
+            return record_of(out, i)
 
         records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         duration = time.perf_counter() - t0

@@ -69,24 +69,30 @@ async def _run_http(
                     client, settings, chat_body(model, req.messages, max_tokens), out, t0
                 )
             bar.update()
-            return {
-                "index": req.index,
-                "success": out.success,
-                "error": out.error,
-                "prompt_tokens": out.prompt_len,
-                "output_tokens": out.output_tokens,
-                "cached_tokens": out.cached_tokens,
-                "ttft_s": out.ttft_s,
-                "itl_s": out.itl_s,
-                "latency_s": out.latency_s,
-                "text": out.generated_text,
-                "replica": out.replica,
-            }
+            return record_of(out, req.index)
 
         records = await asyncio.gather(*(one(r) for r in workload))
         duration = time.perf_counter() - t0
     bar.close()
     return list(records), duration
+
+
+def record_of(out, index: int) -> dict:
+    """One request's record (what ``stats.summarize`` reads) from the client's
+    ``bench.loadgen.client.RequestOutput``."""
+    return {
+        "index": index,
+        "success": out.success,
+        "error": out.error,
+        "prompt_tokens": out.prompt_len,
+        "output_tokens": out.output_tokens,
+        "cached_tokens": out.cached_tokens,
+        "ttft_s": out.ttft_s,
+        "itl_s": out.itl_s,
+        "latency_s": out.latency_s,
+        "text": out.generated_text,
+        "replica": out.replica,
+    }
 
 
 def warm_up(base_url: str, model: str | None, n: int = 1, patience_s: float = 120.0) -> None:
