@@ -124,6 +124,11 @@ FLAGS = [
         "engine",
     ),
     (
+        "--enforce-eager", "engine", "enforce_eager", None,
+        "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs.",
+        "engine",
+    ),
+    (
         "--num-kv-blocks", "engine", "num_kv_blocks", int,
         "KV cache size in blocks (one KV size knob of four).",
         "engine",

@@ -115,6 +115,9 @@ class EngineConfig:
     """Batch-invariant numerics: outputs independent of batch, cache hits and chunking."""
     kernel_backend: str = "auto"
     """``torch``, ``triton`` or ``auto`` (Triton on CUDA, torch on CPU): ``kernels/ops.py``."""
+    enforce_eager: bool = False
+    """vLLM's flag: run every step eagerly on CUDA. Off (the default), decode steps replay
+    CUDA graphs captured at start (``worker/decode_graphs.py``); CPU always runs eagerly."""
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None

@@ -331,7 +331,7 @@ class LLMEngine:
             raise RuntimeError(f"tensor-parallel step failed: {self._tp_failure(exc)}") from exc
         sampling_reqs = [batch.requests[i] for i in sampling_idx]
         if prompt_spans:
-            record_prompt_logprobs(logits[len(sampling_idx) :], prompt_spans)
+            record_prompt_logprobs(logits[len(sampling_idx) :].cpu(), prompt_spans)
             logits = logits[: len(sampling_idx)]
         results = self.sampler.sample(logits, sampling_reqs)
         self.scheduler.commit_computed(batch)

@@ -31,6 +31,7 @@ from kernels.attention import AttentionMetadata, exact_tile_rows
 from kernels.linear import log_tile_choices
 from kernels.ops import select_backend
 from worker.config import EngineConfig
+from worker.decode_graphs import DecodeGraphs
 from worker.models.llama import CausalLM, ModelSpec
 from worker.parallel.communicator import SINGLE_RANK, Communicator
 from worker.parallel.step_message import StepDecoder, StepEncoder, StepInputs, inputs_of
@@ -166,6 +167,30 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
+        )
+        self.decode_graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for plain decode steps (``worker/decode_graphs.py``): on for a single
+        rank on CUDA with the Triton kernels, unless ``enforce_eager``; None runs every step
+        eagerly."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.comm.world_size > 1 or self.ops.name != "triton":
+            log.info(
+                "CUDA graphs: off (%s); decode steps run eagerly",
+                "tensor parallelism" if self.comm.world_size > 1 else "torch kernels",
+            )
+            return None
+        return DecodeGraphs(
+            lambda ids, positions, meta, rows: self.model.forward(
+                ids, positions, self.kv_caches, meta, rows
+            ),
+            max_num_seqs=self.config.max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            block_size=self.block_size,
+            device=self.device,
+            capture=True,
         )
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -324,9 +349,11 @@ class ModelRunner:
     def execute(
         self, batch: ScheduledBatch, extra_rows: list[int] | None = None
     ) -> tuple[torch.Tensor, list[int]]:
-        """Runs the batch. Returns (logits [num_sampling + len(extra_rows), vocab], indices into
-        batch.requests of the sampling rows). ``extra_rows``: rows of the flat batch whose logits
-        follow the sampling rows' (prompt logprobs; one rank only, the step message has no room)."""
+        """Runs the batch. Returns (logits [num_sampling + len(extra_rows), vocab] on the
+        runner's device, indices into batch.requests of the sampling rows). ``extra_rows``: rows
+        of the flat batch whose logits follow the sampling rows' (prompt logprobs; one rank
+        only, the step message has no room). The logits are valid until the next step (a
+        replayed decode graph returns a view of its static output)."""
         inputs, sampling_reqs = inputs_of(batch)
         if extra_rows:
             if self._encoder is not None:
@@ -334,13 +361,15 @@ class ModelRunner:
             inputs.sampling_rows.extend(extra_rows)
         if self._encoder is not None:
             self.comm.send_step(self._encoder.encode(batch, inputs))
-        return self.run_inputs(inputs).cpu(), sampling_reqs
+        return self.run_inputs(inputs), sampling_reqs
 
     def execute_message(self, message: torch.Tensor) -> None:
         """Ranks 1..N-1: run the step rank 0 sent (its logits stay on rank 0)."""
         self.run_inputs(self._decoder.decode(message))
 
     def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
+            return self.decode_graphs.run(inputs)
         positions = [
             p
             for start, count in zip(inputs.starts, inputs.counts, strict=True)

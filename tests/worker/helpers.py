@@ -74,4 +74,4 @@ def engine_prompt_logits(engine: LLMEngine, prompt_ids: list[int]) -> torch.Tens
     logits, _ = engine.runner.execute(batch)
     engine.scheduler.commit_computed(batch)
     engine.abort(rid)
-    return logits[0]
+    return logits[0].cpu()
