@@ -53,18 +53,27 @@ def make_workload(tokenizer, num_requests: int, seed: int = 0) -> list[list[int]
     return prompts
 
 
-def run_ours(prompts, max_tokens: int, deterministic: bool, max_num_seqs: int = 64) -> dict:
+def run_ours(
+    prompts,
+    max_tokens: int,
+    deterministic: bool,
+    max_num_seqs: int = 64,
+    *,
+    model: str = "smollm2",
+    enforce_eager: bool = False,
+) -> dict:
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
     from worker.sampling_params import SamplingParams
 
     engine = LLMEngine(
         EngineConfig(
-            model="smollm2",
+            model=model,
             num_kv_blocks=4096,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=512,
             deterministic=deterministic,
+            enforce_eager=enforce_eager,
         )
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
