@@ -7,11 +7,11 @@ The Triton twin of ``matmul_ref`` in ``kernels/reference.py``, for deterministic
 Why a row's result does not depend on M
     Output tile ``(m, n)`` is reduced over K by one program, in ``BLOCK_K`` steps from k = 0
     upwards, each step one ``tl.dot`` of a ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` tile.
-    The tile shape, warp count and pipelining depend on the dtype only (``_CONFIGS``), never
-    on M, N or K, and there is no split-K, so every output element sees the same sequence of
-    operations whether its row is multiplied alone or with 4095 others. ``M`` is exempt from
-    Triton's value specialisation (``M == 1``, ``M % 16``), so one compiled kernel serves
-    every M. Rows past M are zero-filled by masked loads and never stored.
+    The tile shape, warp count and pipelining depend on the dtype and the weight's shape
+    (``tile_config``), never on M, and there is no split-K, so every output element sees the
+    same sequence of operations whether its row is multiplied alone or with 4095 others.
+    ``M`` is exempt from Triton's value specialisation (``M == 1``, ``M % 16``), so one
+    compiled kernel serves every M. Rows past M are zero-filled by masked loads and never stored.
 
 Persistent grid
     ``min(num_tiles, PROGRAMS_PER_SM * num_SMs)`` programs each walk tiles ``pid, pid +
@@ -31,16 +31,42 @@ from kernels.triton_common import check_tensor, num_sms, output_or_new, patch_in
 
 patch_interpreter()
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per dtype. Half precision: 64-row
-# tiles (one Hopper warpgroup MMA, m64n128k16) rather than 128, so a 4096-wide projection at
-# M = 256 already has 128 tiles to spread over an H100's 132 SMs; 4 stages x 24 KiB of shared
-# memory lets two programs share an SM. float32 runs IEEE (no TF32) on smaller tiles.
-# Changing a config changes the rounding of every row (never its dependence on M).
-_CONFIGS = {
+TileConfig = tuple[int, int, int, int, int]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+
+# The default per dtype. Half precision: 64-row tiles (one Hopper warpgroup MMA,
+# m64n128k16) rather than 128, so a 4096-wide projection at M = 256 already has 128 tiles to
+# spread over an H100's 132 SMs. float32 runs IEEE (no TF32) on smaller tiles. Changing a
+# config changes the rounding of every row (never its dependence on M).
+_CONFIGS: dict[torch.dtype, TileConfig] = {
     torch.float16: (64, 128, 64, 4, 4),
     torch.bfloat16: (64, 128, 64, 4, 4),
     torch.float32: (64, 64, 32, 4, 3),
 }
+NARROW_OUT_FEATURES = 8192
+"""Half precision: weights with at most this many output features get 64-column tiles, so
+a decode (one row tile) still spreads over the SMs: a 4096-wide projection has 64 tiles
+instead of 32."""
+DEEP_IN_FEATURES = 2048
+"""Half precision: weights with at least this many input features read 128-deep K steps
+(half the loop trips, longer loads in flight)."""
+
+
+def tile_config(dtype: torch.dtype, out_features: int, in_features: int) -> TileConfig:
+    """The tiles of one weight's products: a function of the dtype and the weight's shape,
+    never of M, so a row's arithmetic is the same in every batch. Half-precision choices
+    come from ``bench/matmul_tiles.py`` on an H100 (Llama-3.1-8B's projections at M = 1, 64
+    and 256); float32 keeps its one config."""
+    if dtype == torch.float32:
+        return _CONFIGS[dtype]
+    block_m, block_n, block_k, num_warps, num_stages = _CONFIGS[dtype]
+    if out_features <= NARROW_OUT_FEATURES:
+        block_n = 64
+    if in_features >= DEEP_IN_FEATURES:
+        block_k = 128
+    return block_m, block_n, block_k, num_warps, num_stages
+
+
 PROGRAMS_PER_SM = 2
 """Persistent programs per SM: two fit (registers and shared memory), so one's epilogue
 overlaps the other's main loop. Which program runs a tile never changes its arithmetic."""
@@ -109,10 +135,12 @@ def bi_matmul(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias[N])`` -> [M, N] in x's dtype, batch-invariant.
 
-    ``out``, when given, receives the result (and is returned).
+    ``out``, when given, receives the result (and is returned). ``config`` overrides
+    ``tile_config`` (for benchmarks that compare tilings).
     """
     check_tensor("x", x, ndim=2)
     num_rows, in_features = x.shape
@@ -125,7 +153,9 @@ def bi_matmul(
         return out
     if in_features == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
-    block_m, block_n, block_k, num_warps, num_stages = _CONFIGS[x.dtype]
+    block_m, block_n, block_k, num_warps, num_stages = config or tile_config(
+        x.dtype, out_features, in_features
+    )
     num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n)
     num_programs = min(num_tiles, PROGRAMS_PER_SM * num_sms(x.device))
     _bi_matmul_kernel[(num_programs,)](

@@ -85,3 +85,27 @@ def test_realistic_sizes_on_gpu(rng, device, dtype):
     for num_rows in (1, 64, 256, 1024):
         start = int(torch.randint(0, 4096 - num_rows + 1, (1,), generator=rng))
         assert torch.equal(run(x[start : start + num_rows], weight), full[start : start + num_rows])
+
+
+def test_tiles_follow_the_weight_not_the_batch():
+    """Half precision: narrow weights get 64-column tiles, deep ones 128-deep K steps; the
+    choice reads the weight's shape only (there is no M to read)."""
+    from kernels.triton_matmul import tile_config
+
+    assert tile_config(torch.bfloat16, 4096, 4096) == (64, 64, 128, 4, 4)
+    assert tile_config(torch.bfloat16, 28672, 4096) == (64, 128, 128, 4, 4)
+    assert tile_config(torch.bfloat16, 576, 576) == (64, 64, 64, 4, 4)
+    assert tile_config(torch.float16, 49152, 576) == (64, 128, 64, 4, 4)
+    assert tile_config(torch.float32, 4096, 4096) == (64, 64, 32, 4, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_deep_narrow_weights_are_batch_invariant_too(rng, device, dtype):
+    """A weight of the 128-deep, 64-wide tiling (K >= 2048) against the reference and
+    across batch sizes, with a K tail that is not a multiple of 128."""
+    x, weight, bias = random_problem(rng, 70, 2100, 72, dtype, device, with_bias=False)
+    full = run(x, weight)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(full, matmul_ref(x, weight), atol=atol, rtol=rtol)
+    for num_rows in (1, 7, 65):
+        assert torch.equal(run(x[:num_rows], weight), full[:num_rows])
