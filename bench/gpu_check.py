@@ -52,7 +52,7 @@ CONTEXT_TOKENS = 512
 BLOCK_SIZE = 16
 TEST_PATHS = (
     "tests/kernels",
-    "tests/worker/test_decode_graphs.py",
+    "tests/worker/test_cuda_graphs.py",
     "tests/worker/test_determinism.py",
     "tests/worker/test_sampler.py",
 )
@@ -241,7 +241,7 @@ def random_weights(config: dict, device: str, dtype: torch.dtype) -> dict[str, t
 
 # -- 2. the tests ----------------------------------------------------------------------------------
 def run_tests(seconds: float, dry_run: bool) -> dict:
-    paths = ["tests/worker/test_decode_graphs.py"] if dry_run else list(TEST_PATHS)
+    paths = ["tests/worker/test_cuda_graphs.py"] if dry_run else list(TEST_PATHS)
     workers = "2" if dry_run else "8"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark"]
     cmd += ["-n", workers]
@@ -318,7 +318,7 @@ def _decode_steps_one_mode(
         eager_config = dataclasses.replace(engine_config, enforce_eager=True)
         runner = ModelRunner(eager_config, spec, weights, max_model_len=CONTEXT_TOKENS + 64)
     del weights
-    graphs = runner.decode_graphs
+    graphs = runner.step_graphs
     log(
         f"decode steps {name} deterministic={deterministic}: runner ready in "
         f"{time.monotonic() - t0:.1f} s"
@@ -348,7 +348,7 @@ def _decode_steps_one_mode(
         )
         modes = [("eager", None)] + ([("graphs", graphs)] if graphs is not None else [])
         for mode, mode_graphs in modes:
-            runner.decode_graphs = mode_graphs
+            runner.step_graphs = mode_graphs
             step_s = _median_step_s(runner, inputs, repeats)
             read_bytes = weight_bytes + batch * CONTEXT_TOKENS * kv_bytes_per_token
             row = {
@@ -372,7 +372,7 @@ def _decode_steps_one_mode(
                 f"{row['step_ms']:8.2f} ms/step {row['tokens_per_s']:9.0f} tok/s "
                 f"roofline {row['roofline_fraction']:.2f}"
             )
-        runner.decode_graphs = graphs
+        runner.step_graphs = graphs
     del runner
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

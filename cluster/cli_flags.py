@@ -125,7 +125,7 @@ FLAGS = [
     ),
     (
         "--enforce-eager", "engine", "enforce_eager", None,
-        "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs.",
+        "CUDA: run every step eagerly instead of replaying steps from CUDA graphs.",
         "engine",
     ),
     (

@@ -116,8 +116,8 @@ class EngineConfig:
     kernel_backend: str = "auto"
     """``torch``, ``triton`` or ``auto`` (Triton on CUDA, torch on CPU): ``kernels/ops.py``."""
     enforce_eager: bool = False
-    """vLLM's flag: run every step eagerly on CUDA. Off (the default), decode steps replay
-    CUDA graphs captured at start (``worker/decode_graphs.py``); CPU always runs eagerly."""
+    """vLLM's flag: run every step eagerly on CUDA. Off (the default), steps replay CUDA
+    graphs captured at start (``worker/cuda_graphs.py``); CPU always runs eagerly."""
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None

@@ -31,7 +31,7 @@ from kernels.attention import AttentionMetadata, exact_tile_rows
 from kernels.linear import log_tile_choices
 from kernels.ops import select_backend
 from worker.config import EngineConfig
-from worker.decode_graphs import DecodeGraphs
+from worker.cuda_graphs import StepGraphs
 from worker.models.llama import CausalLM, ModelSpec
 from worker.parallel.communicator import SINGLE_RANK, Communicator
 from worker.parallel.step_message import StepDecoder, StepEncoder, StepInputs, inputs_of
@@ -168,27 +168,29 @@ class ModelRunner:
             self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
         )
-        self.decode_graphs = self._decode_graphs()
+        self.step_graphs = self._step_graphs()
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs for plain decode steps (``worker/decode_graphs.py``): on for a single
+    def _step_graphs(self) -> StepGraphs | None:
+        """CUDA graphs for decode and mixed steps (``worker/cuda_graphs.py``): on for a single
         rank on CUDA with the Triton kernels, unless ``enforce_eager``; None runs every step
         eagerly."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
         if self.comm.world_size > 1 or self.ops.name != "triton":
             log.info(
-                "CUDA graphs: off (%s); decode steps run eagerly",
+                "CUDA graphs: off (%s); steps run eagerly",
                 "tensor parallelism" if self.comm.world_size > 1 else "torch kernels",
             )
             return None
-        return DecodeGraphs(
+        return StepGraphs(
             lambda ids, positions, meta, rows: self.model.forward(
                 ids, positions, self.kv_caches, meta, rows
             ),
             max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_blocks_per_seq=self.max_blocks_per_seq,
             block_size=self.block_size,
+            vocab_size=self.model.lm_head.shape[0],
             device=self.device,
             capture=True,
         )
@@ -353,7 +355,7 @@ class ModelRunner:
         runner's device, indices into batch.requests of the sampling rows). ``extra_rows``: rows
         of the flat batch whose logits follow the sampling rows' (prompt logprobs; one rank
         only, the step message has no room). The logits are valid until the next step (a
-        replayed decode graph returns a view of its static output)."""
+        replayed graph returns a view of its static output)."""
         inputs, sampling_reqs = inputs_of(batch)
         if extra_rows:
             if self._encoder is not None:
@@ -368,8 +370,10 @@ class ModelRunner:
         self.run_inputs(self._decoder.decode(message))
 
     def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
-        if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
-            return self.decode_graphs.run(inputs)
+        if self.step_graphs is not None:
+            shape = self.step_graphs.shape_for(inputs)
+            if shape is not None:
+                return self.step_graphs.run(inputs, shape)
         positions = [
             p
             for start, count in zip(inputs.starts, inputs.counts, strict=True)

@@ -75,3 +75,45 @@ def engine_prompt_logits(engine: LLMEngine, prompt_ids: list[int]) -> torch.Tens
     engine.scheduler.commit_computed(batch)
     engine.abort(rid)
     return logits[0].cpu()
+
+
+def check_every_step_against_eager(runner, graphs) -> list:
+    """Makes ``runner`` run each step twice, from ``graphs`` and eagerly from the same KV,
+    asserting equal logits bits and equal KV writes; returns the shapes seen (None: eager)."""
+    original = runner.run_inputs
+    shapes = []
+
+    def checked(inputs):
+        shape = graphs.shape_for(inputs)
+        shapes.append(shape)
+        kv_before = runner.kv.clone()
+        runner.step_graphs = graphs
+        padded = original(inputs).clone()
+        kv_padded = runner.kv.clone()
+        runner.kv.copy_(kv_before)
+        runner.step_graphs = None
+        eager = original(inputs)
+        assert torch.equal(padded, eager), f"logits differ in {shape}"
+        assert torch.equal(runner.kv, kv_padded), f"KV writes differ in {shape}"
+        return eager
+
+    runner.run_inputs = checked
+    return shapes
+
+
+def staggered_run(engine: LLMEngine, lengths: list[int]) -> dict[str, list[int]]:
+    """Adds one request of each length per step (``max_tokens`` growing with its index),
+    steps to the end; returns each request's tokens."""
+    tokens = {}
+    for step in range(300):
+        if step < len(lengths):
+            n = lengths[step]
+            params = SamplingParams(temperature=0, max_tokens=4 + 3 * step, ignore_eos=True)
+            engine.add_request(f"r{step}", [100 + (7 * step + j) % 900 for j in range(n)], params)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.token_ids)
+        if step >= len(lengths) and not engine.has_unfinished():
+            break
+    assert len(tokens) == len(lengths)
+    return tokens

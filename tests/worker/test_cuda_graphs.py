@@ -1,8 +1,10 @@
-"""Decode steps over padded static buffers (``worker/decode_graphs.py``), checked on the CPU.
+"""Steps over padded static buffers (``worker/cuda_graphs.py``), checked on the CPU.
 
 CUDA graphs replay exactly the padded forward pass these tests run eagerly, so what they
 check holds on a GPU too: in deterministic mode each real row's logits are bitwise those of
-the unpadded step, and padding rows never write the KV cache.
+the unpadded step, and padding never writes the KV cache. Mixed steps (zero-token sequence
+slots) are checked with the Triton kernels in ``tests/kernels/test_step_graphs_on_triton.py``;
+the CUDA-only tests at the end compare graph replays with eager steps on a GPU.
 """
 
 from __future__ import annotations
@@ -10,24 +12,36 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.worker.helpers import check_every_step_against_eager, staggered_run
 from worker.config import EngineConfig
-from worker.decode_graphs import DecodeGraphs, decode_buckets, is_plain_decode
+from worker.cuda_graphs import (
+    Shape,
+    StepGraphs,
+    decode_buckets,
+    is_plain_decode,
+    token_buckets,
+)
 from worker.engine import LLMEngine
 from worker.parallel.step_message import StepInputs, inputs_of
 from worker.sampling_params import SamplingParams
 
 
-def test_buckets_cover_every_batch_up_to_max_num_seqs():
+def test_buckets_cover_every_size_up_to_the_limits():
     assert decode_buckets(1) == [1]
     assert decode_buckets(12) == [1, 2, 4, 8, 12]
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert decode_buckets(256) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
     assert decode_buckets(200)[-3:] == [160, 192, 200]
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert token_buckets(100) == [16, 32, 64, 100]
     with pytest.raises(ValueError, match="max_num_seqs"):
         decode_buckets(0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        token_buckets(0)
 
 
-def test_only_plain_decode_steps_fit():
+def test_only_plain_decode_steps_are_decodes():
     decode = StepInputs([5, 6], [10, 3], [1, 1], [[0], [1]], [0, 1])
     assert is_plain_decode(decode)
     prefill = StepInputs([5, 6, 7], [0, 3], [2, 1], [[0], [1]], [1, 2])
@@ -35,6 +49,33 @@ def test_only_plain_decode_steps_fit():
     prompt_rows = StepInputs([5, 6], [10, 3], [1, 1], [[0], [1]], [0, 1, 0])
     assert not is_plain_decode(prompt_rows)
     assert not is_plain_decode(StepInputs([], [], [], [], []))
+
+
+def _graphs_for(runner, *, mixed: bool = False, max_num_batched_tokens: int = 256) -> StepGraphs:
+    return StepGraphs(
+        lambda ids, positions, meta, rows: runner.model.forward(
+            ids, positions, runner.kv_caches, meta, rows
+        ),
+        max_num_seqs=8,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_blocks_per_seq=runner.max_blocks_per_seq,
+        block_size=runner.block_size,
+        vocab_size=runner.model.lm_head.shape[0],
+        device=runner.device,
+        capture=False,
+        mixed=mixed,
+    )
+
+
+def test_steps_are_placed_in_the_smallest_bucket_that_holds_them(tiny_models):
+    engine = _decoding_engine(tiny_models["llama"], [5])
+    graphs = _graphs_for(engine.runner, mixed=True, max_num_batched_tokens=100)
+    decode = StepInputs([5, 6, 7], [10, 3, 4], [1, 1, 1], [[0], [1], [2]], [0, 1, 2])
+    assert graphs.shape_for(decode) == Shape(decode=True, tokens=4, seqs=4, rows=4)
+    mixed = StepInputs([5] * 20, [0, 3], [19, 1], [[0, 1], [2]], [18, 19])
+    assert graphs.shape_for(mixed) == Shape(decode=False, tokens=32, seqs=8, rows=8)
+    decode_only = _graphs_for(engine.runner, mixed=False)
+    assert decode_only.shape_for(mixed) is None
 
 
 def _decoding_engine(model: str, prompt_lengths: list[int]) -> LLMEngine:
@@ -60,11 +101,10 @@ def _decoding_engine(model: str, prompt_lengths: list[int]) -> LLMEngine:
 
 
 @pytest.mark.parametrize("prompt_lengths", [[5, 20, 37], [3, 9, 17, 30, 41]])
-def test_padded_step_gives_each_row_the_bits_of_the_unpadded_one(tiny_models, prompt_lengths):
+def test_padded_decode_gives_each_row_the_bits_of_the_unpadded_one(tiny_models, prompt_lengths):
     engine = _decoding_engine(tiny_models["llama"], prompt_lengths)
     runner = engine.runner
-    batch = engine.scheduler.schedule()
-    inputs, _ = inputs_of(batch)
+    inputs, _ = inputs_of(engine.scheduler.schedule())
     assert is_plain_decode(inputs) and len(inputs.counts) == len(prompt_lengths)
 
     kv_before = runner.kv.clone()
@@ -73,18 +113,10 @@ def test_padded_step_gives_each_row_the_bits_of_the_unpadded_one(tiny_models, pr
     assert not torch.equal(kv_before, kv_unpadded)  # the step wrote each sequence's new slot
 
     runner.kv.copy_(kv_before)
-    graphs = DecodeGraphs(
-        lambda ids, positions, meta, rows: runner.model.forward(
-            ids, positions, runner.kv_caches, meta, rows
-        ),
-        max_num_seqs=8,
-        max_blocks_per_seq=runner.max_blocks_per_seq,
-        block_size=runner.block_size,
-        device=runner.device,
-        capture=False,
-    )
-    assert graphs.bucket_for(len(prompt_lengths)) > len(prompt_lengths)  # padding rows run
-    padded = graphs.run(inputs)
+    graphs = _graphs_for(runner)
+    shape = graphs.shape_for(inputs)
+    assert shape.decode and shape.seqs > len(prompt_lengths)  # padding rows run
+    padded = graphs.run(inputs, shape)
     assert padded.shape == unpadded.shape
     assert torch.equal(padded, unpadded)
     assert torch.equal(runner.kv, kv_unpadded)  # padding wrote nothing
@@ -95,19 +127,10 @@ def test_a_smaller_step_after_a_larger_one_reads_no_stale_rows(tiny_models):
     step must not see them (each step rewrites its padding)."""
     engine = _decoding_engine(tiny_models["llama"], [3, 9, 17, 30, 41])
     runner = engine.runner
-    graphs = DecodeGraphs(
-        lambda ids, positions, meta, rows: runner.model.forward(
-            ids, positions, runner.kv_caches, meta, rows
-        ),
-        max_num_seqs=8,
-        max_blocks_per_seq=runner.max_blocks_per_seq,
-        block_size=runner.block_size,
-        device=runner.device,
-        capture=False,
-    )
+    graphs = _graphs_for(runner)
     inputs, _ = inputs_of(engine.scheduler.schedule())
     kv_before = runner.kv.clone()
-    graphs.run(inputs)  # five rows
+    graphs.run(inputs, graphs.shape_for(inputs))  # five rows
     runner.kv.copy_(kv_before)
     three = StepInputs(
         inputs.token_ids[:3], inputs.starts[:3], [1, 1, 1], inputs.tables[:3], [0, 1, 2]
@@ -115,18 +138,21 @@ def test_a_smaller_step_after_a_larger_one_reads_no_stale_rows(tiny_models):
     expected = runner.run_inputs(three).clone()
     kv_expected = runner.kv.clone()
     runner.kv.copy_(kv_before)
-    assert graphs.bucket_for(3) == 4  # row 3 held a real sequence in the step before
-    assert torch.equal(graphs.run(three), expected)
+    shape = graphs.shape_for(three)
+    assert shape.seqs == 4  # row 3 held a real sequence in the step before
+    assert torch.equal(graphs.run(three, shape), expected)
     assert torch.equal(runner.kv, kv_expected)
 
 
 def test_graphs_need_cuda():
     with pytest.raises(ValueError, match="CUDA"):
-        DecodeGraphs(
+        StepGraphs(
             lambda *a: None,
             max_num_seqs=4,
+            max_num_batched_tokens=64,
             max_blocks_per_seq=4,
             block_size=16,
+            vocab_size=32,
             device=torch.device("cpu"),
             capture=True,
         )
@@ -134,7 +160,7 @@ def test_graphs_need_cuda():
 
 def test_cpu_runner_runs_eagerly(tiny_models):
     engine = _decoding_engine(tiny_models["llama"], [5])
-    assert engine.runner.decode_graphs is None
+    assert engine.runner.step_graphs is None
     assert EngineConfig(model="x", enforce_eager=True).enforce_eager
 
 
@@ -142,6 +168,8 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph
 
 
 def _greedy_outputs(model: str, enforce_eager: bool) -> dict[str, list[int]]:
+    """Requests arrive over several steps and finish at different ones, so the steps walk
+    through mixed buckets (a prefill beside decodes) and down the decode buckets."""
     engine = LLMEngine(
         EngineConfig(
             model=model,
@@ -151,27 +179,28 @@ def _greedy_outputs(model: str, enforce_eager: bool) -> dict[str, list[int]]:
             block_size=16,
             num_kv_blocks=256,
             max_num_seqs=8,
+            max_num_batched_tokens=64,
             enforce_eager=enforce_eager,
         )
     )
-    assert (engine.runner.decode_graphs is None) == enforce_eager
-    for i, n in enumerate([5, 20, 37, 3, 50, 9]):
-        params = SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True)
-        engine.add_request(f"r{i}", [100 + (7 * i + j) % 900 for j in range(n)], params)
-    tokens = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.token_ids)
-    return tokens
+    assert (engine.runner.step_graphs is None) == enforce_eager
+    return staggered_run(engine, [5, 20, 37, 3, 50, 9, 70])
 
 
 @cuda_only
 def test_graph_replays_give_the_tokens_of_eager_steps_on_cuda(tiny_models):
-    """Requests finish at different steps, so the batch walks down through the buckets."""
     assert _greedy_outputs(tiny_models["llama"], False) == _greedy_outputs(
         tiny_models["llama"], True
     )
+
+
+def test_every_decode_of_a_run_gives_eager_bits(tiny_models):
+    """A whole run with staggered arrivals and finishes: each padded decode step against
+    the unpadded one (prefill steps run eagerly with ``mixed=False``)."""
+    engine = _decoding_engine(tiny_models["llama"], [])
+    shapes = check_every_step_against_eager(engine.runner, _graphs_for(engine.runner))
+    staggered_run(engine, [5, 20, 37, 3, 50, 9])
+    assert any(s is not None and s.decode and s.seqs > 1 for s in shapes)
 
 
 @cuda_only
@@ -183,28 +212,14 @@ def test_graph_replay_logits_are_the_eager_bits_on_cuda(tiny_models):
             dtype="bfloat16",
             deterministic=True,
             block_size=8,
-            num_kv_blocks=64,
+            num_kv_blocks=128,
             max_num_seqs=8,
-            max_num_batched_tokens=256,
+            max_num_batched_tokens=64,
         )
     )
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for i, n in enumerate([3, 9, 17, 30, 41]):
-        engine.add_request(f"r{i}", [100 + (7 * i + j) % 900 for j in range(n)], params)
-    for _ in range(3):
-        engine.step()
-    runner = engine.runner
-    graphs = runner.decode_graphs
+    graphs = engine.runner.step_graphs
     assert graphs is not None and graphs.captured
-    inputs, _ = inputs_of(engine.scheduler.schedule())
-    kv_before = runner.kv.clone()
-    replayed = runner.run_inputs(inputs).clone()
-    kv_replayed = runner.kv.clone()
-    runner.kv.copy_(kv_before)
-    runner.decode_graphs = None
-    try:
-        eager = runner.run_inputs(inputs)
-    finally:
-        runner.decode_graphs = graphs
-    assert torch.equal(replayed, eager)
-    assert torch.equal(runner.kv, kv_replayed)
+    shapes = check_every_step_against_eager(engine.runner, graphs)
+    staggered_run(engine, [5, 20, 37, 3, 50, 9, 70])
+    assert any(s is not None and not s.decode for s in shapes)
+    assert any(s is not None and s.decode for s in shapes)
