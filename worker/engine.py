@@ -58,7 +58,7 @@ DEAD_RANK_GRACE_S = 1.0
 saying a rank stopped answering without naming it."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepDelta:
     """What one step added to one sequence: its new token ids and the text they completed."""
 
@@ -126,6 +126,8 @@ class LLMEngine:
             )
         self.model_path = resolved.path
         self.tokenizer = load_tokenizer(config, model_path=resolved.path, chat_template=False)
+        if self.tokenizer.token_bytes is None:  # built now, not inside a request's first step
+            log.info("detokenizing by windows of decoded tokens (not a byte-level tokenizer)")
         simulated = config.engine == "sim"
         if simulated:
             spec = read_spec(resolved.path)

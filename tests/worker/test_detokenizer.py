@@ -1,15 +1,31 @@
-"""Incremental detokenisation: multi-byte characters and stop strings across tokens."""
+"""Incremental detokenisation: multi-byte characters and stop strings across tokens, by the
+byte-level table and by the window of decoded tokens, which must give the same text."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.tokenizer import IncrementalDetokenizer, Tokenizer, byte_level_table
+
+
+def _window_only(tokenizer: Tokenizer) -> Tokenizer:
+    tokenizer.__dict__["token_bytes"] = None  # as for a tokenizer that is not byte-level
+    return tokenizer
+
+
+@pytest.fixture(scope="module", params=["byte_level", "window"])
+def tok(smollm2_path, request):
+    tokenizer = Tokenizer(smollm2_path)
+    return _window_only(tokenizer) if request.param == "window" else tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_path):
-    return Tokenizer(smollm2_path)
+def byte_level_tok(smollm2_path):
+    tokenizer = Tokenizer(smollm2_path)
+    assert tokenizer.token_bytes is not None  # SmolLM2's decoder is ByteLevel alone
+    return tokenizer
 
 
 def stream(tok, text, stop=()):
@@ -53,3 +69,51 @@ def test_decode_equals_transformers_decode(tok, test_seed):
         rng.shuffle(ids)
         for skip in (True, False):
             assert tok.decode(ids, skip) == tok._tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_level_text_is_the_rust_decoders_at_every_token(byte_level_tok, test_seed):
+    """Any ids, special tokens among them: after each token the text, plus what is held back
+    (text ending in U+FFFD, an incomplete character's bytes), is exactly what the Rust
+    tokenizer decodes from all the ids so far."""
+    tok = byte_level_tok
+    rng = random.Random(test_seed)
+    specials = sorted(tok.special_token_ids)
+    for _ in range(150):
+        ids = [
+            rng.randrange(tok.vocab_size) if rng.random() < 0.8 else rng.choice(specials)
+            for _ in range(rng.randrange(1, 24))
+        ]
+        for skip in (True, False):
+            d = IncrementalDetokenizer(tok, [1, 2], [], skip_special_tokens=skip)
+            for k, token in enumerate(ids):
+                d.add_token(token)
+                incomplete = "\ufffd" if d._utf8.getstate()[0] else ""
+                assert d.text + d._pending + incomplete == tok.decode(ids[: k + 1], skip)
+
+
+def test_byte_level_streams_what_the_window_streams(smollm2_path, byte_level_tok):
+    """Real text in many scripts: the window's text is always a prefix of the byte-level
+    text (which may show a space before the window does, when the token that carries it
+    also starts a character), and both end on the whole text."""
+    window = _window_only(Tokenizer(smollm2_path))
+    text = (
+        "Héllo wörld! 你好，世界 🙂🚀 naïve café — “quotes”\n\tdef f(x):\n  return x**2\n"
+        "Ελληνικά русский עברית العربية हिन्दी 日本語のテキスト 🧑‍🚀"
+    )
+    ids = byte_level_tok.encode(text)
+    fast = IncrementalDetokenizer(byte_level_tok, [], [])
+    slow = IncrementalDetokenizer(window, [], [])
+    for token in ids:
+        fast.add_token(token)
+        slow.add_token(token)
+        assert fast.text.startswith(slow.text)
+    assert fast.text == slow.text == text
+
+
+def test_other_decoders_take_the_window():
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models
+
+    wordpiece = RustTokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    assert byte_level_table(wordpiece) is None
