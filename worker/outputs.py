@@ -29,7 +29,7 @@ class EngineDeadError(RuntimeError):
     """The engine loop has died; every pending request fails with this."""
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
@@ -39,7 +39,7 @@ class TokenLogprob:
     """1 + how many tokens are more likely than this one; filled for prompt logprobs only."""
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -56,7 +56,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

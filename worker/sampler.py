@@ -27,7 +27,7 @@ from worker.request import Request
 _NEG_INF = float("-inf")
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleResult:
     token_id: int
     logprob: TokenLogprob | None
