@@ -27,7 +27,9 @@ registered where the loader keeps the bundled model's conversion, so ``smollm2``
 tests' fixtures resolve to it. Speeds are the real model's; text is not.
 
 ``--dry-run`` runs every phase on the CPU with tiny shapes and no graphs: the script's own
-code, checked without a GPU. Writes ``gpu_check.json`` into ``--out-dir`` and prints a table.
+code, checked without a GPU. Writes ``gpu_check.json`` and ``gpu_check.png`` (decode step
+time against batch) into ``--out-dir`` and prints a table; ``--plot FILE`` draws a saved
+result file.
 """
 
 from __future__ import annotations
@@ -480,6 +482,52 @@ def summary_lines(result: dict) -> list[str]:
     return lines
 
 
+def plot_steps(result: dict, path: Path) -> None:
+    """Decode step time against batch size, one panel per model: eager and graphs,
+    deterministic and fast, with the time one read of the weights takes at the measured
+    copy bandwidth (the floor a decode step cannot beat)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result.get("decode_steps", [])
+    models = list(dict.fromkeys(r["model"] for r in steps))
+    if not models:
+        return
+    copy = result["machine"]["copy_bytes_per_s"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        rows = [r for r in steps if r["model"] == model]
+        for mode, det, style in (
+            ("eager", True, "o--"),
+            ("eager", False, "s--"),
+            ("graphs", True, "o-"),
+            ("graphs", False, "s-"),
+        ):
+            line = [r for r in rows if r["mode"] == mode and r["deterministic"] == det]
+            if line:
+                label = f"{mode}, {'deterministic' if det else 'fast'}"
+                ax.plot(
+                    [r["batch"] for r in line], [r["step_ms"] for r in line], style, label=label
+                )
+        floor_ms = rows[0]["weight_bytes"] / copy * 1000
+        ax.axhline(
+            floor_ms, color="gray", linestyle=":", label=f"weights read once ({floor_ms:.2f} ms)"
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("decode batch (sequences)")
+        ax.set_ylabel("ms per decode step (host + GPU)")
+        ax.set_title(f"{model}, context {rows[0]['context_tokens']} tokens")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Decode step on {result['machine'].get('device', '?')}: eager vs CUDA graphs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -504,9 +552,16 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-engine", action="store_true", help="also profile the engine workload's host"
     )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no graphs")
+    ap.add_argument(
+        "--plot", type=Path, metavar="JSON", help="draw a result file's decode steps and stop"
+    )
     args = ap.parse_args(argv)
     if args.export_tokenizer:
         export_tokenizer(args.export_tokenizer)
+        return 0
+    if args.plot:
+        plot_steps(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        log(f"wrote {args.plot.with_suffix('.png')}")
         return 0
     if args.tokenizer_dir is None:
         ap.error("--tokenizer-dir is required (make one with --export-tokenizer DIR)")
@@ -565,6 +620,10 @@ def main(argv: list[str] | None = None) -> int:
     if stand_in and args.profile_engine:
         phase("engine_profile", lambda: engine_profile(stand_in["folder"], args.out_dir))
     out_path.write_text(json.dumps(result, indent=2))
+    try:
+        plot_steps(result, out_path.with_suffix(".png"))
+    except ImportError:
+        log("no matplotlib here: no plot (python -m bench.gpu_check --plot FILE draws it)")
     print("\n".join(summary_lines(result)), flush=True)
     print(f"wrote {out_path}", flush=True)
     return 1 if result["errors"] else 0
