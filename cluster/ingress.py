@@ -389,10 +389,8 @@ class Ingress:
         )
         return await self._respond(body, builder, opened, arrival_s)
 
-    @app.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        self._authorize(request)
-        card = {
+    def _model_card(self) -> dict:
+        return {
             "id": self.served_name,
             "object": "model",
             "created": 0,
@@ -400,7 +398,20 @@ class Ingress:
             "root": self.model_id,
             "max_model_len": self.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> dict:
+        """One model's card (``client.models.retrieve``): the served name or any name the
+        server accepts for it; anything else is a 404 ``model_not_found``."""
+        self._authorize(request)
+        if model_id not in self.accepted_names:
+            raise errors.model_not_found(model_id)
+        return self._model_card()
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> dict:

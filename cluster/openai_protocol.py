@@ -20,7 +20,16 @@ import threading
 from collections import Counter
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from cluster.errors import APIError, bad_request, from_validation_error, from_value_error
 from worker.generation_defaults import apply_defaults
@@ -173,6 +182,23 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A content part the served model cannot read (``image_url``, ``input_audio``, ...)
+        is named in the 400, rather than failing as "not a valid string"."""
+        if isinstance(value, list):
+            for index, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise PydanticCustomError(
+                        "unsupported_content_part",
+                        "content part {index} is of type '{kind}': the served model takes "
+                        "text only (parts of type 'text')",
+                        {"index": index, "kind": kind},
+                    )
+        return value
 
     def as_template_dict(self) -> dict:
         content = self.content

@@ -183,9 +183,12 @@ class ResponseBuilder:
             return None
         tokens, token_logprobs, top_logprobs = [], [], []
         for token_id, logprob, top in entries:
-            tokens.append(self.token_to_str(token_id))
+            token = self.token_to_str(token_id)
+            alternatives = {self.token_to_str(tid): lp for tid, lp in top}
+            alternatives.setdefault(token, logprob)  # the sampled token too, as OpenAI and vLLM
+            tokens.append(token)
             token_logprobs.append(logprob)
-            top_logprobs.append({self.token_to_str(tid): lp for tid, lp in top} or None)
+            top_logprobs.append(alternatives)
         return _text_logprobs(tokens, token_logprobs, top_logprobs, start_offset)
 
     def _echo_logprobs(self, prompt_index: int) -> dict:

@@ -116,6 +116,21 @@ BAD_CHAT_BODIES = [
     (chat(messages=[{"role": None, "content": "x"}]), "messages", "role"),
     (chat(stream_options={"include_usage": True}), "stream_options", "stream"),
     (chat(cache_salt=""), "cache_salt", "non-empty"),
+    (
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                    ],
+                }
+            ]
+        ),
+        "messages",
+        "content part 1 is of type 'image_url': the served model takes text only",
+    ),
 ]
 
 

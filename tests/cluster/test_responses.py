@@ -106,6 +106,16 @@ def test_logprobs_shapes_for_chat_and_completions():
     assert choice["logprobs"]["text_offset"] == [0]
 
 
+def test_completion_top_logprobs_hold_the_sampled_token_too():
+    """A sampled token outside the top ``logprobs`` still appears in its position's
+    top_logprobs (up to logprobs + 1 entries), as OpenAI's and vLLM's legacy completions."""
+    entries = [[9, -4.0, [[7, -0.5], [8, -1.5]]], [7, -0.5, [[7, -0.5], [8, -1.5]]]]
+    completion = builder(chat=False, want_logprobs=True, request_id="cmpl-1")
+    completion.add(0, output(0, "xy", [9, 7], finish="stop", text="xy", logprobs=entries))
+    top = completion.full_response()["choices"][0]["logprobs"]["top_logprobs"]
+    assert top == [{"<7>": -0.5, "<8>": -1.5, "<9>": -4.0}, {"<7>": -0.5, "<8>": -1.5}]
+
+
 def test_batched_completion_choices_are_numbered_by_prompt():
     b = builder(chat=False, n=2, num_prompts=2)
     b.add(1, output(1, "q", [5], finish="stop", text="q"))

@@ -170,6 +170,15 @@ def test_repeated_prefix_reports_cached_tokens(client, model):
     assert cached_on_repeat and all(c >= 16 for c in cached_on_repeat), cached_on_repeat
 
 
+def test_models_retrieve_gives_the_card_or_404(client, model):
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    assert [m.id for m in client.models.list().data] == [model]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found"
+
+
 def test_models_tokenize_detokenize_health_metrics(tiny_server, model):
     headers = tiny_server.headers
     ids = httpx.post(
