@@ -74,6 +74,12 @@ FLAGS = [
         "model",
     ),
     (
+        "--strict-json-schema", "cluster", "strict_json_schema", None,
+        "JSON schemas (response_format, tool parameters) allow no property they do not list "
+        "unless they say otherwise (additionalProperties); --no-strict-json-schema allows them.",
+        "model",
+    ),
+    (
         "--tool-call-parser", "cluster", "tool_call_parser", str,
         "How output becomes tool_calls: hermes (Hermes, Qwen) or llama3_json (default: hermes for "
         "'required' and named choice; no 'auto').",

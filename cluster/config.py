@@ -124,6 +124,11 @@ class ClusterConfig:
     enable_auto_tool_choice: bool = False
     """Allow ``tool_choice: "auto"`` (the default when a request has tools), as vLLM's flag;
     needs ``tool_call_parser``. ``required`` and a named function work without it."""
+    strict_json_schema: bool = True
+    """JSON schemas of ``response_format``, ``structured_outputs``/``guided_json`` and tool
+    parameters allow no property they do not list unless they say otherwise
+    (``additionalProperties``), as OpenAI's strict mode and vLLM do; False keeps plain JSON
+    Schema semantics, where an unlisted key is allowed."""
     tool_call_parser: str | None = None
     """How model output becomes ``tool_calls`` (vLLM's names): ``hermes`` or ``llama3_json``.
     None: ``hermes`` for ``required``/named choice, and no ``auto``."""

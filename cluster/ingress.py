@@ -296,13 +296,14 @@ class Ingress:
         arrival_s = time.monotonic()
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        body.sampling_params()  # range checks before any tokenizing
+        body.sampling_params(strict_json_schema=self.cluster.strict_json_schema)  # range checks
         tool_plan = plan_tool_calls(
             body.tool_definitions(),
             body.tool_choice_value(),
             body.parallel_tool_calls,
             parser=self.cluster.tool_call_parser,
             enable_auto_tool_choice=self.cluster.enable_auto_tool_choice,
+            strict_json_schema=self.cluster.strict_json_schema,
         )
         messages, tools = template_inputs(
             body.template_messages(), tool_plan, self.template_renders_tools
@@ -323,7 +324,12 @@ class Ingress:
         if body.requested_max_tokens() is None and "max_tokens" in self.generation_defaults:
             max_tokens = min(max_tokens, self.generation_defaults["max_tokens"])  # max_new_tokens
         params = apply_tool_plan(
-            body.sampling_params(max_tokens, self.generation_defaults), tool_plan
+            body.sampling_params(
+                max_tokens,
+                self.generation_defaults,
+                strict_json_schema=self.cluster.strict_json_schema,
+            ),
+            tool_plan,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         opened = await self.engines.open_all(request_id, [prompt_ids], [params], body.cache_salt)
@@ -349,7 +355,7 @@ class Ingress:
         arrival_s = time.monotonic()
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
-        body.sampling_params()
+        body.sampling_params(strict_json_schema=self.cluster.strict_json_schema)
         prompts, texts = [], []
         for prompt in body.prompts():
             if isinstance(prompt, str):
@@ -368,7 +374,13 @@ class Ingress:
                 prompt_param="prompt",
                 tokens_param="max_tokens",
             )
-            params.append(body.sampling_params(max_tokens, self.generation_defaults))
+            params.append(
+                body.sampling_params(
+                    max_tokens,
+                    self.generation_defaults,
+                    strict_json_schema=self.cluster.strict_json_schema,
+                )
+            )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         opened = await self.engines.open_all(request_id, prompts, params, body.cache_salt)
         builder = ResponseBuilder(

@@ -285,11 +285,16 @@ class _SamplingRequest(_Strict):
             raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
 
     def sampling_params(
-        self, max_tokens: int | None = None, model_defaults: dict[str, float | int] | None = None
+        self,
+        max_tokens: int | None = None,
+        model_defaults: dict[str, float | int] | None = None,
+        *,
+        strict_json_schema: bool = True,
     ) -> SamplingParams:
         """SamplingParams for this request; ``max_tokens`` overrides the requested value.
         ``model_defaults`` (``worker.generation_defaults``) fill sampling fields the request left
-        unset or null: the request's value, else the model's default, else ours."""
+        unset or null: the request's value, else the model's default, else ours.
+        ``strict_json_schema``: the server's ``ClusterConfig.strict_json_schema``."""
         self.check_unsupported()
         options = {
             "temperature": self.temperature,
@@ -315,7 +320,7 @@ class _SamplingRequest(_Strict):
                 logit_bias=self.engine_logit_bias(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
-                structured_output=self.engine_structured_output(),
+                structured_output=self.engine_structured_output(strict_json_schema),
                 **kwargs,
             )
         except ValueError as exc:
@@ -324,13 +329,16 @@ class _SamplingRequest(_Strict):
     def engine_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
-    def engine_structured_output(self) -> StructuredOutputSpec | None:
+    def engine_structured_output(
+        self, strict_json_schema: bool = True
+    ) -> StructuredOutputSpec | None:
         """The constraint ``response_format``/``structured_outputs``/``guided_*`` ask for (at most
         one), checked to compile: a 400 naming the field otherwise."""
         try:
             return spec_from_request(
                 response_format=self.response_format,
                 structured_outputs=self.structured_outputs,
+                strict_properties=strict_json_schema,
                 guided_json=self.guided_json,
                 guided_regex=self.guided_regex,
                 guided_choice=self.guided_choice,

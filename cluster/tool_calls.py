@@ -36,7 +36,11 @@ from dataclasses import dataclass
 from cluster.errors import bad_request
 from cluster.tool_parsers import TOOL_CALL_STREAMS, ToolCallStream
 from worker.sampling_params import SamplingParams
-from worker.structured_output import StructuredOutputSpec, check_spec
+from worker.structured_output import (
+    StructuredOutputSpec,
+    check_spec,
+    forbid_unlisted_properties,
+)
 
 TOOL_CALL_PARSERS = tuple(TOOL_CALL_STREAMS)
 DEFAULT_TOOL_FORMAT = "hermes"
@@ -81,14 +85,16 @@ class ToolFormat:
             f"<tools>\n{listing}\n</tools>\n{how}\n{example}"
         )
 
-    def grammar(self, functions: list[dict], *, many: bool) -> str:
-        """A Lark grammar (llguidance's dialect) whose every sentence is a valid call list."""
+    def grammar(self, functions: list[dict], *, many: bool, strict: bool = True) -> str:
+        """A Lark grammar (llguidance's dialect) whose every sentence is a valid call list;
+        ``strict``: arguments carry no key their parameters do not list, unless the schema
+        says otherwise (``forbid_unlisted_properties``)."""
         alternatives = [
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": f["name"]},
-                    self.arguments_key: _parameters_schema(f),
+                    self.arguments_key: _parameters_schema(f, strict),
                 },
                 "required": ["name", self.arguments_key],
                 "additionalProperties": False,
@@ -115,11 +121,11 @@ TOOL_FORMATS = {
 assert set(TOOL_FORMATS) == set(TOOL_CALL_STREAMS)
 
 
-def _parameters_schema(function: dict) -> dict:
+def _parameters_schema(function: dict, strict: bool) -> dict:
     parameters = function.get("parameters")
     if not parameters:
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    return parameters
+    return forbid_unlisted_properties(parameters) if strict else parameters
 
 
 @dataclass(frozen=True)
@@ -152,8 +158,10 @@ def plan_tool_calls(
     *,
     parser: str | None,
     enable_auto_tool_choice: bool,
+    strict_json_schema: bool = True,
 ) -> ToolPlan | None:
-    """The request's ``ToolPlan``; raises ``APIError`` (400) naming the field."""
+    """The request's ``ToolPlan``; raises ``APIError`` (400) naming the field.
+    ``strict_json_schema``: the server's ``ClusterConfig.strict_json_schema``."""
     if isinstance(tool_choice, dict):
         named = tool_choice.get("function", {}).get("name")
         mode = "named"
@@ -184,7 +192,9 @@ def plan_tool_calls(
         functions_for_grammar, max_calls = functions, None if parallel else 1
     spec = None
     if mode != "auto":
-        grammar = fmt.grammar(functions_for_grammar, many=max_calls is None)
+        grammar = fmt.grammar(
+            functions_for_grammar, many=max_calls is None, strict=strict_json_schema
+        )
         try:
             spec = StructuredOutputSpec(grammar=grammar, field_name="tools")
             check_spec(spec)  # a schema the grammar library rejects: 400 here, not in the engine

@@ -80,6 +80,10 @@ class StructuredOutputSpec:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     field_name: str = field(default="structured_outputs", compare=False)
+    strict_properties: bool = True
+    """``json_schema``: an object schema that lists ``properties`` and says nothing about
+    others allows no others (``forbid_unlisted_properties``), as OpenAI's strict mode and
+    vLLM's default do; False keeps plain JSON Schema semantics (any extra key allowed)."""
 
     def __post_init__(self) -> None:
         name = self.field_name
@@ -136,10 +140,7 @@ class StructuredOutputSpec:
         """A canonical string naming the constraint: the compile cache's key."""
         kind = self.kind
         if kind == "json_schema":
-            schema = self.json_schema
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            value = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            value = json.dumps(self.schema_to_compile(), sort_keys=True, separators=(",", ":"))
         elif kind == "json_object":
             value = ""
         elif kind == "choice":
@@ -148,6 +149,52 @@ class StructuredOutputSpec:
             value = getattr(self, kind)
         return f"{kind}:{value}"
 
+    def schema_to_compile(self) -> dict | bool:
+        """The ``json_schema`` as a dict, unlisted properties forbidden if ``strict_properties``."""
+        schema = self.json_schema
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        return forbid_unlisted_properties(schema) if self.strict_properties else schema
+
+
+def forbid_unlisted_properties(schema):
+    """A copy of ``schema`` in which every object schema that lists ``properties`` and says
+    nothing of other keys (no ``additionalProperties``, ``patternProperties`` or
+    ``unevaluatedProperties``) gets ``additionalProperties: false``, at any depth
+    (``properties``, ``items``, ``$defs``, ``anyOf``...). The direct members of an ``allOf``
+    keep their own rule: each lists only its share of the keys the whole allows."""
+    return _forbid(schema, in_all_of=False)
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def _forbid(schema, in_all_of: bool):
+    if isinstance(schema, list):
+        return [_forbid(s, False) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _forbid(sub, False) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_forbid(sub, False) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = _forbid(out[key], False)
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_forbid(sub, True) for sub in out["allOf"]]
+    says_nothing = not any(
+        k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    )
+    if isinstance(out.get("properties"), dict) and says_nothing and not in_all_of:
+        out["additionalProperties"] = False
+    return out
+
 
 def grammar_text(spec: StructuredOutputSpec) -> str:
     """The spec as an llguidance grammar (not yet checked: ``check_spec`` does that)."""
@@ -155,7 +202,7 @@ def grammar_text(spec: StructuredOutputSpec) -> str:
 
     kind = spec.kind
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(spec.json_schema, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(spec.schema_to_compile(), defaults=JSON_OPTIONS)
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":
@@ -222,7 +269,11 @@ STRUCTURED_OUTPUTS_KEYS = {
 
 
 def spec_from_request(
-    *, response_format: dict | None = None, structured_outputs: dict | None = None, **guided
+    *,
+    response_format: dict | None = None,
+    structured_outputs: dict | None = None,
+    strict_properties: bool = True,
+    **guided,
 ) -> StructuredOutputSpec | None:
     """The ``StructuredOutputSpec`` an OpenAI/vLLM request's fields ask for, or None.
 
@@ -230,7 +281,8 @@ def spec_from_request(
     ``json_schema.schema``), ``structured_outputs`` vLLM's object, ``guided`` vLLM's
     ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar`` (None when unset).
     At most one of them may constrain a request. Raises ``SpecError`` naming the field,
-    after checking that the constraint compiles (``check_spec``).
+    after checking that the constraint compiles (``check_spec``). ``strict_properties``: see
+    ``StructuredOutputSpec``.
     """
     found: list[tuple[str, dict]] = []
     if response_format is not None:
@@ -285,7 +337,7 @@ def spec_from_request(
     if "json_object" in kwargs:
         kwargs["json_object"] = kwargs["json_object"] is True
     try:
-        spec = StructuredOutputSpec(field_name=name, **kwargs)
+        spec = StructuredOutputSpec(field_name=name, strict_properties=strict_properties, **kwargs)
         check_spec(spec)
     except ValueError as e:
         raise SpecError(name, str(e)) from None

@@ -312,6 +312,48 @@ def test_forced_calls_grammar_admits_only_valid_calls(
             jsonschema.validate(arguments, schemas[call.name] or {"maxProperties": 0})
 
 
+LOOSE = {  # pydantic's model_json_schema() leaves additionalProperties out, as here
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        },
+    },
+}
+
+
+def test_strict_tool_arguments_carry_only_listed_keys(hf_tokenizer, ll_tokenizer, test_seed):
+    """Parameters that say nothing of other keys get none (the server's default,
+    ``--strict-json-schema``): uniformly random tokens under the grammar's mask never add
+    one, while ``--no-strict-json-schema`` leaves the schema as written."""
+    import llguidance
+
+    strict = plan([LOOSE], "required", parser="hermes")
+    loose = plan_tool_calls(
+        [LOOSE],
+        "required",
+        None,
+        parser="hermes",
+        enable_auto_tool_choice=False,
+        strict_json_schema=False,
+    )
+    assert strict.structured_output.key != loose.structured_output.key
+    grammar = llguidance.LLMatcher.grammar_from_lark(strict.structured_output.grammar)
+
+    def factory():
+        return llguidance.LLMatcher(ll_tokenizer, grammar), ll_tokenizer
+
+    closed = {**LOOSE["function"]["parameters"], "additionalProperties": False}
+    rng = random.Random(test_seed)
+    for _ in range(6):
+        text = _random_walk(factory, hf_tokenizer, rng, max_tokens=400)
+        _, calls = strict.new_stream().parse(text)
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), closed)
+
+
 def test_response_builder_streams_calls_and_reports_tool_calls(test_seed):
     rng = random.Random(test_seed)
     tool_plan = plan([WEATHER, TIME], "required")
