@@ -58,6 +58,7 @@ from cluster.request_router import router_metrics_snapshot
 from cluster.responses import ResponseBuilder
 from cluster.serve_compat import own_address
 from cluster.tool_calls import (
+    ToolPlan,
     apply_tool_plan,
     plan_tool_calls,
     template_inputs,
@@ -193,6 +194,28 @@ class Ingress:
                 raise errors.body_too_large(limit)
         return parse_body(model_cls, bytes(body))
 
+    def _tool_plan(self, body: ChatCompletionRequest | TokenizeRequest) -> ToolPlan | None:
+        return plan_tool_calls(
+            body.tool_definitions(),
+            body.tool_choice_value(),
+            body.parallel_tool_calls,
+            parser=self.cluster.tool_call_parser,
+            enable_auto_tool_choice=self.cluster.enable_auto_tool_choice,
+            strict_json_schema=self.cluster.strict_json_schema,
+        )
+
+    async def _chat_prompt_ids(
+        self, body: ChatCompletionRequest | TokenizeRequest, tool_plan: ToolPlan | None
+    ) -> list[int]:
+        """A conversation's prompt tokens: the messages (and the tools, rendered by the
+        template or written into the messages) through the chat template."""
+        messages, tools = template_inputs(
+            body.template_messages(), tool_plan, self.template_renders_tools
+        )
+        return await self._apply_template(
+            messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+        )
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_names:
             raise errors.model_not_found(model)
@@ -297,20 +320,8 @@ class Ingress:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         body.sampling_params(strict_json_schema=self.cluster.strict_json_schema)  # range checks
-        tool_plan = plan_tool_calls(
-            body.tool_definitions(),
-            body.tool_choice_value(),
-            body.parallel_tool_calls,
-            parser=self.cluster.tool_call_parser,
-            enable_auto_tool_choice=self.cluster.enable_auto_tool_choice,
-            strict_json_schema=self.cluster.strict_json_schema,
-        )
-        messages, tools = template_inputs(
-            body.template_messages(), tool_plan, self.template_renders_tools
-        )
-        prompt_ids = await self._apply_template(
-            messages, body.add_generation_prompt, tools, body.chat_template_kwargs
-        )
+        tool_plan = self._tool_plan(body)
+        prompt_ids = await self._chat_prompt_ids(body, tool_plan)
         tokens_param = (
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         )
@@ -431,10 +442,7 @@ class Ingress:
         self._check_model(body.model)
         body.check()
         if body.messages is not None:
-            messages = [message.as_template_dict() for message in body.messages]
-            token_ids = await self._apply_template(
-                messages, body.add_generation_prompt, None, body.chat_template_kwargs
-            )
+            token_ids = await self._chat_prompt_ids(body, self._tool_plan(body))
         else:
             token_ids = await self._encode(body.prompt, body.add_special_tokens)
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": self.max_model_len}

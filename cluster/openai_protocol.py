@@ -355,11 +355,10 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: Int | None = None
-    logprobs: bool = False
-    top_logprobs: Int | None = None
+class _ChatPromptFields(BaseModel):
+    """What decides a conversation's prompt tokens: the chat request's and ``/tokenize``'s
+    chat form share these, so both count the same tokens."""
+
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (Qwen3's ``enable_thinking``), as in vLLM."""
@@ -367,6 +366,25 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """None: ``auto`` when tools are given, else ``none`` (see ``cluster/tool_calls.py``)."""
     parallel_tool_calls: bool | None = None
+
+    def template_messages(self) -> list[dict]:
+        return [message.as_template_dict() for message in self.messages]
+
+    def tool_definitions(self) -> list[dict] | None:
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+
+class ChatCompletionRequest(_ChatPromptFields, _SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: Int | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -390,18 +408,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
         return renamed
-
-    def template_messages(self) -> list[dict]:
-        return [message.as_template_dict() for message in self.messages]
-
-    def tool_definitions(self) -> list[dict] | None:
-        if not self.tools:
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
-
-    def tool_choice_value(self) -> str | dict | None:
-        choice = self.tool_choice
-        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 class CompletionRequest(_SamplingRequest):
@@ -447,14 +453,15 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatPromptFields, _Strict):
+    """vLLM's two forms: ``prompt``, or ``messages`` with the chat request's prompt fields
+    (``tools`` included), which count the tokens a chat request's ``prompt_tokens`` does."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False
     """Add the tokenizer's special tokens (BOS) to ``prompt``, as ``/v1/completions`` does not."""
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

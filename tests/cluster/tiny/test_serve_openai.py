@@ -192,6 +192,37 @@ def test_a_schema_without_additional_properties_gets_only_its_keys(client, model
             assert set(json.loads(choice.message.content)) <= {"name", "age"}
 
 
+def test_tokenize_counts_what_a_chat_request_with_tools_counts(tiny_server, client, model):
+    """vLLM's chat form of /tokenize: messages with tools, tool_choice and the template's
+    arguments give the chat request's prompt_tokens."""
+    messages = [{"role": "user", "content": "What is the weather in Rome?"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    response = client.chat.completions.create(
+        model=model, messages=messages, tools=tools, tool_choice="required", max_tokens=1
+    )
+    counted = httpx.post(
+        f"{tiny_server.url}/tokenize",
+        json={"model": model, "messages": messages, "tools": tools, "tool_choice": "required"},
+        headers=tiny_server.headers,
+    ).json()
+    assert counted["count"] == response.usage.prompt_tokens
+    plain = httpx.post(
+        f"{tiny_server.url}/tokenize",
+        json={"model": model, "messages": messages},
+        headers=tiny_server.headers,
+    ).json()
+    assert plain["count"] < counted["count"]  # the tools are part of the prompt
+
+
 def test_models_retrieve_gives_the_card_or_404(client, model):
     card = client.models.retrieve(model)
     assert card.id == model and card.object == "model"
