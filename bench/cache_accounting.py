@@ -1,6 +1,6 @@
 """Where a real cluster's prefix-cache hits went: the oracle, the placement, the engines.
 
-Owns the cache accounting of ``bench/serve_compare.py`` (issue 19), from the requests' token
+Owns the cache accounting of ``bench/serve_compare.py``, from the requests' token
 ids in the order they were sent:
 - ``oracle_cached_tokens``: what an ideal cluster serves from cache, each distinct prefix
   block prefilled once per cluster (infinite cache, any placement).

@@ -1,6 +1,6 @@
 """Offline engine benchmark: shared system prompts, ours (deterministic and fast) vs transformers.
 
-Workload (issue 2): 64 requests, 4 system prompts of 300-500 tokens, a distinct question
+Workload: 64 requests, 4 system prompts of 300-500 tokens, a distinct question
 each, 64 greedy output tokens (EOS ignored so every system does the same work). All requests
 are submitted at t=0. Each system runs in its own fresh Python process. Reported per
 system: output tokens/s, total time, TTFT mean/p50/p99.

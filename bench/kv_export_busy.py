@@ -1,4 +1,4 @@
-"""How long a busy replica takes to answer a peer's KV export (issue 19, the served pull).
+"""How long a busy replica takes to answer a peer's KV export (the served pull).
 
 A pull's first half is the holder's answer. The holder is the replica the router avoided
 because it is busy, and its engine steps for up to seconds on a CPU (a 512-token prefill

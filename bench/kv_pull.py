@@ -1,4 +1,4 @@
-"""What pulling a prefix's KV from a peer replica costs against prefilling it (issue 19).
+"""What pulling a prefix's KV from a peer replica costs against prefilling it.
 
 Two engines in this process stand for two replicas. Engine A prefills a fresh prefix (timed:
 the prefill a pull would save); then the engine-side pull is timed step by step: A's

@@ -1,6 +1,6 @@
 """Served TTFT when a prefix's holder is busy, or a burst wants the prefix: KV pulls on vs off.
 
-Issue 19's question in the live path: when the replica holding a prefix is busy, what does
+The question in the live path: when the replica holding a prefix is busy, what does
 ``--kv-pull-tokens-per-s`` change for the next request with that prefix? With pulls on, the
 router sends it to the idle replica, which pulls the prefix and prefills only the rest; with
 pulls off, it either queues behind the holder's decode (a hit) or prefills the whole prompt

@@ -1,4 +1,4 @@
-"""Real-cluster comparison of routing policies (issue 19): prefix vs round robin vs least loaded.
+"""Real-cluster comparison of routing policies: prefix vs round robin vs least loaded.
 
     python bench/serve_compare.py                     # the issue's run: see below
     python bench/serve_compare.py --quick             # smoke: 2 replicas, prefix vs round robin
@@ -21,8 +21,8 @@ Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurren
   replicas hold 640 blocks and 3 hold 960, room for every prefix once plus 8 running requests.
   The run records the real counts (``distinct_prefix_blocks``) and warns when one replica could
   hold them all. The first request of each group is cold under every policy, 1 in 12 here:
-  at 4 per group (the default until 2026-11-26) a quarter of the requests were, so every
-  policy's p90 TTFT was at least one cold prefill's time and the best policies tied there
+  at 4 per group a quarter of the requests would be, so every policy's p90 TTFT would be at
+  least one cold prefill's time and the best policies would tie there
   (``cold_requests``; the run warns, and the report says so, when more than a tenth are cold).
   The closed loop starts with ``--concurrency`` cold requests at once, whose queue sets the top
   few TTFTs under any policy (at c=8 on 2 replicas, 6 of them are 3 s or more): the p99 of 192
@@ -75,8 +75,9 @@ from bench.cache_accounting import (
     distinct_prefix_blocks,
     oracle_cached_tokens,
 )
-from bench.cluster_process import free_port, stop_server, wait_healthy
+from bench.cluster_process import stop_server, wait_healthy
 from bench.loadgen import cli as loadgen_cli
+from bench.serve.processes import free_port
 from bench.serve_compare_report import (
     arrivals_during_prefill,
     busy_fractions,

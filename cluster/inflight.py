@@ -11,9 +11,8 @@ Serve registers the completion callback before it awaits the replica's acceptanc
 request can be completed *before* it is confirmed. The ledger remembers which replica each
 completed key finished on for ``COMPLETED_MEMORY_S`` and ignores a confirmation on that replica
 that comes after; without that the late confirmation re-created an entry nothing would ever
-remove, and a replica looked busier forever (prefix routing then sent repeats elsewhere; seen
-once in a CI run of ``tests/cluster/test_prefix_routing.py`` and once in a local run of that
-module). A completion removes an entry only on the replica it names: the completion of an
+remove, and a replica would look busier forever (prefix routing then sends repeats
+elsewhere). A completion removes an entry only on the replica it names: the completion of an
 attempt the replica rejected can arrive after the retry was decided elsewhere, and must not
 take the retry's entry. What it cannot tell apart: a retry decided for the very replica that
 rejected the first attempt, whose rejection completes after the retry's decision, is not counted.
@@ -21,9 +20,8 @@ rejected the first attempt, whose rejection completes after the retry's decision
 Each entry carries the prompt tokens the request will prefill on its replica (the prompt less
 the blocks the router matched there), so the policy prices the requests the replica's routing
 stats do not show yet (they arrive once a second) with the prefill they queued, not as one
-decode step each: without that, a burst of cold prompts all went to the replica whose
-measured prefill rate was highest until the load bound stopped it (7 of 8 on one of three
-replicas in a real run, issue 19).
+decode step each: without that, a burst of cold prompts all goes to the replica whose
+measured prefill rate is highest until the load bound stops it.
 
 Each entry also says whether the request is still waiting for its first output: the ingress's
 ``EngineClient`` reports that output (``first_output_arrived``, keyed by the internal request
@@ -31,8 +29,9 @@ id it gave the call) to every ledger in its process, and the one holding the key
 A replica's in-flight requests that have not produced a token yet are its prefill queue *now*
 (the stats are up to a period old); the policy prices that queue once a ledger has seen
 marks (``marks_first_outputs``): callers that never report first outputs (a bare handle) keep
-the stats-based estimate. Why it matters: at concurrency 8 on 2 replicas, a warm request's
-TTFT was set by whether its replica was prefilling another request when it arrived (issue 19).
+the stats-based estimate. Why it matters: under a closed loop of a few requests per
+replica, a warm request's TTFT is set by whether its replica is prefilling another request
+when it arrives.
 
 Thread-safe (one lock; Serve calls the router from its event loop and routing threads).
 """

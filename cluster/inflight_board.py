@@ -5,7 +5,7 @@ router (``cluster.request_router``), and each counts only the requests *it* sent
 replicas' routing stats (reported about once a second) do not show yet
 (``cluster.inflight``). Two routers deciding within that second each see a replica as idle
 and both send to it: with two ingress replicas and three engine replicas, least-loaded
-routing left one replica idle 14-32% of a run while another queued (issue 19). Here each
+routing left one replica idle 14-32% of a run while another queued. Here each
 router publishes its ledger, and reads the others' beside every index lookup, so a decision
 sees what every router sent, a round trip old instead of a stats period old.
 

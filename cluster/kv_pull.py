@@ -1,4 +1,4 @@
-"""A replica's KV pulls in the request path (issue 19): the router's pull order, carried out.
+"""A replica's KV pulls in the request path: the router's pull order, carried out.
 
 The request router (``cluster/request_router.py``) prices a replica that lacks a prefix a
 peer holds at the pull, and when it chooses that replica it writes the order into the call's
@@ -43,10 +43,9 @@ from cluster.metrics import ReplicaMetrics
 
 log = logging.getLogger("ray.serve")
 
-# Longest a request waits for its pull before prefilling instead. The measured pull of a
-# 496-token SmolLM2 prefix (22.9 MB) took 0.07 s on the shared 2-core CPU against a 1.17 s
-# prefill (bench/results/kv_pull_cpu_2026-11-24.json); a pull this late is a sick or saturated
-# peer, and waiting longer would cost more than the prefill it saves.
+# Longest a request waits for its pull before prefilling instead. A pull takes a small
+# fraction of the prefill it replaces (``python -m bench.kv_pull``); one this late means a sick
+# or saturated peer, and waiting longer would cost more than the prefill it saves.
 KV_PULL_TIMEOUT_S = 2.0
 # A finished pull (succeeded or failed) still answers requests for its blocks this long: the
 # index learns of the imported blocks within a KV-event drain or two, and until then the

@@ -14,8 +14,8 @@ the engine refuses (bad input, full queue, dead engine) yields one
 ``{"rejected": {"kind", "message"}}`` dict instead of raising, so the ingress maps it to
 400/429/503 without unpickling engine errors.
 
-``export_prefix`` and ``pull_prefix`` move a prefix's KV between replicas (issue 19,
-``worker/kv_transfer.py``): the puller asks a peer for the blocks it holds and imports them
+``export_prefix`` and ``pull_prefix`` move a prefix's KV between replicas
+(``worker/kv_transfer.py``): the puller asks a peer for the blocks it holds and imports them
 into its own cache; a failed pull is logged and returns zero blocks, never failing a request.
 ``generate``'s ``kv_pull`` keyword (the request router's order) makes the replica pull before
 the request reaches the engine (``cluster/kv_pull.py``), so it runs as a local hit.
@@ -347,7 +347,7 @@ class EngineReplica:
         peer_node_id: str | None = None,
     ):
         """The leading blocks of this prefix that this replica holds, as a ``KVPayload`` (None
-        when it holds none): what a peer's ``pull_prefix`` calls (issue 19). A peer on this
+        when it holds none): what a peer's ``pull_prefix`` calls. A peer on this
         node (``peer_node_id``) gets the K/V in a shared-memory file, removed by its import or
         after ``SHARED_KV_TTL_S``."""
         start_s = time.monotonic()

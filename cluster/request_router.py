@@ -95,7 +95,7 @@ def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes],
 
 
 def kv_pull_order(decision: Decision) -> dict | None:
-    """What the chosen replica is told to pull before admitting the request (issue 19):
+    """What the chosen replica is told to pull before admitting the request:
     ``{"replica_id", "peer_id", "num_blocks"}``, or None when the choice was not priced with a
     pull. ``replica_id`` names the replica the order is for: Serve may send the call to
     another one (the chosen one was full), which then ignores it and prefills."""

@@ -17,7 +17,7 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
   ``serve.shutdown()`` kills the index actor.
 - ``PendingRequest.kwargs`` is public, but that Serve sends the call with the kwargs as they
   are after ``choose_replicas`` (``set_request_kwarg``) is how 2.5x/2.60 happen to work: the
-  request router's KV-pull order (issue 19) travels to the replica that way.
+  request router's KV-pull order travels to the replica that way.
 - A peer replica called directly (``peer_replica``, a KV pull's export): Serve names each
   replica's actor ``ReplicaID.to_full_id_str()`` in ``SERVE_NAMESPACE``, and
   ``ReplicaActor.handle_request`` takes a pickled ``RequestMetadata`` (``call_method``) before

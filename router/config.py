@@ -80,15 +80,9 @@ class RouterConfig:
     not pull, every miss is priced as a prefill. Setting it below the measured transfer rate
     makes copies dearer (each takes cache space that evicts other prefixes); the simulator uses
     1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR). Off by default: a served pull costs
-    far more than the engine-side rate (7237 tokens/s, bench/kv_pull.py) says. A busy holder
-    now answers an export at once (45 ms median while decoding, 50 ms while prefilling, vs
-    174 ms and 2.7 s when it answered between steps: bench/results/kv_export_busy_cpu_2026-11-26*),
-    and on one node the K/V go through shared memory, but on the 2-core CPU that also runs
-    both replicas and Ray a 496-token SmolLM2 pull still took 0.30-0.75 s (mean 0.52 s; 1.14 s
-    on 2026-11-24), 4-10x its price, and a busy holder's follow-up waited 0.48 s with pulls
-    against 0.23 s queued behind the holder (bursts gained: mean 1.03 s vs 1.28 s;
-    kv_pull_served_cpu_2026-11-26.json): too slow and too machine-specific for a default rate.
-"""
+    several times what the engine-side rate (``python -m bench.kv_pull``) predicts, by an
+    amount that depends on the machine (``python -m bench.kv_pull_served`` measures it; the
+    figures are in bench/README.md), so no one rate fits as a default."""
     seed: int = 0
     """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
 

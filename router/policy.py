@@ -97,8 +97,8 @@ class Decision:
     reason: RoutingReason
     """Why this replica won."""
     pull_from: str | None = None
-    """The peer the chosen replica pulls the request's leading blocks from before admitting it
-    (issue 19): set when the choice was priced with a pull (``kv_pull_tokens_per_s``) because
+    """The peer the chosen replica pulls the request's leading blocks from before admitting it:
+    set when the choice was priced with a pull (``kv_pull_tokens_per_s``) because
     that peer holds more leading device blocks than the chosen replica holds in either tier."""
     pull_blocks: int = 0
     """Leading blocks to pull from ``pull_from`` (what it holds on its device, at most the

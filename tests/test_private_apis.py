@@ -62,8 +62,8 @@ def test_serve_check_error_names_the_version_and_range():
 
 def test_kv_pull_order_and_peer_call_use_what_serve_internals_provide():
     """The request router's pull order rides in the pending call's kwargs, and a replica calls
-    its peer's actor with the pickled ``RequestMetadata`` Serve's replicas unpack (issue 19;
-    the live path is ``tests/cluster/test_kv_pull_serve.py``)."""
+    its peer's actor with the pickled ``RequestMetadata`` Serve's replicas unpack (the
+    live path is ``tests/cluster/test_kv_pull_serve.py``)."""
     import asyncio
     import pickle
     from types import SimpleNamespace

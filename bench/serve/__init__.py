@@ -1,4 +1,4 @@
-"""Serving benchmark (issue 16): our engine offline, our HTTP server, and llama.cpp, one run.
+"""Serving benchmark: our engine offline, our HTTP server, and llama.cpp, one run.
 
     python -m bench.serve                        # offline + served (+ llama when its binary exists)
     python -m bench.serve --llama-server PATH --cluster-replicas 2

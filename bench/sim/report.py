@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 OURS = "prefix"
-HIT_RATE_BAR = 0.95  # ours must reach 95% of the oracle's hit rate (issue 9)
-LOAD_BAR = 1.2  # ours must keep max/mean replica load at most 1.2 (issue 9)
+HIT_RATE_BAR = 0.95  # ours must reach 95% of the oracle's hit rate
+LOAD_BAR = 1.2  # ours must keep max/mean replica load at most 1.2
 P90_TIE_REL = 0.01  # p90 TTFTs within 1% are a tie (often the same prefill time), not a loss
 
 

@@ -66,7 +66,7 @@ class SimConfig:
     capacity_blocks: int
     block_size: int = 16
     host_capacity_blocks: int = 0
-    """Per-replica host tier (0: none); device evictions land there (issue 10)."""
+    """Per-replica host tier (0: none); device evictions land there."""
     rates: EngineRates = DEFAULT_RATES
     seed: int = 0
     pull: PullRates | None = None

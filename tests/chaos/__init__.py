@@ -1,2 +1,2 @@
-"""Chaos tests (issue 20), CI-sized: faults injected into a tiny-model cluster under a steady
+"""Chaos tests, CI-sized: faults injected into a tiny-model cluster under a steady
 streaming load; ``bench/chaos/`` runs the same faults longer, on the bundled model."""

@@ -1,4 +1,4 @@
-"""KV pulls in the live request path (issue 19), without Ray: the request router decides, the
+"""KV pulls in the live request path, without Ray: the request router decides, the
 order travels in the call's keywords, the chosen replica pulls and runs the request as a hit.
 
 Three replicas over real tiny engines (threads of this process, as in

@@ -1,4 +1,4 @@
-"""The Prometheus export of issue 18, parsed with prometheus_client's own text parser.
+"""The Prometheus export, parsed with prometheus_client's own text parser.
 
 The ingress's request-level series (vLLM's names, ``model_name`` label, summed over ingress
 replicas), the engine-side phase histograms a replica observes from the engine's timestamps,

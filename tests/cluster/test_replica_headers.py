@@ -1,4 +1,4 @@
-"""Who served a request is not told to clients unless the operator asks (issue 20): the
+"""Who served a request is not told to clients unless the operator asks: the
 headers reveal the cluster's layout and which replica holds which prefix."""
 
 from __future__ import annotations

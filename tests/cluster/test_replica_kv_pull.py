@@ -1,4 +1,4 @@
-"""``EngineReplica.pull_prefix``/``export_prefix`` (issue 19), without Ray: two replica objects
+"""``EngineReplica.pull_prefix``/``export_prefix``, without Ray: two replica objects
 over real engines (each in a thread of this process), the peer reached through a stand-in for
 a Ray handle (``export_prefix.remote(...)`` is awaitable, as a ``DeploymentResponse`` or an
 ``ObjectRef`` is). The payload is pickled on the way, as Ray would."""

@@ -1,5 +1,5 @@
 """The request router under a burst, without Ray: decisions whose index lookups ran at the
-same time still see each other (issue 19's real 3-replica run sent 7 of a burst's 8 cold
+same time still see each other (a real 3-replica run sent 7 of a burst's 8 cold
 prompts to one replica).
 
 ``PrefixAwareRequestRouter`` itself, driven with Serve's ``PendingRequest`` and stand-ins for

@@ -170,7 +170,7 @@ def test_measured_rates_beat_defaults_and_inflight_requests_count_as_queue():
 def test_a_burst_of_cold_prompts_between_two_stats_reports_spreads_by_queued_prefill():
     """Stats arrive once a second; the decisions of a burst see the same stale stats. Each
     request the router sent since is priced with the prefill it queued, so a replica with a
-    faster measured prefill rate takes one cold prompt, not the whole burst (issue 19: 7 of 8
+    faster measured prefill rate takes one cold prompt, not the whole burst (7 of 8
     went to one of three replicas when they counted only as decode steps)."""
     policy = make_policy(dataclasses.replace(CONFIG, max_load_ratio=None))
     rates = {"fast": 1500.0, "slow-1": 1000.0, "slow-2": 1000.0}

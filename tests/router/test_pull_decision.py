@@ -1,4 +1,4 @@
-"""A decision priced with a KV pull names the peer and the blocks to pull (issue 19), so the
+"""A decision priced with a KV pull names the peer and the blocks to pull, so the
 replica can do what it was priced with; without pulls, or when the chosen replica holds the
 most, a decision carries no pull."""
 

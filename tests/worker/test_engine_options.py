@@ -1,4 +1,4 @@
-"""Issue 17's engine options: device/dtype ``auto``, ``gpu_memory_utilization``, the tokenizer
+"""Engine options: device/dtype ``auto``, ``gpu_memory_utilization``, the tokenizer
 and chat template overrides, and the model's generation_config.json as sampling defaults."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV pulled from a peer (issue 19, engine side): a prefix exported by one engine and imported
+"""KV pulled from a peer (engine side): a prefix exported by one engine and imported
 by another serves hits there, bitwise equal to a local hit and to a cold compute; payloads that
 do not fit are refused before anything changes; a full pool imports what fits, never corrupts.
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism from a plain script (issue 15, item 2): the README's ``LLM(...,
+"""Tensor parallelism from a plain script: the README's ``LLM(...,
 tensor_parallel_size=N)`` example without an ``if __name__ == "__main__":`` guard runs, and an
 ``LLM`` left open ends its workers quietly at exit, when collected, or when its process dies.
 
