@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import time
 
 import httpx
 
 STOP_GRACE_S = 30.0  # Serve and Ray need a few seconds to drain and shut down cleanly
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 ROUTERS_SETTLE_S = 3.0

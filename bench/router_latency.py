@@ -28,7 +28,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from bench.serve.processes import free_port
 from router.config import RouterConfig
 from router.index import make_index
 from router.policy import ReplicaView
@@ -47,7 +47,7 @@ MODEL_ID = "bench-model"
 PROMPT_SIZES = (1024, 8192)
 SHARED_FRACTION = 0.75  # of each prompt: a system prompt / document reused across requests
 VOCAB_SIZE = 50_000
-TARGET_P99_MS = 2.0  # issue 6's budget per decision, hashing included
+TARGET_P99_MS = 2.0  # the budget per decision, hashing included
 # Replicas heartbeat this often (untimed); the index declares them dead after 10 s.
 HEARTBEAT_INTERVAL_S = 1.0
 # Lookups replayed alone after the timed loop to read the server's own time per lookup.
@@ -57,15 +57,9 @@ QUEUE_STEP_TOKENS = 256  # how far a backlog moves between two decisions
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_redis() -> tuple[subprocess.Popen, str, str]:
     workdir = tempfile.mkdtemp(prefix="router-bench-redis-")
-    port = _free_port()
+    port = free_port()
     cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     process = subprocess.Popen(
         [*cmd, "--appendonly", "no", "--dir", workdir],

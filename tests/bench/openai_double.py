@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -15,14 +14,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tests.ports import free_port
+
 CACHE_BLOCK_WORDS = 16
 BAD_MODEL = "no-such-model"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OpenAIDouble:
@@ -33,7 +28,7 @@ class OpenAIDouble:
         self._cached_prefixes: set[tuple] = set()
         self.token_delay_s = token_delay_s
         self.app = self._build()
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 
 import httpx
 
 from bench.serve.systems import replicas_in_metrics
+from tests.ports import free_port
 
 API_KEY = "test-key-" + os.urandom(4).hex()
 # Replica startup on a loaded 2-core CI machine: model load plus Serve's health checks.
 STARTUP_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

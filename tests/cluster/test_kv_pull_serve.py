@@ -1,4 +1,4 @@
-"""KV pulls through a real Serve application (issue 19): what the Ray-free tests stand in for.
+"""KV pulls through a real Serve application: what the Ray-free tests stand in for.
 
 One Ray instance (loopback), one application of 2 tiny-llama replicas with pulls on, called
 through a ``DeploymentHandle`` of the driver (whose request router is ours): the router's
@@ -17,7 +17,8 @@ import pytest
 
 from cluster.app import ROUTING_STATS_PERIOD_S
 from router.protocol import hash_blocks
-from tests.cluster.conftest import STARTUP_TIMEOUT_S, Server, free_port
+from tests.cluster.conftest import STARTUP_TIMEOUT_S, Server
+from tests.ports import free_port
 from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,8 @@ from router.embedded_index import EmbeddedIndex
 from router.index import IndexUnavailableError
 from router.liveness import ApplyOutcome
 from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
-from tests.cluster.conftest import STARTUP_TIMEOUT_S, free_port
+from tests.cluster.conftest import STARTUP_TIMEOUT_S
+from tests.ports import free_port
 
 BLOCK_SIZE = 16
 NUM_SYSTEM_PROMPTS = 5  # odd, so round robin alternates each prompt between the 2 replicas

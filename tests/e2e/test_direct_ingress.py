@@ -19,7 +19,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.test_readme_serve import command, free_port, healthy
+from tests.e2e.test_readme_serve import command, healthy
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.ports import free_ports
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from cluster.cli import _running
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +27,6 @@ STARTUP_TIMEOUT_S = 240.0
 # The fix ends the command within a watch period of a Ray process exiting; the old path took
 # over 60 s (the GCS reconnect timeout).
 EXIT_TIMEOUT_S = 20.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:
@@ -76,7 +69,7 @@ def test_sigterm_to_the_process_group_ends_serve_at_once(tmp_path):
     from worker.testing import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny-llama", "llama")
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFIXSERVE_API_KEY")}
     argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model)]

@@ -1,4 +1,4 @@
-"""Two Ray nodes on one machine (issue 20): one prefix index behind two proxies, and a lost node
+"""Two Ray nodes on one machine: one prefix index behind two proxies, and a lost node
 is a fault the cluster survives.
 
 The module starts its own Ray cluster of two nodes, each a separate ``ray start --block`` in a
@@ -56,7 +56,7 @@ from cluster.app import ROUTING_STATS_PERIOD_S
 from cluster.ingress import INGRESS_HEADER, REPLICA_HEADER
 from cluster.metrics import METRICS_PUSH_PERIOD_S
 from router.protocol import hash_blocks
-from tests.e2e.ports import free_ports
+from tests.ports import free_ports
 from tests.router.conftest import REDIS_BINARY, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]

@@ -4,7 +4,6 @@ and an index factory parametrized over both backends."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -14,16 +13,11 @@ import redis
 
 from router.embedded_index import EmbeddedIndex
 from router.redis_index import RedisIndex
+from tests.ports import free_port
 
 REDIS_BINARY = "redis-server"
 # redis-server is ready in ~20 ms on an idle machine; CI machines share 2 cores.
 REDIS_START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

@@ -11,7 +11,7 @@ from router.config import RouterConfig
 from router.index import IndexUnavailableError, Match, make_index
 from router.protocol import EventKind, KVEvent, KVEventBatch
 from router.redis_index import RedisIndex
-from tests.router.conftest import free_port
+from tests.ports import free_port
 from tests.router.test_index_contract import batch, chain, stored
 
 pytestmark = pytest.mark.redis

@@ -13,7 +13,8 @@ import redis
 
 from router.index import IndexUnavailableError, Match
 from router.redis_index import REDIS_PASSWORD_ENV, RedisIndex
-from tests.router.conftest import REDIS_BINARY, free_port
+from tests.ports import free_port
+from tests.router.conftest import REDIS_BINARY
 from tests.router.test_index_contract import batch, chain, stored
 
 PASSWORD = "tenant-secret"
