@@ -1,4 +1,4 @@
-"""KV moved between replicas: ``KVPayload`` and the engine-side export and import (issue 19).
+"""KV moved between replicas: ``KVPayload`` and the engine-side export and import.
 
 A replica that lacks a prefix another replica holds can pull the blocks instead of
 recomputing them. ``export_prefix`` copies the longest run of leading blocks this engine holds
