@@ -113,6 +113,10 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def not_found(message: str, param: str | None = None) -> APIError:
+    return APIError(404, message, param=param, code="not_found")
+
+
 def unauthorized() -> APIError:
     return APIError(
         401,

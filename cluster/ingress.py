@@ -54,7 +54,16 @@ from cluster.openai_protocol import (
     parse_body,
     resolve_max_tokens,
 )
+from cluster.openai_responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    new_id,
+    output_messages,
+    output_of_chat,
+    response_object,
+)
 from cluster.request_router import router_metrics_snapshot
+from cluster.response_store import store_actor, tenant_of
 from cluster.responses import ResponseBuilder
 from cluster.serve_compat import own_address
 from cluster.tool_calls import (
@@ -140,6 +149,7 @@ class Ingress:
             lambda messages, tools: self.tokenizer.apply_chat_template(messages, True, tools=tools),
         )
         self._ingress_id = serve.get_replica_context().replica_id.unique_id
+        self._response_store = store_actor(self.served_name)  # /v1/responses' stored ones
         # What clients see here, summed over ingress replicas through the hub at /metrics.
         self.request_metrics = IngressMetrics(self.max_model_len)
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
@@ -249,20 +259,7 @@ class Ingress:
         headers = replica_headers(self.cluster, replicas, self._ingress_id)
         items = self.engines.merge(opened)
         if not body.stream:
-            failed = False
-            try:
-                async for index, item in items:
-                    check_item(item)
-                    builder.add(index, item)
-            except APIError:
-                failed = True
-                raise
-            except Exception as exc:
-                failed = True
-                raise errors.unavailable(f"the replica failed mid-request: {exc!r}") from None
-            finally:
-                self._count_finished(arrival_s, builder, failed)
-                await items.aclose()
+            await self._collect(items, builder, arrival_s)
             return JSONResponse(builder.full_response(), headers=headers)
 
         async def events():
@@ -285,6 +282,24 @@ class Ingress:
                 yield event
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def _collect(self, items, builder: ResponseBuilder, arrival_s: float) -> None:
+        """Feeds every output of a non-streamed request to ``builder``; a replica failure is
+        a 503, an engine error its own status."""
+        failed = False
+        try:
+            async for index, item in items:
+                check_item(item)
+                builder.add(index, item)
+        except APIError:
+            failed = True
+            raise
+        except Exception as exc:
+            failed = True
+            raise errors.unavailable(f"the replica failed mid-request: {exc!r}") from None
+        finally:
+            self._count_finished(arrival_s, builder, failed)
+            await items.aclose()
 
     async def _encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
@@ -319,6 +334,14 @@ class Ingress:
         arrival_s = time.monotonic()
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
+        builder, opened = await self._open_chat(body, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._respond(body, builder, opened, arrival_s)
+
+    async def _open_chat(
+        self, body: ChatCompletionRequest, request_id: str
+    ) -> tuple[ResponseBuilder, list]:
+        """Checks, templates and sends a chat request to an engine replica; returns the
+        builder of its response and the opened streams."""
         body.sampling_params(strict_json_schema=self.cluster.strict_json_schema)  # range checks
         tool_plan = self._tool_plan(body)
         prompt_ids = await self._chat_prompt_ids(body, tool_plan)
@@ -342,7 +365,6 @@ class Ingress:
             ),
             tool_plan,
         )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         opened = await self.engines.open_all(request_id, [prompt_ids], [params], body.cache_salt)
         builder = ResponseBuilder(
             chat=True,
@@ -359,7 +381,83 @@ class Ingress:
             tool_plan=tool_plan,
             want_prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await self._respond(body, builder, opened, arrival_s)
+        return builder, opened
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, answered by one chat request (cluster/openai_responses.py)."""
+        arrival_s = time.monotonic()
+        req: ResponsesRequest = await self._parse(request, ResponsesRequest)
+        self._check_model(req.model)
+        tenant = tenant_of(request.headers.get("authorization"))
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            stored = await self._response_store.get.remote(tenant, req.previous_response_id)
+            if stored is None:
+                raise errors.not_found(
+                    f"Response with id '{req.previous_response_id}' not found.",
+                    "previous_response_id",
+                )
+            history = stored
+        body = req.chat_request(history, stream=req.stream)
+        response_id = new_id("resp")
+        builder, opened = await self._open_chat(body, response_id)
+        conversation = history + req.input_messages()
+        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
+        headers = replica_headers(self.cluster, replicas, self._ingress_id)
+        self.request_metrics.started(
+            arrival_s, [stream.first for stream in opened], time.monotonic()
+        )
+        items = self.engines.merge(opened)
+
+        async def store(output: list[dict]) -> None:
+            if req.store:
+                await self._response_store.put.remote(
+                    tenant, response_id, conversation + output_messages(output)
+                )
+
+        if not req.stream:
+            await self._collect(items, builder, arrival_s)
+            output, finish_reason = output_of_chat(builder.full_response())
+            await store(output)
+            response = response_object(
+                req,
+                response_id,
+                self.served_name,
+                int(time.time()),
+                output,
+                finish_reason,
+                builder.usage(),
+            )
+            return JSONResponse(response, headers=headers)
+
+        async def events():
+            stream = ResponseEvents(req, response_id, self.served_name)
+            for event in stream.start():
+                yield event
+            failed, finish_reason = False, None
+            try:
+                async for index, item in items:
+                    check_item(item)
+                    for state, new_text, _ in builder.add(index, item):
+                        finish_reason = state.finish_reason or finish_reason
+                        for event in stream.feed(ResponseBuilder.chat_delta(state, new_text)):
+                            yield event
+            except APIError as exc:
+                failed = True
+                yield exc.sse_payload()
+            except Exception as exc:
+                failed = True
+                yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
+            finally:
+                self._count_finished(arrival_s, builder, failed)
+                await items.aclose()
+            if not failed:
+                for event in stream.finish(finish_reason, builder.usage()):
+                    yield event
+                await store(stream.output)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -287,7 +287,7 @@ class ResponseBuilder:
                     events.append(sse_event(self._chunk([role])))
                 choice = {
                     "index": state.index,
-                    "delta": self._chat_delta(state, new_text),
+                    "delta": self.chat_delta(state, new_text),
                     "logprobs": self.chat_logprobs(new_logprobs),
                     "finish_reason": self._chat_finish_reason(state, state.tool_stream),
                 }
@@ -309,7 +309,9 @@ class ResponseBuilder:
         return events
 
     @staticmethod
-    def _chat_delta(state: ChoiceState, new_text: str) -> dict:
+    def chat_delta(state: ChoiceState, new_text: str) -> dict:
+        """One chat choice's delta for ``new_text``: content, and tool-call pieces when the
+        choice parses calls (the Responses API's stream reads the same)."""
         stream = state.tool_stream
         if stream is None:
             return {"content": new_text} if new_text else {}

@@ -223,6 +223,73 @@ def test_tokenize_counts_what_a_chat_request_with_tools_counts(tiny_server, clie
     assert plain["count"] < counted["count"]  # the tools are part of the prompt
 
 
+def test_responses_api_answers_streams_and_follows_up(client, model):
+    """The openai SDK's ``responses.create``: whole, streamed (same greedy text), a follow-up
+    on ``previous_response_id`` (its stored conversation comes first), an unknown id 404."""
+    asked = dict(model=model, instructions="Be brief.", max_output_tokens=8, temperature=0)
+    first = client.responses.create(input="Say hello.", **asked)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage.input_tokens > 0 and 0 < first.usage.output_tokens <= 8
+    deltas, final = [], None
+    for event in client.responses.create(input="Say hello.", stream=True, **asked):
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert "".join(deltas) == final.output_text == first.output_text
+    assert final.usage.output_tokens == first.usage.output_tokens
+    follow = client.responses.create(input="Again.", previous_response_id=first.id, **asked)
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(input="x", previous_response_id="resp_unknown", **asked)
+    assert info.value.body["param"] == "previous_response_id"
+
+
+def test_responses_api_streams_a_tool_call_and_takes_its_output(client, model):
+    """An agent's round trip: a streamed forced call (arguments in pieces), then its output
+    sent back on ``previous_response_id`` for the answer."""
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        }
+    ]
+    pieces, final = [], None
+    for event in client.responses.create(
+        model=model,
+        input="What is the weather in Rome?",
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        stream=True,
+    ):
+        if event.type == "response.function_call_arguments.delta":
+            pieces.append(event.delta)
+        elif event.type == "response.completed":
+            final = event.response
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    assert "".join(pieces) == call.arguments
+    answer = client.responses.create(
+        model=model,
+        previous_response_id=final.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=tools,  # sent with every turn, as the Agents SDK does ("auto" on this server)
+        max_output_tokens=6,
+        temperature=0,
+    )
+    assert answer.output  # text or another call: the random model's choice
+    # The prompt held the first turn (its input and the call) and the call's output.
+    assert answer.usage.input_tokens > final.usage.input_tokens + final.usage.output_tokens
+
+
 def test_models_retrieve_gives_the_card_or_404(client, model):
     card = client.models.retrieve(model)
     assert card.id == model and card.object == "model"
