@@ -290,6 +290,38 @@ def test_responses_api_streams_a_tool_call_and_takes_its_output(client, model):
     assert answer.usage.input_tokens > final.usage.input_tokens + final.usage.output_tokens
 
 
+def test_an_agents_sdk_agent_calls_its_tool_through_the_responses_api(tiny_server, model):
+    """The OpenAI Agents SDK's Responses model, one function tool: the forced first turn
+    calls it with valid arguments and the tool's answer ends the run."""
+    agents = pytest.importorskip("agents")
+
+    agents.set_tracing_disabled(True)
+    cities = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        cities.append(city)
+        return f"18 C and sunny in {city}"
+
+    client = openai.AsyncOpenAI(
+        base_url=f"{tiny_server.url}/v1", api_key=tiny_server.api_key, max_retries=0
+    )
+    agent = agents.Agent(
+        name="weather",
+        instructions="Use the tool.",
+        tools=[get_weather],
+        tool_use_behavior="stop_on_first_tool",
+        model=agents.OpenAIResponsesModel(model=model, openai_client=client),
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, max_tokens=80
+        ),
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
+    assert len(cities) == 1 and isinstance(cities[0], str)
+    assert result.final_output == f"18 C and sunny in {cities[0]}"
+
+
 def test_models_retrieve_gives_the_card_or_404(client, model):
     card = client.models.retrieve(model)
     assert card.id == model and card.object == "model"
