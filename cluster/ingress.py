@@ -35,6 +35,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import errors
+from cluster.anthropic_messages import MessageEvents, MessagesRequest, message_object
 from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.engine_client import EngineClient, check_item
 from cluster.errors import APIError
@@ -179,13 +180,15 @@ class Ingress:
 
     # ---- request plumbing ---------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
+        """The API key as OpenAI's clients send it (``Authorization: Bearer KEY``) or as
+        Anthropic's do (``x-api-key: KEY``)."""
         key = self._api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), key.encode()
-        ):
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise errors.unauthorized()
 
     async def _parse(self, request: Request, model_cls):
@@ -456,6 +459,58 @@ class Ingress:
                 for event in stream.finish(finish_reason, builder.usage()):
                     yield event
                 await store(stream.output)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/messages")
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API, answered by one chat request (anthropic_messages.py)."""
+        arrival_s = time.monotonic()
+        req: MessagesRequest = await self._parse(request, MessagesRequest)
+        self._check_model(req.model)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        builder, opened = await self._open_chat(req.chat_request(), message_id)
+        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
+        headers = replica_headers(self.cluster, replicas, self._ingress_id)
+        self.request_metrics.started(
+            arrival_s, [stream.first for stream in opened], time.monotonic()
+        )
+        items = self.engines.merge(opened)
+        if not req.stream:
+            await self._collect(items, builder, arrival_s)
+            message = message_object(builder.full_response(), message_id, self.served_name)
+            return JSONResponse(message, headers=headers)
+
+        async def events():
+            stream = MessageEvents(message_id, self.served_name)
+            started, failed, last, finish_reason = False, False, None, None
+            try:
+                async for index, item in items:
+                    check_item(item)
+                    if not started:
+                        started = True
+                        for event in stream.start(item.get("num_prompt_tokens") or 0):
+                            yield event
+                    for state, new_text, _ in builder.add(index, item):
+                        last = state
+                        for event in stream.feed(ResponseBuilder.chat_delta(state, new_text)):
+                            yield event
+                        if state.finish_reason is not None:
+                            finish_reason = ResponseBuilder.chat_finish_reason(
+                                state, state.tool_stream
+                            )
+            except APIError as exc:
+                failed = True
+                yield exc.sse_payload()
+            except Exception as exc:
+                failed = True
+                yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
+            finally:
+                self._count_finished(arrival_s, builder, failed)
+                await items.aclose()
+            if not failed:
+                for event in stream.finish(last, finish_reason, builder.usage()):
+                    yield event
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 

@@ -289,7 +289,7 @@ class ResponseBuilder:
                     "index": state.index,
                     "delta": self.chat_delta(state, new_text),
                     "logprobs": self.chat_logprobs(new_logprobs),
-                    "finish_reason": self._chat_finish_reason(state, state.tool_stream),
+                    "finish_reason": self.chat_finish_reason(state, state.tool_stream),
                 }
             else:
                 first = not state.echo_sent
@@ -325,7 +325,7 @@ class ResponseBuilder:
         return delta
 
     @staticmethod
-    def _chat_finish_reason(state: ChoiceState, stream: ToolCallStream | None) -> str | None:
+    def chat_finish_reason(state: ChoiceState, stream: ToolCallStream | None) -> str | None:
         """``tool_calls`` when a choice that ended on its own made calls (OpenAI's reason)."""
         if state.finish_reason == "stop" and stream is not None and stream.calls:
             return "tool_calls"
@@ -361,7 +361,7 @@ class ResponseBuilder:
                     "index": state.index,
                     "message": message,
                     "logprobs": self.chat_logprobs(state.logprobs),
-                    "finish_reason": self._chat_finish_reason(state, stream),
+                    "finish_reason": self.chat_finish_reason(state, stream),
                 }
             else:
                 state.echo_sent = False

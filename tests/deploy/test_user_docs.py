@@ -108,6 +108,7 @@ def _documented_fields() -> set[str]:
 
 
 def test_openai_fields_table_covers_every_request_field() -> None:
+    from cluster.anthropic_messages import MessagesRequest
     from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
     from cluster.openai_responses import ResponsesRequest
 
@@ -115,6 +116,7 @@ def test_openai_fields_table_covers_every_request_field() -> None:
         set(ChatCompletionRequest.model_fields)
         | set(CompletionRequest.model_fields)
         | set(ResponsesRequest.model_fields)
+        | set(MessagesRequest.model_fields)
     )
     documented = _documented_fields()
     top_level = {name for name in documented if "." not in name and "[" not in name}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Literal
 
 import httpx
 import openai
@@ -299,8 +300,8 @@ def test_an_agents_sdk_agent_calls_its_tool_through_the_responses_api(tiny_serve
     cities = []
 
     @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The current weather in a city."""  # an enum: the random model's call stays short
         cities.append(city)
         return f"18 C and sunny in {city}"
 
@@ -320,6 +321,65 @@ def test_an_agents_sdk_agent_calls_its_tool_through_the_responses_api(tiny_serve
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
     assert len(cities) == 1 and isinstance(cities[0], str)
     assert result.final_output == f"18 C and sunny in {cities[0]}"
+
+
+def test_anthropic_sdk_messages_whole_streamed_and_a_tool_round_trip(tiny_server, model):
+    """Anthropic's SDK against /v1/messages (its x-api-key header): a reply, the same reply
+    streamed, a streamed forced tool_use, and its tool_result sent back."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(
+        base_url=tiny_server.url, api_key=tiny_server.api_key, max_retries=0
+    )
+    # This SDK has no sampling arguments; the endpoint reads temperature like chat.
+    asked = dict(model=model, max_tokens=8, system="Be brief.", extra_body={"temperature": 0})
+    hello = [{"role": "user", "content": "Say hello."}]
+    reply = client.messages.create(messages=hello, **asked)
+    assert reply.stop_reason in ("end_turn", "max_tokens") and reply.content[0].type == "text"
+    assert 0 < reply.usage.output_tokens <= 8 and reply.usage.input_tokens > 0
+    with client.messages.stream(messages=hello, **asked) as stream:
+        text = "".join(stream.text_stream)
+        streamed = stream.get_final_message()
+    assert text == streamed.content[0].text == reply.content[0].text
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "input_schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        }
+    ]
+    question = {"role": "user", "content": "What is the weather in Rome?"}
+    with client.messages.stream(
+        model=model,
+        max_tokens=80,
+        tools=tools,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[question],
+    ) as stream:
+        called = stream.get_final_message()
+    (call,) = [block for block in called.content if block.type == "tool_use"]
+    assert called.stop_reason == "tool_use" and call.input["city"] in ("Paris", "Rome")
+    answer = client.messages.create(
+        model=model,
+        max_tokens=6,
+        tools=tools,
+        messages=[
+            question,
+            {"role": "assistant", "content": [block.model_dump() for block in called.content]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}],
+            },
+        ],
+    )
+    assert answer.content and answer.usage.output_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(
+            base_url=tiny_server.url, api_key="wrong", max_retries=0
+        ).messages.create(messages=hello, **asked)
 
 
 def test_models_retrieve_gives_the_card_or_404(client, model):
