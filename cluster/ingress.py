@@ -255,36 +255,46 @@ class Ingress:
         self, body, builder: ResponseBuilder, opened: list, arrival_s: float
     ) -> Response:
         """``arrival_s``: ``time.monotonic()`` when the handler started (TTFT, queue, e2e)."""
-        self.request_metrics.started(
-            arrival_s, [stream.first for stream in opened], time.monotonic()
-        )
-        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
-        headers = replica_headers(self.cluster, replicas, self._ingress_id)
-        items = self.engines.merge(opened)
+        items, headers = self._merged(opened, arrival_s)
         if not body.stream:
             await self._collect(items, builder, arrival_s)
             return JSONResponse(builder.full_response(), headers=headers)
 
         async def events():
-            failed = False
-            try:
-                async for index, item in items:
-                    check_item(item)
-                    for event in builder.stream_events(index, item):
-                        yield event
-            except APIError as exc:
-                failed = True
-                yield exc.sse_payload()
-            except Exception as exc:
-                failed = True
-                yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
-            finally:
-                self._count_finished(arrival_s, builder, failed)
-                await items.aclose()
+            async for event in self._relay(items, builder, arrival_s, builder.stream_events):
+                yield event
             for event in builder.closing_events():
                 yield event
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    def _merged(self, opened: list, arrival_s: float):
+        """(the request's outputs in order, the response headers naming its replicas); counts
+        the request as started."""
+        self.request_metrics.started(
+            arrival_s, [stream.first for stream in opened], time.monotonic()
+        )
+        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
+        return self.engines.merge(opened), replica_headers(self.cluster, replicas, self._ingress_id)
+
+    async def _relay(self, items, builder: ResponseBuilder, arrival_s: float, events_of):
+        """The SSE events ``events_of(index, output)`` makes of each replica output; a failure
+        mid-stream becomes one error event and ends the stream (``builder.failed`` says so)."""
+        builder.failed = False
+        try:
+            async for index, item in items:
+                check_item(item)
+                for event in events_of(index, item):
+                    yield event
+        except APIError as exc:
+            builder.failed = True
+            yield exc.sse_payload()
+        except Exception as exc:
+            builder.failed = True
+            yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
+        finally:
+            self._count_finished(arrival_s, builder, builder.failed)
+            await items.aclose()
 
     async def _collect(self, items, builder: ResponseBuilder, arrival_s: float) -> None:
         """Feeds every output of a non-streamed request to ``builder``; a replica failure is
@@ -406,12 +416,7 @@ class Ingress:
         response_id = new_id("resp")
         builder, opened = await self._open_chat(body, response_id)
         conversation = history + req.input_messages()
-        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
-        headers = replica_headers(self.cluster, replicas, self._ingress_id)
-        self.request_metrics.started(
-            arrival_s, [stream.first for stream in opened], time.monotonic()
-        )
-        items = self.engines.merge(opened)
+        items, headers = self._merged(opened, arrival_s)
 
         async def store(output: list[dict]) -> None:
             if req.store:
@@ -434,29 +439,23 @@ class Ingress:
             )
             return JSONResponse(response, headers=headers)
 
+        stream = ResponseEvents(req, response_id, self.served_name)
+        finish: list[str | None] = [None]
+
+        def events_of(index: int, item: dict) -> list[str]:
+            events = []
+            for state, new_text, _ in builder.add(index, item):
+                finish[0] = state.finish_reason or finish[0]
+                events += stream.feed(ResponseBuilder.chat_delta(state, new_text))
+            return events
+
         async def events():
-            stream = ResponseEvents(req, response_id, self.served_name)
             for event in stream.start():
                 yield event
-            failed, finish_reason = False, None
-            try:
-                async for index, item in items:
-                    check_item(item)
-                    for state, new_text, _ in builder.add(index, item):
-                        finish_reason = state.finish_reason or finish_reason
-                        for event in stream.feed(ResponseBuilder.chat_delta(state, new_text)):
-                            yield event
-            except APIError as exc:
-                failed = True
-                yield exc.sse_payload()
-            except Exception as exc:
-                failed = True
-                yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
-            finally:
-                self._count_finished(arrival_s, builder, failed)
-                await items.aclose()
-            if not failed:
-                for event in stream.finish(finish_reason, builder.usage()):
+            async for event in self._relay(items, builder, arrival_s, events_of):
+                yield event
+            if not builder.failed:
+                for event in stream.finish(finish[0], builder.usage()):
                     yield event
                 await store(stream.output)
 
@@ -470,46 +469,30 @@ class Ingress:
         self._check_model(req.model)
         message_id = f"msg_{uuid.uuid4().hex}"
         builder, opened = await self._open_chat(req.chat_request(), message_id)
-        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
-        headers = replica_headers(self.cluster, replicas, self._ingress_id)
-        self.request_metrics.started(
-            arrival_s, [stream.first for stream in opened], time.monotonic()
-        )
-        items = self.engines.merge(opened)
+        items, headers = self._merged(opened, arrival_s)
         if not req.stream:
             await self._collect(items, builder, arrival_s)
             message = message_object(builder.full_response(), message_id, self.served_name)
             return JSONResponse(message, headers=headers)
 
+        stream = MessageEvents(message_id, self.served_name)
+        last: list = [None, None, False]  # the choice's state, its finish reason, started
+
+        def events_of(index: int, item: dict) -> list[str]:
+            events = [] if last[2] else stream.start(item.get("num_prompt_tokens") or 0)
+            last[2] = True
+            for state, new_text, _ in builder.add(index, item):
+                last[0] = state
+                events += stream.feed(ResponseBuilder.chat_delta(state, new_text))
+                if state.finish_reason is not None:
+                    last[1] = ResponseBuilder.chat_finish_reason(state, state.tool_stream)
+            return events
+
         async def events():
-            stream = MessageEvents(message_id, self.served_name)
-            started, failed, last, finish_reason = False, False, None, None
-            try:
-                async for index, item in items:
-                    check_item(item)
-                    if not started:
-                        started = True
-                        for event in stream.start(item.get("num_prompt_tokens") or 0):
-                            yield event
-                    for state, new_text, _ in builder.add(index, item):
-                        last = state
-                        for event in stream.feed(ResponseBuilder.chat_delta(state, new_text)):
-                            yield event
-                        if state.finish_reason is not None:
-                            finish_reason = ResponseBuilder.chat_finish_reason(
-                                state, state.tool_stream
-                            )
-            except APIError as exc:
-                failed = True
-                yield exc.sse_payload()
-            except Exception as exc:
-                failed = True
-                yield errors.unavailable(f"the replica failed mid-stream: {exc!r}").sse_payload()
-            finally:
-                self._count_finished(arrival_s, builder, failed)
-                await items.aclose()
-            if not failed:
-                for event in stream.finish(last, finish_reason, builder.usage()):
+            async for event in self._relay(items, builder, arrival_s, events_of):
+                yield event
+            if not builder.failed:
+                for event in stream.finish(last[0], last[1], builder.usage()):
                     yield event
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -130,6 +130,9 @@ class ResponseBuilder:
                 choice.tool_stream = tool_plan.new_stream()
         self.num_prompt_tokens = [0] * num_prompts
         self.num_cached_tokens = [0] * num_prompts
+        self.failed = False
+        """The replicas' stream ended in an error before the response completed (the ingress
+        sets it while relaying; the closing events are then not sent)."""
 
     # ---- accumulation -------------------------------------------------------------------
     def add(self, prompt_index: int, out: dict) -> list[tuple[ChoiceState, str, list]]:
