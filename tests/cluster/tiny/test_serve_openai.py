@@ -382,6 +382,35 @@ def test_anthropic_sdk_messages_whole_streamed_and_a_tool_round_trip(tiny_server
         ).messages.create(messages=hello, **asked)
 
 
+def test_sampled_tokens_are_among_their_top_logprobs(client, model):
+    """Legacy completions: each position's top_logprobs holds the sampled token beside the
+    top ``logprobs`` (at temperature 2 the random model often samples outside the top 1)."""
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=2.0, seed=5, logprobs=1
+    )
+    logprobs = completion.choices[0].logprobs
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True):
+        assert token in top and len(top) <= 2
+
+
+def test_an_image_part_is_a_400_saying_the_model_takes_text(client, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model,
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in this picture?"},
+                        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                    ],
+                }
+            ],
+        )
+    assert "the served model takes text only" in info.value.body["message"]
+
+
 def test_models_retrieve_gives_the_card_or_404(client, model):
     card = client.models.retrieve(model)
     assert card.id == model and card.object == "model"
