@@ -143,7 +143,7 @@ class Tokenizer:
     @functools.cached_property
     def token_bytes(self) -> list[bytes] | None:
         """Each token's bytes when decoding is byte-level BPE with nothing after it (no space
-        clean-up), else None; built on first use (about 0.1 s for 49k tokens)."""
+        clean-up), else None; built on first use (the engine builds it at start)."""
         backend = getattr(self._tok, "backend_tokenizer", None)
         if backend is None or self._backend_decode is None:
             return None
