@@ -172,10 +172,12 @@ class Ingress:
             )
         return app
 
-    def deliver(self, batch: list[tuple[str, dict]]) -> None:
+    async def deliver(self, batch: list[tuple[str, dict]]) -> None:
         """Outputs an engine replica pushed here (``cluster/ingress_channel.py``): (request
         id, output dict) of every call this replica has open there, from one engine step or
-        more; called on this replica's actor, not over HTTP."""
+        more; called on this replica's actor, not over HTTP. A coroutine so that Serve runs
+        it on the user-code loop, which owns the inboxes (a plain method would run in a
+        worker thread, one thread start per call, touching the loop's queues from outside)."""
         self.engines.deliver(batch)
 
     # ---- request plumbing ---------------------------------------------------------------
