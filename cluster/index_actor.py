@@ -121,6 +121,10 @@ class IndexActor:
     def peer_inflight(self, router_id: str) -> InflightSnapshot:
         return self._board.peers(router_id)
 
+    def peer_view(self, router_id: str) -> tuple[InflightSnapshot, int]:
+        """``peer_inflight`` and how many other routers report (``InflightBoard.view``)."""
+        return self._board.view(router_id)
+
 
 def get_or_create_index_actor(app_name: str, config: RouterConfig):
     """The application's index actor, created (detached) if no process has yet."""

@@ -18,8 +18,15 @@ sees what every router sent, a round trip old instead of a stats period old.
 - ``ActorBoardClient``: a router's client of the board the application's index actor hosts
   (``cluster.index_actor.IndexActor``, with either index backend). ``changed()`` is cheap
   (sets an event); a daemon thread sends the newest snapshot, coalescing bursts (at most one
-  per ``MIN_PUBLISH_INTERVAL_S``), and re-sends a non-empty one every ``REFRESH_S`` so it
-  does not expire.
+  per ``MIN_PUBLISH_INTERVAL_S``), and re-sends it every ``REFRESH_S`` so it does not expire
+  (an empty one too: it says this router exists).
+
+A router alone on its board (one ingress replica, the default) has nobody to tell and
+nothing to read: when the board's answer says no other router reports, the client stops
+sending per change (only the refreshes go) and answers ``peers`` with ``{}`` without a round
+trip for ``ALONE_RECHECK_S``, after which it asks again. So a second router is seen within
+that long, and sees the first one's in-flight requests as of its last refresh (at most
+``REFRESH_S`` old, like the replicas' stats) until the first one notices it too.
 
 How it fails: an unreachable actor (dead, slow, not yet created) makes ``peers`` return
 None after at most the lookup timeout (the router then decides on its own ledger beside the
@@ -51,6 +58,9 @@ BOARD_TTL_S = 10.0
 """A router's snapshot stops counting this long after it arrived unless refreshed."""
 REFRESH_S = 3.0
 """A router re-sends a non-empty snapshot this often (well inside ``BOARD_TTL_S``)."""
+ALONE_RECHECK_S = 1.0
+"""A router that saw no other router on the board asks again after this long, not per
+decision (module docstring)."""
 MIN_PUBLISH_INTERVAL_S = 0.01
 """A router sends at most one snapshot per this many seconds; the changes in between go in
 the next. A snapshot holds every request in flight, so at hundreds of decisions and first
@@ -85,17 +95,25 @@ class InflightBoard:
     def peers(self, router_id: str) -> InflightSnapshot:
         """The other routers' in-flight requests per replica, merged oldest first; expired
         snapshots are dropped."""
+        return self.view(router_id)[0]
+
+    def view(self, router_id: str) -> tuple[InflightSnapshot, int]:
+        """``peers(router_id)`` and how many other routers report here (an empty snapshot
+        counts: that router is alive and reads the board)."""
         now_s = self._clock()
         merged: dict[str, list[tuple]] = {}
         with self._lock:
             for other in [r for r, (_, expiry_s, _) in self._reports.items() if expiry_s <= now_s]:
                 del self._reports[other]
+            num_others = 0
             for other, (_, _, snapshot) in self._reports.items():
                 if other == router_id:
                     continue
+                num_others += 1
                 for replica_id, entries in snapshot.items():
                     merged.setdefault(replica_id, []).extend(entries)
-        return {replica_id: tuple(sorted(entries)) for replica_id, entries in merged.items()}
+        peers = {replica_id: tuple(sorted(entries)) for replica_id, entries in merged.items()}
+        return peers, num_others
 
 
 def merge_inflight(own: InflightSnapshot, peers: Mapping[str, tuple]) -> InflightSnapshot:
@@ -147,6 +165,10 @@ class ActorBoardClient:
         self._lock = threading.Lock()
         self._actor = None
         self._down = False
+        self._alone = False
+        """The board's last answer named no other router (module docstring); False until an
+        answer says so."""
+        self._recheck_at_s = 0.0
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -169,20 +191,31 @@ class ActorBoardClient:
             log.warning("in-flight board %s failed, routing on this router's own: %r", what, exc)
 
     def changed(self) -> None:
-        """The ledger changed: the publisher thread sends the newest snapshot soon."""
-        self._changed.set()
+        """The ledger changed: the publisher thread sends the newest snapshot soon, unless
+        no other router reads the board (then its next refresh carries it)."""
+        if not self._alone:
+            self._changed.set()
 
     def peers(self) -> InflightSnapshot | None:
-        """The other routers' in-flight requests (None when the board does not answer)."""
+        """The other routers' in-flight requests (None when the board does not answer);
+        ``{}`` without a round trip while this router is alone (module docstring)."""
+        if self._alone and time.monotonic() < self._recheck_at_s:
+            return {}
         try:
-            ref = self._handle().peer_inflight.remote(self.router_id)
-            answer = ray.get(ref, timeout=self._lookup_timeout_s)
+            ref = self._handle().peer_view.remote(self.router_id)
+            answer, num_others = ray.get(ref, timeout=self._lookup_timeout_s)
         except Exception as exc:  # any Ray failure: decide without the peers
             self._failed("lookup", exc)
             return None
         if self._down:
             self._down = False
             log.warning("in-flight board reachable again")
+        was_alone, self._alone = self._alone, num_others == 0
+        if self._alone:
+            self._recheck_at_s = time.monotonic() + ALONE_RECHECK_S
+        elif was_alone:  # someone reads the board now: publish what is in flight
+            log.info("in-flight board: %d other router(s); publishing every change", num_others)
+            self._changed.set()
         return answer
 
     def _send(self, snapshot: InflightSnapshot) -> None:
@@ -194,17 +227,13 @@ class ActorBoardClient:
             self._failed("report", exc)
 
     def _publish_loop(self) -> None:
-        sent_nonempty = False
         while not self._stop.is_set():
-            changed = self._changed.wait(REFRESH_S)
+            self._changed.wait(REFRESH_S)  # a change (while not alone), or the refresh
             if self._stop.is_set():
                 break
             self._changed.clear()
-            snapshot = self._snapshot()
-            if changed or snapshot or sent_nonempty:
-                self._send(snapshot)
-                sent_nonempty = bool(snapshot)
-                self._stop.wait(MIN_PUBLISH_INTERVAL_S)  # what changes meanwhile goes next
+            self._send(self._snapshot())
+            self._stop.wait(MIN_PUBLISH_INTERVAL_S)  # what changes meanwhile goes next
 
     def close(self) -> None:
         """Stop publishing and withdraw this router's snapshot (best effort)."""

@@ -155,6 +155,66 @@ def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
     assert len(attempts) >= 2  # not cached as dead: each call resolves the actor again
 
 
+def test_the_board_view_counts_other_routers_even_with_empty_snapshots():
+    board = InflightBoard(FakeClock())
+    board.report("r1", 1, {}, ttl_s=10.0)
+    assert board.view("r2") == ({}, 1)
+    assert board.view("r1") == ({}, 0)
+
+
+class _BoardActor:
+    """The index actor's board methods, answered in this process (``ray.get`` patched to
+    pass values through), counting the round trips."""
+
+    def __init__(self, board: InflightBoard) -> None:
+        self.board = board
+        self.num_views = 0
+        outer = self
+
+        class _Method:
+            def __init__(self, fn):
+                self.remote = fn
+
+        def view(router_id):
+            outer.num_views += 1
+            return board.view(router_id)
+
+        self.peer_view = _Method(view)
+        self.report_inflight = _Method(board.report)
+
+
+def test_a_router_alone_on_the_board_skips_round_trips_until_another_router_reports(
+    monkeypatch,
+):
+    """One ingress replica: after one answer naming no other router, ``peers`` is ``{}``
+    without a round trip and changes are not published; once another router reports, the
+    next recheck sees it, and this router's in-flight requests reach the board at once."""
+    from cluster import inflight_board
+    from cluster.inflight_board import ActorBoardClient
+
+    monkeypatch.setattr(inflight_board.ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
+    board = InflightBoard()
+    actor = _BoardActor(board)
+    mine = {"x": ((1.0, 16, True),)}
+    client = ActorBoardClient(lambda: actor, lambda: mine, lookup_timeout_s=1.0)
+    try:
+        assert client.peers() == {} and actor.num_views == 1
+        assert client.peers() == {} and actor.num_views == 1  # alone: no round trip
+        client.changed()
+        time.sleep(0.1)
+        assert board.view("observer") == ({}, 0)  # nobody reads it: nothing published
+        board.report("other", 1, {"y": ((2.0, 8, True),)}, ttl_s=10.0)
+        assert client.peers() == {"y": ((2.0, 8, True),)} and actor.num_views == 2
+        deadline = time.monotonic() + 2.0
+        while board.peers("other") != mine:
+            assert time.monotonic() < deadline, "the router never published once seen"
+            time.sleep(0.01)
+        assert client.peers() == {"y": ((2.0, 8, True),)} and actor.num_views == 3
+    finally:
+        client.close()
+
+
 def test_views_count_the_decisions_made_after_the_stats_as_unreported():
     """A replica's stats carry the time they were taken (``as_of_s``): the in-flight requests
     decided later are the ones they do not show, whatever the counts say; without a time the

@@ -331,6 +331,9 @@ def test_the_routers_share_their_in_flight_requests_through_the_index_actor(
         )
         assert response.status_code == 200, response.text
 
+    # The observer reports too, as a router would: a router that sees no other one on the
+    # board publishes only its refreshes (cluster.inflight_board).
+    ray.get(actor.report_inflight.remote("an-observer", 1, {}, 120.0))
     most_seen = 0
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(generate, prompt) for prompt in prompts]
