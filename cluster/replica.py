@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import time
 
@@ -147,6 +148,23 @@ SHARED_KV_TTL_S = 30.0
 not removed it (it timed out or died first): well past ``cluster.kv_pull.KV_PULL_TIMEOUT_S``."""
 
 
+class _StreamState:
+    """What ``EngineReplica.generate`` keeps of one request's stream: shared by the call's
+    own loop and by the sink its pushed outputs go through (``EngineReplica._push``)."""
+
+    __slots__ = ("reported", "last_step_s", "pending", "seq")
+
+    def __init__(self) -> None:
+        self.reported: set[int] = set()
+        """Choices whose finish was already sent."""
+        self.last_step_s: float | None = None
+        """When the last output arrived (None before the first)."""
+        self.pending: RequestOutput | None = None
+        """Outputs held back to send ``stream_interval`` tokens at once."""
+        self.seq = 0
+        """The number the next output sent gets."""
+
+
 @serve.deployment
 class EngineReplica:
     """One engine; Serve runs ``num_replicas`` of these behind the ingress's handle."""
@@ -215,11 +233,8 @@ class EngineReplica:
         not the caller; ``push_to``: the calling ingress replica's address
         (``serve_compat.own_address``): the outputs between the first and the last go to it
         through its ``IngressChannel`` instead of this call (``cluster/ingress_channel.py``)."""
-        reported: set[int] = set()
-        last_step_s: float | None = None
-        pending: RequestOutput | None = None  # outputs held back to send stream_interval tokens
+        state = _StreamState()
         channel = None
-        seq = 0
         self._in_flight.add(request_id)
         try:
             if block_hashes:  # never raises: a failed pull means a prefill
@@ -235,17 +250,10 @@ class EngineReplica:
             )
             async with contextlib.aclosing(stream):
                 async for out in stream:
-                    now_s = time.monotonic()
-                    self._observe(out, now_s, last_step_s)
-                    pending = out if pending is None else coalesce(pending, out)
-                    is_first = last_step_s is None
-                    if not is_first and not self._due(pending):
-                        last_step_s = now_s
+                    is_first = state.last_step_s is None
+                    item = self._take(state, out)
+                    if item is None:  # held back: stream_interval tokens not reached
                         continue
-                    last_step_s = now_s
-                    item = output_to_dict(pending, self.replica_id, reported)
-                    item["seq"], seq = seq, seq + 1
-                    pending = None
                     if is_first:  # for the ingress's queue time: its TTFT less this
                         prefill_s = prefill_time_s(out.metrics)
                         if prefill_s is not None:
@@ -253,6 +261,10 @@ class EngineReplica:
                         yield item
                         if push_to is not None and not out.finished:
                             channel = self._channels.get(push_to)
+                        if channel is not None:  # the outputs up to the last: pushed
+                            self.engine.forward(
+                                request_id, functools.partial(self._push, state, channel)
+                            )
                     elif out.finished or channel is None or not channel.push(request_id, item):
                         if channel is not None:
                             await channel.flushed()  # what was pushed arrives first
@@ -276,6 +288,32 @@ class EngineReplica:
         if channel is not None:
             await channel.flushed()
         return rejection(self.replica_id, kind, message)
+
+    def _take(self, state: _StreamState, out: RequestOutput) -> dict | None:
+        """The dict to send for ``out`` (numbered, with what was held back before it), or
+        None while ``stream_interval`` holds it back; records the engine-side histograms."""
+        now_s = time.monotonic()
+        self._observe(out, now_s, state.last_step_s)
+        is_first = state.last_step_s is None
+        state.last_step_s = now_s
+        pending = out if state.pending is None else coalesce(state.pending, out)
+        if not is_first and not self._due(pending):
+            state.pending = pending
+            return None
+        state.pending = None
+        item = output_to_dict(pending, self.replica_id, state.reported)
+        item["seq"], state.seq = state.seq, state.seq + 1
+        return item
+
+    def _push(self, state: _StreamState, channel, out: RequestOutput) -> bool:
+        """``AsyncEngine.forward``'s sink for a request whose outputs go to ``channel``:
+        False once the channel broke (the output then streams through the handle call)."""
+        if channel.broken:
+            return False
+        item = self._take(state, out)
+        if item is not None:
+            channel.push(out.request_id, item)
+        return True
 
     def _due(self, pending: RequestOutput) -> bool:
         """Whether held-back outputs go now: the request ended, or a choice has

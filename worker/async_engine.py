@@ -13,7 +13,10 @@ Delivery
     A background thread receives each step's outputs and hands them to the callers' asyncio
     queues with one ``call_soon_threadsafe`` per event loop per step, not one per token.
     Callers never touch engine state, so a slow step never blocks the server's event loop and
-    a request can be added or aborted at any time.
+    a request can be added or aborted at any time. A caller that relays a request's outputs
+    elsewhere may ``forward`` them to a function instead: it is called on the caller's loop
+    in that same per-step callback, with no task woken per output; the request's last
+    output and any error still come through ``generate``.
 
 Failure model
     Bad input is rejected in ``generate`` (``ValueError``) before anything is queued. A full
@@ -34,7 +37,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from router.protocol import BlockHash, KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
@@ -50,6 +53,21 @@ log = logging.getLogger(__name__)
 
 MAX_BUFFERED_KV_BATCHES = 10_000
 """Undrained KV event batches kept; older ones are dropped (the index resyncs on a seq gap)."""
+
+
+Sink = Callable[[RequestOutput], bool]
+"""Takes one output of a forwarded request (``AsyncEngine.forward``); False hands it back."""
+
+
+class _Stream:
+    """Where one request's outputs go: the caller's loop and queue, or its ``sink``."""
+
+    __slots__ = ("loop", "queue", "sink")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop = loop
+        self.queue = queue
+        self.sink: Sink | None = None
 
 
 class AsyncEngine:
@@ -77,7 +95,7 @@ class AsyncEngine:
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
         self.tokenizer = self._core.tokenizer
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._kv_batches: deque[KVEventBatch] = deque(maxlen=MAX_BUFFERED_KV_BATCHES)
         self._stats = ReplicaStats()
         self._metrics: dict[str, float] = {"num_requests_waiting": 0}
@@ -118,9 +136,8 @@ class AsyncEngine:
             )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, out_q)
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), out_q)
         self._adds_sent += 1
         self._core.submit(
             ("add", request_id, list(prompt_token_ids), params, cache_salt, list(resume_token_ids))
@@ -148,6 +165,22 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._core.submit(("abort", request_id))
+
+    def forward(self, request_id: str, sink: Sink) -> None:
+        """From now on ``sink(output)`` takes each output of ``request_id`` that does not
+        finish it, called on the loop iterating its ``generate`` (call this from there),
+        instead of ``generate`` yielding it. The finishing output and any error still come
+        through ``generate``. Outputs already waiting go to ``sink`` first, in order. When
+        ``sink`` returns False (or raises), that output and every later one go through
+        ``generate`` again."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        waiting = []
+        while not stream.queue.empty():
+            waiting.append(stream.queue.get_nowait())
+        stream.sink = sink
+        _put_all([(stream, item) for item in waiting])
 
     async def export_prefix(
         self,
@@ -259,10 +292,9 @@ class AsyncEngine:
         self._flush(deliveries)
 
     def _route(self, request_id: str, item, deliveries: dict) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, out_q = target
-            deliveries.setdefault(loop, []).append((out_q, item))
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            deliveries.setdefault(stream.loop, []).append((stream, item))
 
     def _flush(self, deliveries: dict) -> None:
         for loop, items in deliveries.items():
@@ -304,6 +336,16 @@ def _settle(future: asyncio.Future, answer: object) -> None:
             future.set_result(answer)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for out_q, item in items:
-        out_q.put_nowait(item)
+def _put_all(items: list[tuple[_Stream, object]]) -> None:
+    """On the streams' loop: each item to its stream's sink (``AsyncEngine.forward``) when it
+    has one and the item is an output that does not finish the request, else to its queue."""
+    for stream, item in items:
+        sink = stream.sink
+        if sink is not None and isinstance(item, RequestOutput) and not item.finished:
+            try:
+                if sink(item):
+                    continue
+            except Exception:  # a broken sink must not cost the other requests their outputs
+                log.exception("the sink of request %s failed; streaming it", item.request_id)
+            stream.sink = None
+        stream.queue.put_nowait(item)

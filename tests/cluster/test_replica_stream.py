@@ -59,3 +59,94 @@ def test_messages_carry_interval_tokens_first_and_last_at_once(interval, sizes):
     assert [t for c in choices for t in c["new_token_ids"]] == [100 + i for i in range(NUM_TOKENS)]
     assert "".join(c["new_text"] for c in choices) == choices[-1]["text"]
     assert out[-1]["finished"] and choices[-1]["finish_reason"] == "length"
+
+
+# -- pushed outputs: the engine's sink feeds the ingress channel (AsyncEngine.forward) -------
+PUSH_TO = {"app": "a", "deployment": "Ingress", "replica_id": "ingress-1"}
+
+
+def engine_replica(model: str, stream_interval: int, deliver):
+    """An ``EngineReplica`` over a real engine in a thread of this process, its channels
+    delivering through ``deliver`` (the ingress's ``deliver`` stand-in)."""
+    from cluster.ingress_channel import IngressChannels
+    from worker.async_engine import AsyncEngine
+    from worker.config import EngineConfig
+
+    self = replica(stream_interval)
+    self.engine = AsyncEngine(EngineConfig(model=model, num_kv_blocks=64), "r0", spawn=False)
+    self._channels = IngressChannels(lambda address: deliver)
+    return self
+
+
+async def pushed_run(model: str, stream_interval: int, break_after: int | None = None):
+    """(what the call yielded, what was pushed, in order): ``break_after`` deliveries go
+    through, then the ingress is gone (the call raises)."""
+    pushed: list[dict] = []
+    calls = 0
+
+    async def deliver(batch):
+        nonlocal calls
+        calls += 1
+        if break_after is not None and calls > break_after:
+            raise ConnectionError("ingress replica is gone")
+        await asyncio.sleep(0)  # an actor call returns on a later loop turn
+        pushed.extend(item for _, item in batch)
+
+    r = engine_replica(model, stream_interval, deliver)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    try:
+        yielded = [m async for m in r.generate("req", [5, 6, 7, 8], params, push_to=PUSH_TO)]
+    finally:
+        r._channels.close()
+        await r.engine.shutdown()
+    return yielded, pushed
+
+
+def _tokens(messages: list[dict]) -> list[int]:
+    return [t for m in messages for c in m["outputs"] for t in c["new_token_ids"]]
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_pushed_outputs_go_through_the_channel_between_the_first_and_the_last(
+    tiny_models, interval
+):
+    """The call yields the first output and the last; every output between goes to the
+    channel, once each, numbered in order, and together they are the unpushed stream's."""
+    direct = asyncio.run(_direct_run(tiny_models["llama"], interval))
+    yielded, pushed = asyncio.run(pushed_run(tiny_models["llama"], interval))
+    assert len(yielded) == 2 and pushed
+    stream = sorted(yielded + pushed, key=lambda m: m["seq"])
+    assert [m["seq"] for m in stream] == list(range(len(stream)))
+    assert yielded[-1]["seq"] == len(stream) - 1 and yielded[-1]["finished"]
+    assert _tokens(stream) == _tokens(direct) and len(_tokens(stream)) == 24
+    assert [len(c["new_token_ids"]) for m in stream for c in m["outputs"]] == [
+        len(c["new_token_ids"]) for m in direct for c in m["outputs"]
+    ]
+
+
+def test_a_channel_that_breaks_mid_stream_hands_the_rest_back_to_the_call(tiny_models):
+    """The ingress is gone after one delivery: what it got plus what the call yields after
+    is still the whole stream in order, with nothing pushed twice."""
+    direct = asyncio.run(_direct_run(tiny_models["llama"], 1))
+    yielded, pushed = asyncio.run(pushed_run(tiny_models["llama"], 1, break_after=1))
+    assert len(yielded) > 2  # the outputs after the break came through the call
+    seqs = sorted(m["seq"] for m in yielded + pushed)
+    assert seqs[0] == 0 and len(set(seqs)) == len(seqs)
+    delivered = sorted(yielded + pushed, key=lambda m: m["seq"])
+    lost = len(direct) - len(delivered)  # the batch in flight when it broke
+    assert lost >= 0
+    assert _tokens(delivered) == [
+        t for m in direct if m["seq"] in set(seqs) for c in m["outputs"] for t in c["new_token_ids"]
+    ]
+
+
+async def _direct_run(model: str, stream_interval: int) -> list[dict]:
+    async def never(batch):
+        raise AssertionError("nothing is pushed without push_to")
+
+    r = engine_replica(model, stream_interval, never)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    try:
+        return [m async for m in r.generate("req", [5, 6, 7, 8], params)]
+    finally:
+        await r.engine.shutdown()
