@@ -12,7 +12,8 @@ with ``get_if_exists``, and it is registered with the Serve controller so that
 report (the application was deleted) it ends itself.
 
 ``ActorIndexClient`` is a synchronous ``PrefixIndex`` over the actor, for threads that may
-block (the router's lookup thread, the replica's publisher thread): lookups wait at most
+block (the replica's publisher thread, the speculative writer), with ``match_async`` for
+the router's lookup, awaited on its event loop: lookups wait at most
 ``RouterConfig.redis_socket_timeout_s`` (at least ``MIN_ACTOR_LOOKUP_TIMEOUT_S``) and
 writes ``redis_write_timeout_s``.
 
@@ -24,6 +25,7 @@ grows, which tells a replica's publisher to re-announce everything it holds.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -183,6 +185,27 @@ class ActorIndexClient:
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
         return self._call("match", self.lookup_timeout_s, list(block_hashes))
+
+    async def match_async(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
+        """``match`` awaited on the caller's event loop: the router's lookup without a thread
+        hop. Until the actor is resolved (first call, or after a failure) the lookup runs in
+        a worker thread, since resolving it blocks on the GCS."""
+        actor = self._actor
+        if actor is None:
+            return await asyncio.to_thread(self.match, block_hashes)
+        try:
+            ref = actor.match.remote(list(block_hashes))
+            return await asyncio.wait_for(ref, self.lookup_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise IndexUnavailableError(
+                f"index actor match took over {self.lookup_timeout_s}s"
+            ) from exc
+        except (ray.exceptions.RayActorError, ValueError) as exc:
+            with self._lock:
+                self._actor = None
+            raise IndexUnavailableError(f"index actor unreachable: {exc!r}") from exc
+        except ray.exceptions.RayError as exc:
+            raise IndexUnavailableError(f"index actor call failed: {exc!r}") from exc
 
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
         return self._call("heartbeat", self.write_timeout_s, replica_id, epoch, now)

@@ -36,6 +36,7 @@ dropped, and the next change or refresh sends the whole snapshot again.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -141,6 +142,9 @@ class LocalBoardClient:
     def peers(self) -> InflightSnapshot:
         return self._board.peers(self.router_id)
 
+    async def peers_async(self) -> InflightSnapshot:
+        return self.peers()
+
     def close(self) -> None:
         self._board.report(self.router_id, next(self._seq), {}, BOARD_TTL_S)
 
@@ -210,6 +214,29 @@ class ActorBoardClient:
         if self._down:
             self._down = False
             log.warning("in-flight board reachable again")
+        return self._answered(answer, num_others)
+
+    async def peers_async(self) -> InflightSnapshot | None:
+        """``peers`` awaited on the caller's event loop (no thread, no blocking ``ray.get``);
+        a worker thread only while the actor is unresolved (resolving it blocks)."""
+        if self._alone and time.monotonic() < self._recheck_at_s:
+            return {}
+        actor = self._actor
+        if actor is None:
+            return await asyncio.to_thread(self.peers)
+        try:
+            ref = actor.peer_view.remote(self.router_id)
+            answer, num_others = await asyncio.wait_for(ref, self._lookup_timeout_s)
+        except Exception as exc:  # any Ray failure or the timeout: decide without the peers
+            self._failed("lookup", exc)
+            return None
+        if self._down:
+            self._down = False
+            log.warning("in-flight board reachable again")
+        return self._answered(answer, num_others)
+
+    def _answered(self, answer: InflightSnapshot, num_others: int) -> InflightSnapshot:
+        """Notes whether other routers read the board (module docstring); returns ``answer``."""
         was_alone, self._alone = self._alone, num_others == 0
         if self._alone:
             self._recheck_at_s = time.monotonic() + ALONE_RECHECK_S

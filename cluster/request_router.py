@@ -20,14 +20,14 @@ With ``kv_pull_tokens_per_s`` set, a choice priced with a pull from a peer (``De
 (``kv_pull_order``) before Serve sends it, so the chosen replica pulls what it was priced
 with (``EngineReplica.generate``); each routing attempt rewrites or removes it.
 
-How it fails: the lookup runs in a worker thread with a short timeout (see
-``cluster.index_actor``); an unreachable index makes the decision by load alone, logged
-once and counted (reason ``fallback``) until the index answers again. With the Redis
-backend the Redis keys are namespaced by model, which this router learns from the
-replicas' routing stats; until a replica has reported, the policy decides without matches
-(by load; the ``prefix`` policy then settles ties by rendezvous on the first block). An
-unreachable in-flight board leaves each router counting only its own in-flight requests
-(logged once).
+How it fails: the lookup is awaited on Serve's event loop (a worker thread for a Redis
+index) with a short timeout (see ``cluster.index_actor``); an unreachable index makes the
+decision by load alone, logged once and counted (reason ``fallback``) until the index
+answers again. With the Redis backend the Redis keys are namespaced by model, which this
+router learns from the replicas' routing stats; until a replica has reported, the policy
+decides without matches (by load; the ``prefix`` policy then settles ties by rendezvous on
+the first block). An unreachable in-flight board leaves each router counting only its own
+in-flight requests (logged once).
 ``router_metrics_snapshot`` returns this process's router metrics for ``/metrics``.
 """
 
@@ -191,7 +191,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         """The other routers' in-flight requests; ``{}`` for a router outside a Serve
         deployment (it has no peers), None when the board does not answer."""
         board = self._get_board()
-        return {} if board is None else await asyncio.to_thread(board.peers)
+        return {} if board is None else await board.peers_async()
 
     def _views(
         self, replicas: list[RunningReplica], peers: dict | None = None
@@ -239,10 +239,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         hashes, num_prompt_tokens = request_blocks(pending_request)
         router = self._get_router(candidate_replicas)
         lookup = Lookup({})
-        if router is not None and hashes:  # index and board round trips, together, off the loop
-            lookup, peers = await asyncio.gather(
-                asyncio.to_thread(router.lookup, hashes), self._peer_inflight()
-            )
+        if router is not None and hashes:  # index and board round trips, together
+            lookup, peers = await asyncio.gather(router.lookup_async(hashes), self._peer_inflight())
         else:
             peers = await self._peer_inflight()
         # From here to the ledger entry nothing awaits: concurrent decisions (a burst) each

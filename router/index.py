@@ -23,6 +23,7 @@ and probes again every ``redis_retry_interval_s`` until the store answers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -156,6 +157,25 @@ class FallbackIndex:
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
         return self.match_or_none(block_hashes) or {}
+
+    async def match_or_none_async(
+        self, block_hashes: Sequence[BlockHash]
+    ) -> dict[ReplicaId, Match] | None:
+        """``match_or_none`` without blocking the caller's event loop: awaited on it when the
+        store has a ``match_async`` (the index actor's client: one awaited call, no thread),
+        else ``match_or_none`` in a worker thread."""
+        match_async = getattr(self.inner, "match_async", None)
+        if match_async is None:
+            return await asyncio.to_thread(self.match_or_none, block_hashes)
+        if not self._should_try():
+            return None
+        try:
+            result = await match_async(block_hashes)
+        except IndexUnavailableError as exc:
+            self._failed(exc)
+            return None
+        self._succeeded()
+        return result
 
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
         return self._call(self.inner.apply, batch, default=ApplyOutcome.IGNORED)

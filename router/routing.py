@@ -186,6 +186,16 @@ class Router:
         self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
         return Lookup(matches, mark)
 
+    async def lookup_async(self, block_hashes: Sequence[BlockHash]) -> Lookup:
+        """``lookup`` awaited on the caller's event loop (``FallbackIndex.match_or_none_async``)."""
+        if not block_hashes:
+            return Lookup({})
+        mark = self._recent.landed_mark() if self._recent is not None else None
+        start_s = time.perf_counter()
+        matches = await self.index.match_or_none_async(block_hashes)
+        self.metrics.record_lookup((time.perf_counter() - start_s) * 1000.0)
+        return Lookup(matches, mark)
+
     def decide(
         self,
         block_hashes: Sequence[BlockHash],

@@ -215,6 +215,51 @@ def test_a_router_alone_on_the_board_skips_round_trips_until_another_router_repo
         client.close()
 
 
+def test_awaited_board_reads_skip_round_trips_while_alone_and_time_out_to_none(monkeypatch):
+    """``peers_async`` (what the request router awaits on Serve's loop): the same answers as
+    ``peers`` without a thread once the actor is known, ``{}`` with no call while alone, and
+    None when the board does not answer in time."""
+    from cluster import inflight_board
+    from cluster.inflight_board import ActorBoardClient
+
+    board = InflightBoard()
+    calls = []
+    stall = False
+
+    class Actor:
+        class peer_view:  # noqa: N801 - the actor method's name
+            @staticmethod
+            async def remote(router_id):
+                calls.append(router_id)
+                if stall:
+                    await asyncio.sleep(10)
+                return board.view(router_id)
+
+        class report_inflight:  # noqa: N801
+            @staticmethod
+            def remote(*args):
+                board.report(*args)
+
+    monkeypatch.setattr(inflight_board.ray, "get", lambda ref, timeout=None: asyncio.run(ref))
+    monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
+    client = ActorBoardClient(lambda: Actor, dict, lookup_timeout_s=0.2)
+
+    async def main():
+        nonlocal stall
+        assert await client.peers_async() == {} and len(calls) == 1  # resolves the actor
+        assert await client.peers_async() == {} and len(calls) == 1  # alone: no call
+        board.report("other", 1, {"y": ((2.0, 8, True),)}, ttl_s=10.0)
+        await asyncio.sleep(0.06)
+        assert await client.peers_async() == {"y": ((2.0, 8, True),)} and len(calls) == 2
+        stall = True
+        assert await client.peers_async() is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+
+
 def test_views_count_the_decisions_made_after_the_stats_as_unreported():
     """A replica's stats carry the time they were taken (``as_of_s``): the in-flight requests
     decided later are the ones they do not show, whatever the counts say; without a time the

@@ -193,3 +193,70 @@ def test_a_failing_speculative_write_is_logged_and_flush_returns(redis_url, capl
     assert len([r for r in caplog.records if "speculative entry" in r.getMessage()]) == 2
     router.close()
     index.close()
+
+
+class _AwaitableIndex:
+    """An ``EmbeddedIndex`` whose lookups are awaited (as the index actor's client's are),
+    failing while ``down``; counts the awaited lookups."""
+
+    def __init__(self) -> None:
+        self.inner = EmbeddedIndex()
+        self.down = False
+        self.num_awaited = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def match_async(self, block_hashes):
+        from router.index_types import IndexUnavailableError
+
+        self.num_awaited += 1
+        if self.down:
+            raise IndexUnavailableError("index actor match took over 0.2s")
+        return self.inner.match(block_hashes)
+
+
+def test_an_awaited_lookup_matches_the_blocking_one_and_falls_back_when_down():
+    import asyncio
+
+    monotonic = FakeClock()
+    store = _AwaitableIndex()
+    router = Router(
+        CONFIG,
+        MODEL_ID,
+        index=FallbackIndex(store, retry_interval_s=1.0, clock=monotonic),
+        speculate_in_background=False,
+    )
+    blocks = router.hash_prompt(prompt(16))
+    for rid in ("a", "b"):
+        router.index.heartbeat(rid, 0)
+    router.index.apply(batch("a", 0, stored(blocks)))
+    awaited = asyncio.run(router.lookup_async(blocks))
+    assert awaited.matches == router.lookup(blocks).matches
+    assert awaited.matches["a"].device_blocks == len(blocks)
+    assert store.num_awaited == 1
+    store.down = True
+    assert asyncio.run(router.lookup_async(blocks)).matches is None  # by load: fallback
+    assert asyncio.run(router.lookup_async(blocks)).matches is None
+    assert store.num_awaited == 2  # down: not asked again before the retry interval
+    store.down = False
+    monotonic.advance(1.1)
+    assert asyncio.run(router.lookup_async(blocks)).matches["a"].device_blocks == len(blocks)
+    assert router.metrics.snapshot()["num_index_errors"] == 1
+
+
+def test_an_index_without_an_awaitable_lookup_is_asked_in_a_worker_thread():
+    import asyncio
+    import threading
+
+    threads = []
+
+    class Blocking(EmbeddedIndex):
+        def match(self, block_hashes):
+            threads.append(threading.current_thread())
+            return super().match(block_hashes)
+
+    router = Router(CONFIG, MODEL_ID, index=Blocking(), speculate_in_background=False)
+    blocks = router.hash_prompt(prompt(16))
+    assert asyncio.run(router.lookup_async(blocks)).matches == {}
+    assert threads and threads[0] is not threading.main_thread()
