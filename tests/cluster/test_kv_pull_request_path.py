@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from types import SimpleNamespace
 
-from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
 
 from cluster.kv_publisher import ReplicaKVPublisher
@@ -23,7 +21,7 @@ from cluster.request_router import PrefixAwareRequestRouter
 from router.embedded_index import EmbeddedIndex
 from router.protocol import hash_blocks
 from router.routing import Router
-from tests.cluster.test_replica_kv_pull import PARAMS, PeerHandle, replica
+from tests.cluster.helpers import PARAMS, PeerHandle, pending, replica, running
 from worker.config import EngineConfig
 
 BLOCK_SIZE = 16
@@ -69,20 +67,6 @@ def with_puller(r, peers: dict, timeout_s: float = 5.0):
         r.replica_id, BLOCK_SIZE, r.pull_prefix, resolve, r.metrics, timeout_s
     )
     return r
-
-
-def running(unique_id: str, **stats) -> SimpleNamespace:
-    """What the request router reads of a Serve ``RunningReplica``."""
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id), routing_stats=stats)
-
-
-def pending(request_id: str, prompt: list[int], hashes: list[bytes]) -> PendingRequest:
-    """The ingress's ``generate.remote(...)`` call as Serve hands it to the router."""
-    return PendingRequest(
-        args=[request_id, prompt, PARAMS],
-        kwargs={"cache_salt": None, "block_hashes": hashes},
-        metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id),
-    )
 
 
 def request_router(model_id: str, index: EmbeddedIndex) -> PrefixAwareRequestRouter:
@@ -223,7 +207,8 @@ def test_a_request_waits_for_its_pulls_import_to_be_queued_not_answered(tiny_mod
 
 
 def test_kv_pull_flag_turns_pulls_on_at_the_given_rate():
-    from cluster.cli import args_from_namespace, build_parser
+    from cluster.cli import build_parser
+    from cluster.cli_options import args_from_namespace
     from cluster.config import configs_from_args
 
     def router_config(*argv):

@@ -9,29 +9,9 @@ import asyncio
 import pickle
 import random
 
-from cluster.metrics import ReplicaMetrics
-from cluster.replica import EngineReplica
 from router.protocol import hash_blocks
-from worker.async_engine import AsyncEngine
+from tests.cluster.helpers import PARAMS, PeerHandle, Remote, replica
 from worker.config import EngineConfig
-from worker.sampling_params import SamplingParams
-
-PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-
-
-class Remote:
-    def __init__(self, fn):
-        self._fn = fn
-
-    async def remote(self, *args):
-        return pickle.loads(pickle.dumps(await self._fn(*args)))
-
-
-class PeerHandle:
-    """What ``pull_prefix`` needs of a handle: ``export_prefix.remote(...)``, awaitable."""
-
-    def __init__(self, replica):
-        self.export_prefix = Remote(replica.export_prefix)
 
 
 class GonePeer:
@@ -40,18 +20,6 @@ class GonePeer:
             raise ConnectionError("peer replica is gone")
 
         self.export_prefix = Remote(fail)
-
-
-def replica(config: EngineConfig, replica_id: str):
-    self = object.__new__(EngineReplica.func_or_class)
-    self.engine = AsyncEngine(config, replica_id, spawn=False)
-    self.replica_id, self.metrics, self._in_flight, self.stream_interval = (
-        replica_id,
-        ReplicaMetrics(),
-        set(),
-        1,
-    )
-    return self
 
 
 def test_a_replica_pulls_a_prefix_from_its_peer(tiny_models, test_seed):

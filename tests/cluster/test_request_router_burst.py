@@ -18,7 +18,7 @@ from cluster.request_router import PrefixAwareRequestRouter, pooled_prefill_rate
 from router.embedded_index import EmbeddedIndex
 from router.protocol import ReplicaStats, hash_blocks
 from router.routing import Router
-from tests.cluster.test_kv_pull_request_path import pending, running
+from tests.cluster.helpers import pending, running
 
 BLOCK_SIZE = 16
 MODEL_ID = "burst-model"

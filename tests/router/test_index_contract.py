@@ -6,31 +6,10 @@ import pickle
 
 import pytest
 
-from router.index import Match
+from router.index_types import Match
 from router.liveness import ApplyOutcome
-from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
-
-BLOCK_SIZE = 16
-
-
-def chain(num_blocks: int, first_token: int = 0) -> list[bytes]:
-    tokens = [first_token + i for i in range(num_blocks * BLOCK_SIZE)]
-    return hash_blocks(tokens, BLOCK_SIZE, "test-model")
-
-
-def stored(hashes, tier=Tier.DEVICE) -> KVEvent:
-    return KVEvent(EventKind.STORED, tuple(hashes), tier)
-
-
-def removed(hashes, tier=Tier.DEVICE) -> KVEvent:
-    return KVEvent(EventKind.REMOVED, tuple(hashes), tier)
-
-
-CLEARED = KVEvent(EventKind.CLEARED)
-
-
-def batch(replica_id: str, seq: int, *events: KVEvent, epoch: int = 0) -> KVEventBatch:
-    return KVEventBatch(replica_id, seq, tuple(events), replica_epoch=epoch)
+from router.protocol import Tier
+from tests.router.helpers import CLEARED, batch, chain, removed, stored
 
 
 def test_match_counts_leading_consecutive_device_blocks(make_index):

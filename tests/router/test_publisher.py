@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from router.index import Match
+from router.index_types import Match
 from router.liveness import ApplyOutcome
 from router.publisher import KVEventPublisher
 from tests.router.conftest import FakeClock
-from tests.router.test_index_contract import CLEARED, batch, chain, stored
+from tests.router.helpers import CLEARED, batch, chain, stored
 
 
 def test_publish_applies_in_run_once_and_heartbeats(make_index, clock):

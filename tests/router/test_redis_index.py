@@ -8,11 +8,12 @@ import pytest
 import redis
 
 from router.config import RouterConfig
-from router.index import IndexUnavailableError, Match, make_index
+from router.index import make_index
+from router.index_types import IndexUnavailableError, Match
 from router.protocol import EventKind, KVEvent, KVEventBatch
 from router.redis_index import RedisIndex
 from tests.ports import free_port
-from tests.router.test_index_contract import batch, chain, stored
+from tests.router.helpers import batch, chain, stored
 
 pytestmark = pytest.mark.redis
 

@@ -11,11 +11,11 @@ import time
 import pytest
 import redis
 
-from router.index import IndexUnavailableError, Match
+from router.index_types import IndexUnavailableError, Match
 from router.redis_index import REDIS_PASSWORD_ENV, RedisIndex
 from tests.ports import free_port
 from tests.router.conftest import REDIS_BINARY
-from tests.router.test_index_contract import batch, chain, stored
+from tests.router.helpers import batch, chain, stored
 
 PASSWORD = "tenant-secret"
 # A TLS handshake on a loaded 2-core machine: far slower than the index's 50 ms default.

@@ -9,14 +9,15 @@ import pytest
 
 from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
-from router.index import FallbackIndex, Match
+from router.index import FallbackIndex
+from router.index_types import Match
 from router.liveness import ApplyOutcome
 from router.policy import ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
 from router.redis_index import RedisIndex
 from router.routing import Router
 from tests.router.conftest import FakeClock
-from tests.router.test_index_contract import CLEARED, batch, stored
+from tests.router.helpers import CLEARED, batch, stored
 
 MODEL_ID = "router-model"
 CONFIG = RouterConfig(block_size=16)

@@ -1,9 +1,14 @@
-"""Test helpers: transformers as the reference, and a way to read our engine's prompt logits."""
+"""Test helpers: transformers as the reference, a way to read our engine's prompt logits, and
+a model laid out in the Hugging Face cache as huggingface_hub writes it."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
+from tests.worker.fake_hub import FakeRepo
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.sampling_params import SamplingParams
@@ -117,3 +122,14 @@ def staggered_run(engine: LLMEngine, lengths: list[int]) -> dict[str, list[int]]
             break
     assert len(tokens) == len(lengths)
     return tokens
+
+
+def lay_out_cache(cache: Path, repo_id: str, folder: str, revision: str = "main") -> Path:
+    """The Hugging Face cache layout of one snapshot, as huggingface_hub writes it."""
+    storage = cache / ("models--" + repo_id.replace("/", "--"))
+    sha = FakeRepo.sha(revision)
+    snapshot = storage / "snapshots" / sha
+    shutil.copytree(folder, snapshot)
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    (storage / "refs" / revision).write_text(sha)
+    return snapshot

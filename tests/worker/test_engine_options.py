@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.worker.helpers import AUTO_HERE
-from tests.worker.test_hub import lay_out_cache
+from tests.worker.helpers import AUTO_HERE, lay_out_cache
 from worker.config import EngineConfig, resolve_device, resolve_dtype
 from worker.engine import LLMEngine
 from worker.generation_defaults import (

@@ -9,13 +9,12 @@ Face cache layout (``models--org--tiny/snapshots/<sha>/``, ``refs/main``) with
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.worker.fake_hub import FakeHub, FakeRepo, folder_files
-from tests.worker.helpers import AUTO_HERE, run
+from tests.worker.helpers import AUTO_HERE, lay_out_cache, run
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.hub import looks_like_repo_id, select_files
@@ -63,17 +62,6 @@ def fake_hub(hub_env, tiny_folder):
     hub_env.setenv("HF_ENDPOINT", hub.url)
     yield hub
     hub.close()
-
-
-def lay_out_cache(cache: Path, repo_id: str, folder: str, revision: str = "main") -> Path:
-    """The Hugging Face cache layout of one snapshot, as huggingface_hub writes it."""
-    storage = cache / ("models--" + repo_id.replace("/", "--"))
-    sha = FakeRepo.sha(revision)
-    snapshot = storage / "snapshots" / sha
-    shutil.copytree(folder, snapshot)
-    (storage / "refs").mkdir(parents=True, exist_ok=True)
-    (storage / "refs" / revision).write_text(sha)
-    return snapshot
 
 
 def greedy_tokens(config: EngineConfig) -> tuple[LLMEngine, list[int]]:

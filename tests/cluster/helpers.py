@@ -1,0 +1,60 @@
+"""Helpers of the cluster tests that run without Ray: replica objects over real engines, a
+stand-in for a peer replica's handle, and what Serve hands the request router (a pending
+call, a running replica)."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+from ray.serve._private.common import RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from cluster.metrics_snapshots import ReplicaMetrics
+from cluster.replica import EngineReplica
+from worker.async_engine import AsyncEngine
+from worker.config import EngineConfig
+from worker.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+
+class Remote:
+    def __init__(self, fn):
+        self._fn = fn
+
+    async def remote(self, *args):
+        return pickle.loads(pickle.dumps(await self._fn(*args)))
+
+
+class PeerHandle:
+    """What ``pull_prefix`` needs of a handle: ``export_prefix.remote(...)``, awaitable."""
+
+    def __init__(self, replica):
+        self.export_prefix = Remote(replica.export_prefix)
+
+
+def replica(config: EngineConfig, replica_id: str):
+    self = object.__new__(EngineReplica.func_or_class)
+    self.engine = AsyncEngine(config, replica_id, spawn=False)
+    self.replica_id, self.metrics, self._in_flight, self.stream_interval = (
+        replica_id,
+        ReplicaMetrics(),
+        set(),
+        1,
+    )
+    return self
+
+
+def running(unique_id: str, **stats) -> SimpleNamespace:
+    """What the request router reads of a Serve ``RunningReplica``."""
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id), routing_stats=stats)
+
+
+def pending(request_id: str, prompt: list[int], hashes: list[bytes]) -> PendingRequest:
+    """The ingress's ``generate.remote(...)`` call as Serve hands it to the router."""
+    return PendingRequest(
+        args=[request_id, prompt, PARAMS],
+        kwargs={"cache_salt": None, "block_hashes": hashes},
+        metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id),
+    )
