@@ -37,7 +37,7 @@ from cluster.inflight_board import InflightBoard, InflightSnapshot
 from cluster.serve_compat import check_serve_internals, register_shutdown_cleanup, serve_namespace
 from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
-from router.index import IndexUnavailableError, Match, ReplicaId
+from router.index_types import IndexUnavailableError, Match, ReplicaId
 from router.liveness import ApplyOutcome
 from router.protocol import BlockHash, KVEventBatch
 

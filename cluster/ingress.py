@@ -10,8 +10,8 @@ status; with ``expose_replica_headers`` the serving replica goes out in the
 ``x-prefixserve-replica`` header. Failures
 after the stream started end it with an ``error`` event and ``[DONE]``. A client that goes
 away cancels the handle calls, which aborts the engine requests and frees their blocks.
-Each replica times its requests (``cluster.metrics.IngressMetrics``: TTFT, queue time, e2e,
-finish reasons) and pushes the counts to the metrics hub; ``/metrics`` on any replica
+Each replica times its requests (``cluster.metrics_snapshots.IngressMetrics``: TTFT, queue time,
+e2e, finish reasons) and pushes the counts to the metrics hub; ``/metrics`` on any replica
 shows their sum.
 Several ingress replicas may run; ``x-prefixserve-ingress`` names the one that answered. Each
 replica's app gets ``ClusterConfig.root_path`` and, with ``allowed_origins``, CORS.
@@ -39,13 +39,9 @@ from cluster.anthropic_messages import MessageEvents, MessagesRequest, message_o
 from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.engine_client import EngineClient, check_item
 from cluster.errors import APIError
-from cluster.metrics import (
-    METRICS_PUSH_PERIOD_S,
-    IngressMetrics,
-    any_replica_serving,
-    render_prometheus,
-    sum_ingress_snapshots,
-)
+from cluster.metrics import METRICS_PUSH_PERIOD_S, any_replica_serving
+from cluster.metrics_render import render_prometheus
+from cluster.metrics_snapshots import IngressMetrics, sum_ingress_snapshots
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,

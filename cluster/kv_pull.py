@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from cluster.metrics import ReplicaMetrics
+from cluster.metrics_snapshots import ReplicaMetrics
 
 log = logging.getLogger("ray.serve")
 

@@ -62,13 +62,14 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
             prepare_weight=pack_weight,
         )
     from kernels import triton_ops
+    from kernels.triton_common import patch_interpreter
 
     if not triton_ops.triton_available():
         raise ValueError(
             "kernel backend 'triton' needs the triton package and a CUDA device "
             "(or TRITON_INTERPRET=1)"
         )
-    triton_ops.patch_interpreter()
+    patch_interpreter()
 
     def attention(q: torch.Tensor, kc, vc, meta, scale: float) -> torch.Tensor:
         return triton_ops.paged_attention(

@@ -10,8 +10,8 @@ Where the kernels run
     On a CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set
     before the kernel modules are imported), which is how the tests run without a GPU. The
     argument checks and the interpreter's fixes (``patch_interpreter``) live in
-    ``kernels/triton_common.py``, which the kernel modules import instead of this facade;
-    they stay importable from here.
+    ``kernels/triton_common.py``, which the kernel modules (and anyone else) import them
+    from, not from this facade.
 
 How it fails
     Without triton, or without CUDA and without the interpreter, every op raises
@@ -24,14 +24,7 @@ import importlib.util
 
 import torch
 
-from kernels.triton_common import (
-    FLOAT_DTYPES,
-    check_tensor,
-    interpreting,
-    num_sms,
-    output_or_new,
-    patch_interpreter,
-)
+from kernels.triton_common import interpreting
 
 __all__ = [
     "store_kv",
@@ -40,13 +33,6 @@ __all__ = [
     "rotary",
     "matmul",
     "triton_available",
-    # Re-exported from kernels/triton_common.py, where the kernel modules import them from.
-    "FLOAT_DTYPES",
-    "check_tensor",
-    "interpreting",
-    "num_sms",
-    "output_or_new",
-    "patch_interpreter",
 ]
 
 

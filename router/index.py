@@ -2,7 +2,7 @@
 
 Owns the ``PrefixIndex`` protocol, the ``FallbackIndex`` wrapper and the ``make_index``
 factory. Its value types (``Match``, ``IndexUnavailableError``, ``ReplicaId``, ``Clock``) live
-in ``router/index_types.py``, which the backends import, and are re-exported here. Two
+in ``router/index_types.py``: import them from there, as the backends do. Two
 backends implement the protocol: ``embedded_index.EmbeddedIndex`` (in-process, the default;
 the cluster hosts one instance in a Ray actor) and ``redis_index.RedisIndex``.
 
@@ -38,16 +38,7 @@ from router.protocol import BlockHash, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "PrefixIndex",
-    "FallbackIndex",
-    "make_index",
-    # Re-exported from router/index_types.py, where the backends import them from.
-    "Clock",
-    "IndexUnavailableError",
-    "Match",
-    "ReplicaId",
-]
+__all__ = ["PrefixIndex", "FallbackIndex", "make_index"]
 
 
 @runtime_checkable

@@ -4,7 +4,7 @@ and ``Clock``.
 ``router/index.py`` (the ``PrefixIndex`` protocol, ``FallbackIndex``, ``make_index``) imports
 the backends (``embedded_index``, ``redis_index``) lazily, and the backends take these types
 from here, never from ``router/index.py``, so no import cycle runs through the package.
-``router/index.py`` re-exports all four: import them from either.
+Everything else imports them from here too.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from router.index import Clock, IndexUnavailableError, PrefixIndex
+from router.index import PrefixIndex
+from router.index_types import Clock, IndexUnavailableError
 from router.liveness import ApplyOutcome
 from router.protocol import KVEventBatch
 

@@ -23,7 +23,7 @@ Failure modes: if ``router.policy`` is missing or its interface changed, constru
 from __future__ import annotations
 
 from router.config import RouterConfig
-from router.index import Match
+from router.index_types import Match
 from router.policies import make_policy
 from router.policy import ReplicaView
 from router.protocol import HASH_NUM_BYTES, ReplicaStats

@@ -234,7 +234,7 @@ def test_arguments_defaults_and_quick():
 
 def test_serving_replicas_counts_the_engine_replicas_in_metrics():
     from bench.cluster_process import serving_replicas
-    from cluster.metrics import render_prometheus
+    from cluster.metrics_render import render_prometheus
 
     assert serving_replicas(render_prometheus({}, {}).decode()) == 0
     replicas = {"k78xttnw": {"model_name": "smollm2"}, "kvs1tr9q": {"model_name": "smollm2"}}

@@ -15,15 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import metrics
-from cluster.cli import args_from_namespace, build_parser
+from cluster.cli import build_parser
+from cluster.cli_options import args_from_namespace
 from cluster.config import ClusterConfig, configs_from_args
-from cluster.metrics import (
-    IngressMetrics,
-    ReplicaMetrics,
-    render_prometheus,
-    sum_ingress_snapshots,
-    token_buckets,
-)
+from cluster.metrics_render import render_prometheus
+from cluster.metrics_series import token_buckets
+from cluster.metrics_snapshots import IngressMetrics, ReplicaMetrics, sum_ingress_snapshots
 from cluster.replica import EngineReplica, prefill_time_s
 from router.metrics import RouterMetrics
 from router.policy import RoutingReason

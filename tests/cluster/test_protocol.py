@@ -294,7 +294,8 @@ def test_errors_use_string_or_null_codes_and_name_the_field_sent():
 def test_ignored_fields_are_exported_summed_over_ingress_replicas():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cluster.metrics import render_prometheus, sum_ingress_snapshots
+    from cluster.metrics_render import render_prometheus
+    from cluster.metrics_snapshots import sum_ingress_snapshots
 
     base = {"model_name": "m", "histograms": {}, "finished_reasons": {}, "router": None}
     total = sum_ingress_snapshots(

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from cluster.metrics import ReplicaMetrics
+from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.replica import EngineReplica
 from worker.outputs import CompletionOutput, FinishReason, RequestOutput
 from worker.sampling_params import SamplingParams

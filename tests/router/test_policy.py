@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from router.config import RouterConfig
-from router.index import Match
+from router.index_types import Match
 from router.policies import make_policy
 from router.policy import (
     ReplicaView,

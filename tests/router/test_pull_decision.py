@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from router.config import RouterConfig
-from router.index import Match
+from router.index_types import Match
 from router.policies import make_policy
 from router.policy import ReplicaView, pull_source
 from router.protocol import ReplicaStats, hash_blocks
@@ -77,6 +77,6 @@ def test_router_passes_the_pull_through_and_none_when_the_index_is_down(index_do
 
 
 def _unavailable(*args, **kwargs):
-    from router.index import IndexUnavailableError
+    from router.index_types import IndexUnavailableError
 
     raise IndexUnavailableError("down")
