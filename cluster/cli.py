@@ -13,7 +13,7 @@ instead of waiting a minute for a GCS that stopped answering.
 
 This module owns the entry point, the subcommand dispatch and that Ray lifecycle; the flag
 table lives in ``cluster/cli_flags.py`` and the parsing of flags and ``--config`` files in
-``cluster/cli_options.py`` (their names stay importable from here).
+``cluster/cli_options.py``: import their names from there.
 """
 
 from __future__ import annotations
@@ -28,17 +28,7 @@ import sys
 import threading
 import time
 
-# Re-exported (``X as X``): tests and tools import these from here.
-from cluster.cli_flags import GROUPS as GROUPS
-from cluster.cli_flags import LIST as LIST
-from cluster.cli_flags import SECTION_CLASSES as SECTION_CLASSES
-from cluster.cli_flags import SECTION_GROUPS as SECTION_GROUPS
-from cluster.cli_flags import field_default as field_default
-from cluster.cli_flags import flag_rows as flag_rows
-from cluster.cli_options import add_serve_arguments
-from cluster.cli_options import args_from_namespace as args_from_namespace
-from cluster.cli_options import config_file_values as config_file_values
-from cluster.cli_options import merge_command_line as merge_command_line
+from cluster.cli_options import add_serve_arguments, args_from_namespace
 from cluster.config import API_KEY_ENV, configs_from_args
 from cluster.priority import lower_ray_system_priority
 
@@ -62,7 +52,6 @@ RAY_SYSTEM_RENICE_DELAYS_S = (0.0, 2.0, 5.0, 10.0, 30.0)
 # parser whose defaults set ``handler`` (a function of the parsed namespace returning an exit
 # code). A hook whose module is not there yet is skipped.
 SUBCOMMAND_HOOKS = ("cluster.batch:add_parser", "bench.cli:add_parser")
-_rows = flag_rows  # the table's name before cli_flags.py (tests read ``cli._rows``)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -143,13 +132,22 @@ def _drain(app_name: str) -> None:
     from ray import serve
 
     from cluster.metrics import METRICS_PUSH_PERIOD_S, num_busy_requests
+    from cluster.serve_compat import tell_replicas
 
     try:
         hub = serve.get_deployment_handle("MetricsHub", app_name)
-        hub.begin_drain.remote(DRAIN_TIMEOUT_S).result(timeout_s=DRAIN_CALL_TIMEOUT_S)
-        # Replicas learn of the drain on their next push and report idle on the one after.
-        deadline_s = time.monotonic() + DRAIN_TIMEOUT_S + 3 * METRICS_PUSH_PERIOD_S
-        time.sleep(2 * METRICS_PUSH_PERIOD_S)
+        replica_ids = list(hub.snapshots.remote().result(timeout_s=DRAIN_CALL_TIMEOUT_S))
+        tell_replicas(
+            app_name,
+            "EngineReplica",
+            replica_ids,
+            "begin_drain",
+            DRAIN_TIMEOUT_S,
+            timeout_s=DRAIN_CALL_TIMEOUT_S,
+        )
+        # Each replica reports idle on its next push once its requests are done.
+        deadline_s = time.monotonic() + DRAIN_TIMEOUT_S + 2 * METRICS_PUSH_PERIOD_S
+        time.sleep(METRICS_PUSH_PERIOD_S)
         while time.monotonic() < deadline_s:
             snapshots = hub.snapshots.remote().result(timeout_s=DRAIN_CALL_TIMEOUT_S)
             if num_busy_requests(snapshots) == 0:

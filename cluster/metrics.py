@@ -24,8 +24,8 @@ the ingress then renders its own counts alone. docs/metrics.md maps every series
 This module owns the ``MetricsHub`` deployment (``cluster.metrics.MetricsHub``, bound by
 ``cluster/app.py``), the push period and staleness, and this process's request-router registry;
 the series live in ``cluster/metrics_series.py``, the snapshots in
-``cluster/metrics_snapshots.py`` and the rendering in ``cluster/metrics_render.py``, all
-importable from here as before.
+``cluster/metrics_snapshots.py`` and the rendering in ``cluster/metrics_render.py``: import
+them from there.
 """
 
 from __future__ import annotations
@@ -35,25 +35,6 @@ import weakref
 
 from ray import serve
 
-# Re-exported (``X as X``): replicas, ingresses and tests import these from here.
-from cluster.metrics_render import render_prometheus as render_prometheus
-from cluster.metrics_series import COUNTERS as COUNTERS
-from cluster.metrics_series import E2E_BUCKETS_S as E2E_BUCKETS_S
-from cluster.metrics_series import FINISHED_REASONS as FINISHED_REASONS
-from cluster.metrics_series import GAUGES as GAUGES
-from cluster.metrics_series import HISTOGRAMS as HISTOGRAMS
-from cluster.metrics_series import INGRESS_HISTOGRAMS as INGRESS_HISTOGRAMS
-from cluster.metrics_series import ITL_BUCKETS_S as ITL_BUCKETS_S
-from cluster.metrics_series import PREFIX as PREFIX
-from cluster.metrics_series import REPLICA_COUNTERS as REPLICA_COUNTERS
-from cluster.metrics_series import REQUEST_PHASE_BUCKETS_S as REQUEST_PHASE_BUCKETS_S
-from cluster.metrics_series import TOKEN_HISTOGRAMS as TOKEN_HISTOGRAMS
-from cluster.metrics_series import TTFT_BUCKETS_S as TTFT_BUCKETS_S
-from cluster.metrics_series import token_buckets as token_buckets
-from cluster.metrics_snapshots import Histogram as Histogram
-from cluster.metrics_snapshots import IngressMetrics as IngressMetrics
-from cluster.metrics_snapshots import ReplicaMetrics as ReplicaMetrics
-from cluster.metrics_snapshots import sum_ingress_snapshots as sum_ingress_snapshots
 from cluster.priority import lower_own_priority
 
 # The request routers (``cluster.request_router``) alive in this process, for /metrics. Kept
@@ -84,27 +65,18 @@ STALE_AFTER_S = 3 * METRICS_PUSH_PERIOD_S + 2.0
     logging_config={"enable_access_log": False},  # one push per replica per second
 )
 class MetricsHub:
-    """Latest snapshot of every replica; replicas push, the ingress reads.
-
-    Also relays a drain order (``begin_drain``, sent by ``prefixserve serve`` on Ctrl-C) to
-    every replica as the answer to its next push, because Serve offers no way to call all
-    replicas of a deployment and gives user code no signal before it drains a replica.
-    """
+    """Latest snapshot of every replica; replicas push, the ingress reads (and ``prefixserve
+    serve``'s drain, for which replicas are live and when they are idle)."""
 
     def __init__(self, support_nice: int = 0) -> None:
         lower_own_priority(support_nice, "metrics hub")
         self._snapshots: dict[str, tuple[float, dict]] = {}
         self._ingress_snapshots: dict[str, dict] = {}
         """Cumulative counts: kept after an ingress stops, so their sum never goes down."""
-        self._drain_until_s: float | None = None
 
-    def report(self, replica_id: str, snapshot: dict) -> float | None:
-        """Stores the snapshot; returns the seconds left to drain, or None when serving."""
-        now_s = time.monotonic()
-        self._snapshots[replica_id] = (now_s, snapshot)
-        if self._drain_until_s is None:
-            return None
-        return max(0.0, self._drain_until_s - now_s)
+    def report(self, replica_id: str, snapshot: dict) -> None:
+        """Stores an engine replica's ``ReplicaMetrics.snapshot()``."""
+        self._snapshots[replica_id] = (time.monotonic(), snapshot)
 
     def report_ingress(self, ingress_id: str, snapshot: dict) -> None:
         """Stores an ingress replica's ``IngressMetrics.snapshot()``."""
@@ -113,10 +85,6 @@ class MetricsHub:
     def export(self) -> dict:
         """What ``/metrics`` renders: live engine replicas and every ingress snapshot."""
         return {"replicas": self.snapshots(), "ingresses": dict(self._ingress_snapshots)}
-
-    def begin_drain(self, drain_timeout_s: float) -> None:
-        """Replicas end their in-flight requests (finish_reason abort) after this long."""
-        self._drain_until_s = time.monotonic() + drain_timeout_s
 
     def snapshots(self) -> dict[str, dict]:
         now = time.monotonic()

@@ -9,8 +9,8 @@ the ones in between go to that ingress through an ``IngressChannel``
 (``cluster/ingress_channel.py``: every request's outputs of an engine step in one call),
 else it yields them too; the first dict also carries
 ``prefill_time_s`` (the engine's first scheduling to first token) for the ingress's queue time,
-and the replica times the engine-side phases (``cluster.metrics.ReplicaMetrics``). A request
-the engine refuses (bad input, full queue, dead engine) yields one
+and the replica times the engine-side phases (``cluster.metrics_snapshots.ReplicaMetrics``). A
+request the engine refuses (bad input, full queue, dead engine) yields one
 ``{"rejected": {"kind", "message"}}`` dict instead of raising, so the ingress maps it to
 400/429/503 without unpickling engine errors.
 
@@ -45,13 +45,14 @@ from cluster.index_actor import make_cluster_index
 from cluster.ingress_channel import IngressChannels
 from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.kv_pull import ReplicaKVPuller
-from cluster.metrics import METRICS_PUSH_PERIOD_S, ReplicaMetrics
+from cluster.metrics import METRICS_PUSH_PERIOD_S
+from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.serve_compat import peer_replica, replica_of
 from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
 from worker.async_engine import coalesce
-from worker.kv_transfer import SharedKV, default_shared_dir, remove_shared
+from worker.kv_transfer import default_shared_dir
 from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
 
 # Serve routes the "ray.serve" logger into each replica's log file.
@@ -141,11 +142,6 @@ def _deliver_to(address: dict):
     """``Ingress.deliver`` of the ingress replica at ``address``, called on its actor."""
     ingress = replica_of(address["app"], address["deployment"], address["replica_id"])
     return ingress.deliver.remote
-
-
-SHARED_KV_TTL_S = 30.0
-"""A ``SharedKV`` file this replica exported is removed after this long if its importer has
-not removed it (it timed out or died first): well past ``cluster.kv_pull.KV_PULL_TIMEOUT_S``."""
 
 
 class _StreamState:
@@ -357,15 +353,11 @@ class EngineReplica:
             )
 
     def record_routing_stats(self) -> dict:
-        """Serve's routing-stats hook: what the request router reads per replica. A dead
-        engine (a tensor-parallel worker died) reports itself full, its waiting queue at its
-        bound, so routers send nothing more here while another replica lives, in the seconds
-        before the health check has Serve replace it (the ingress re-submits what it sent)."""
-        stats = self.engine.stats()
-        if not self.engine.is_alive():
-            stats = dataclasses.replace(
-                stats, num_waiting=self.engine.config.max_waiting_requests, kv_usage=1.0
-            )
+        """Serve's routing-stats hook: what the request router reads per replica, with
+        whether the engine is alive (``ReplicaStats.engine_alive``): routers skip a replica
+        whose engine died (a tensor-parallel worker lost) in the seconds before the health
+        check has Serve replace it (the ingress re-submits what it sent there)."""
+        stats = dataclasses.replace(self.engine.stats(), engine_alive=self.engine.is_alive())
         return {**stats.to_dict(), "model_id": self.engine.model_id}
 
     def drain_kv_events(self) -> list:
@@ -387,14 +379,12 @@ class EngineReplica:
         """The leading blocks of this prefix that this replica holds, as a ``KVPayload`` (None
         when it holds none): what a peer's ``pull_prefix`` calls. A peer on this
         node (``peer_node_id``) gets the K/V in a shared-memory file, removed by its import or
-        after ``SHARED_KV_TTL_S``."""
+        after ``worker.kv_transfer.SHARED_KV_TTL_S``."""
         start_s = time.monotonic()
         shared_dir = None
         if peer_node_id is not None and peer_node_id == self.node_id:
             shared_dir = default_shared_dir()
         payload = await self.engine.export_prefix(block_hashes, token_ids, cache_salt, shared_dir)
-        if payload is not None and isinstance(payload.kv, SharedKV):
-            asyncio.get_running_loop().call_later(SHARED_KV_TTL_S, remove_shared, payload.kv.path)
         log.debug(
             "replica %s exported %d blocks in %.3f s",
             self.replica_id,
@@ -465,22 +455,24 @@ class EngineReplica:
             return
         while True:
             try:
-                drain_left_s = await self._hub.report.remote(
-                    self.replica_id, self.metrics_snapshot()
-                )
-                if drain_left_s is not None and self._drain_task is None:
-                    self._drain_task = asyncio.get_running_loop().create_task(
-                        self._end_in_flight(drain_left_s)
-                    )
+                await self._hub.report.remote(self.replica_id, self.metrics_snapshot())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the hub restarting costs metrics, never serving
                 log.debug("metrics push failed: %s", exc)
             await asyncio.sleep(METRICS_PUSH_PERIOD_S)
 
+    def begin_drain(self, grace_s: float) -> None:
+        """The drain order of ``prefixserve serve`` (Ctrl-C, SIGTERM), called on this
+        replica's actor: requests in flight may finish for ``grace_s``, then the rest are
+        aborted (``_end_in_flight``). Serve gives user code no signal before it drains a
+        replica, hence the call. A second order while draining changes nothing."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._end_in_flight(grace_s))
+
     async def _end_in_flight(self, grace_s: float) -> None:
-        """Drain order: let requests finish for ``grace_s``, then abort the rest, so their
-        streams end with finish_reason "abort" instead of being cut when Serve kills us."""
+        """Let requests finish for ``grace_s``, then abort the rest, so their streams end
+        with finish_reason "abort" instead of being cut when Serve kills us."""
         deadline_s = time.monotonic() + grace_s
         while self._in_flight and time.monotonic() < deadline_s:
             await asyncio.sleep(DRAIN_POLL_S)

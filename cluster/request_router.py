@@ -59,7 +59,7 @@ from cluster.serve_compat import (
     set_request_kwarg,
 )
 from router.config import RouterConfig
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, merge_snapshots
 from router.policies import make_policy
 from router.policy import Decision, ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
@@ -106,6 +106,14 @@ def kv_pull_order(decision: Decision) -> dict | None:
         "peer_id": decision.pull_from,
         "num_blocks": decision.pull_blocks,
     }
+
+
+def live_replicas(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """The candidates whose last routing stats say their engine is alive
+    (``ReplicaStats.engine_alive``; no stats yet counts as alive); all of them when none
+    is, so Serve still has somewhere to send until its health check replaces the dead."""
+    live = [r for r in replicas if (r.routing_stats or {}).get("engine_alive", True)]
+    return live or replicas
 
 
 def pooled_prefill_rate(all_stats: list[ReplicaStats]) -> list[ReplicaStats]:
@@ -236,6 +244,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             ask_to_back_off(pending_request)  # else Serve retries a full set in a tight loop
         if not candidate_replicas:
             return []
+        candidate_replicas = live_replicas(candidate_replicas)
         hashes, num_prompt_tokens = request_blocks(pending_request)
         router = self._get_router(candidate_replicas)
         lookup = Lookup({})
@@ -330,40 +339,11 @@ def _describe(views: list[ReplicaView], matches: dict) -> str:
     return "; ".join(parts)
 
 
-def _merge(total: dict, snapshot: dict) -> dict:
-    if not total:
-        return snapshot
-    counts: dict[tuple[str, str], int] = {}
-    for row in total["decisions"] + snapshot["decisions"]:
-        key = (row["policy"], row["reason"])
-        counts[key] = counts.get(key, 0) + row["count"]
-    merged = dict(total)
-    merged["decisions"] = [
-        {"policy": p, "reason": r, "count": c} for (p, r), c in sorted(counts.items())
-    ]
-    for name in (
-        "num_prompt_blocks",
-        "num_matched_blocks",
-        "num_index_errors",
-        "num_fallback_decisions",
-        "num_dropped_speculations",
-    ):
-        merged[name] = total[name] + snapshot[name]
-    prompt = merged["num_prompt_blocks"]
-    merged["matched_block_ratio"] = merged["num_matched_blocks"] / prompt if prompt else None
-    latency, other = dict(total["lookup_latency_ms"]), snapshot["lookup_latency_ms"]
-    latency["counts"] = [a + b for a, b in zip(latency["counts"], other["counts"], strict=True)]
-    latency["sum"] += other["sum"]
-    latency["count"] += other["count"]
-    merged["lookup_latency_ms"] = latency
-    return merged
-
-
 def router_metrics_snapshot() -> dict | None:
     """``RouterMetrics.snapshot()`` summed over this process's routers; None without one."""
     total: dict = {}
     for request_router in request_routers():
-        total = _merge(total, request_router.metrics.snapshot())
+        total = merge_snapshots(total, request_router.metrics.snapshot())
     return total or None
 
 

@@ -228,6 +228,30 @@ def replica_of(app_name: str, deployment_name: str, unique_id: str) -> PeerRepli
     return PeerReplica(actor, app_name)
 
 
+def tell_replicas(
+    app_name: str, deployment_name: str, replica_ids, method: str, *args, timeout_s: float
+) -> int:
+    """Calls ``method(*args)`` on each of ``replica_ids`` of a deployment, directly on their
+    actors, and waits up to ``timeout_s`` for the answers; returns how many answered. A
+    replica that is gone, or fails, is skipped: for orders a stopping cluster gives."""
+    refs = []
+    for unique_id in replica_ids:
+        try:
+            replica = replica_of(app_name, deployment_name, unique_id)
+            refs.append(getattr(replica, method).remote(*args))
+        except ValueError:  # the replica is gone already
+            continue
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    answered = 0
+    for ref in ready:
+        try:
+            ray.get(ref)
+            answered += 1
+        except Exception as exc:  # noqa: BLE001 - one replica's failure spares the others
+            log.warning("%s on a replica of %s failed: %r", method, deployment_name, exc)
+    return answered
+
+
 def own_address() -> dict:
     """This replica's address for ``replica_of``: ``{"app", "deployment", "replica_id"}``."""
     replica_id = serve.get_replica_context().replica_id

@@ -1,13 +1,14 @@
 """Router metrics as plain, thread-safe counters and a fixed-bucket histogram.
 
 Owns what the router counts: decisions by policy and reason (a ``router.policy.RoutingReason``,
-counted under its string value), matched blocks against prompt
-blocks (the matched-block ratio), index lookup latency, index errors, fallback decisions
-and dropped speculative entries. No Prometheus dependency here: ``snapshot()`` returns plain
-numbers and the cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus
-series). Recording never blocks for longer than one uncontended lock and never raises, except
-``ValueError`` for a decision reason that is not a ``RoutingReason`` (a programming error, not a
-runtime one).
+counted under its string value), matched blocks against prompt blocks (the matched-block
+ratio), index lookup latency, index errors, fallback decisions and dropped speculative
+entries. No Prometheus dependency here: ``snapshot()`` returns plain numbers,
+``merge_snapshots`` adds two of them up (the routers of one process, or of every ingress
+replica), and the cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus
+series). Recording never blocks for longer than one uncontended lock and never raises,
+except ``ValueError`` for a decision reason that is not a ``RoutingReason`` (a programming
+error, not a runtime one).
 """
 
 from __future__ import annotations
@@ -124,3 +125,35 @@ class RouterMetrics:
                     "count": self.lookup_latency_ms.num,
                 },
             }
+
+
+def merge_snapshots(total: dict, snapshot: dict) -> dict:
+    """Two ``RouterMetrics.snapshot()``s summed, as one (``{}`` is the empty sum): decisions by
+    (policy, reason), block counts, errors, the ratio recomputed, the latency histograms
+    added bucket by bucket. For a process with several routers, or several processes."""
+    if not total:
+        return snapshot
+    counts: dict[tuple[str, str], int] = {}
+    for row in total["decisions"] + snapshot["decisions"]:
+        key = (row["policy"], row["reason"])
+        counts[key] = counts.get(key, 0) + row["count"]
+    merged = dict(total)
+    merged["decisions"] = [
+        {"policy": p, "reason": r, "count": c} for (p, r), c in sorted(counts.items())
+    ]
+    for name in (
+        "num_prompt_blocks",
+        "num_matched_blocks",
+        "num_index_errors",
+        "num_fallback_decisions",
+        "num_dropped_speculations",
+    ):
+        merged[name] = total[name] + snapshot[name]
+    prompt = merged["num_prompt_blocks"]
+    merged["matched_block_ratio"] = merged["num_matched_blocks"] / prompt if prompt else None
+    latency, other = dict(total["lookup_latency_ms"]), snapshot["lookup_latency_ms"]
+    latency["counts"] = [a + b for a, b in zip(latency["counts"], other["counts"], strict=True)]
+    latency["sum"] += other["sum"]
+    latency["count"] += other["count"]
+    merged["lookup_latency_ms"] = latency
+    return merged

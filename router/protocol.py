@@ -133,9 +133,14 @@ class ReplicaStats:
     replica: the start of the engine step that produced them (requests are admitted between
     steps). A router counts a request decided after it as not in these stats yet. 0: unknown
     (the router then estimates, see ``router.policy.unreported``)."""
+    engine_alive: bool = True
+    """False once the replica's engine died (a tensor-parallel worker lost, its process
+    gone): routers send it nothing while a replica with a live engine remains, in the
+    seconds before Serve's health check replaces it."""
 
     def to_dict(self) -> dict:
         return {
+            "engine_alive": self.engine_alive,
             "num_waiting": self.num_waiting,
             "num_running": self.num_running,
             "kv_usage": self.kv_usage,

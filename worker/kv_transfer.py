@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import math
 import os
+import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +57,9 @@ class KVPayloadMismatchError(ValueError):
 
 SHARED_KV_PREFIX = "prefixserve-kv-"
 """Name prefix of the shared-memory files that carry K/V between two engines of one node."""
+SHARED_KV_TTL_S = 30.0
+"""A ``SharedKV`` file its importer has not removed (it timed out or died first) is removed
+this long after it was written: well past ``cluster.kv_pull.KV_PULL_TIMEOUT_S``."""
 
 
 def default_shared_dir() -> str | None:
@@ -67,8 +73,8 @@ class SharedKV:
     """K/V rows (``KV_LAYOUT``) in a file of a node-local shared-memory directory. Between two
     engines of one node a payload carries this name, not the bytes: the exporter writes the
     rows once, the importer maps them, and no process in between (the replicas, Ray) copies
-    them. The importer removes the file (``load``); the exporter's replica removes it later in
-    case nobody did (``cluster/replica.py``)."""
+    them. The importer removes the file (``load``); the exporting process removes it
+    ``SHARED_KV_TTL_S`` after writing it in case nobody did (``write_shared``)."""
 
     path: str
     dtype: str
@@ -94,10 +100,44 @@ def remove_shared(path: str) -> None:
         os.unlink(path)
 
 
-def write_shared(kv: torch.Tensor, directory: str) -> SharedKV | None:
-    """``kv`` copied into a new file under ``directory``; None when the file cannot be made (no
-    such directory, no space left), and the caller sends the bytes instead. The file's pages
-    are reserved before the copy, so a full tmpfs fails here rather than with a SIGBUS."""
+class _Expiry:
+    """Removes files at their deadlines, from one daemon thread started on first use."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, str]] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def remove_later(self, path: str, delay_s: float) -> None:
+        with self._wake:
+            heapq.heappush(self._due, (time.monotonic() + delay_s, path))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="prefixserve-shared-kv-expiry", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    timeout_s = self._due[0][0] - time.monotonic() if self._due else None
+                    self._wake.wait(timeout_s)
+                _, path = heapq.heappop(self._due)
+            remove_shared(path)
+
+
+_expiry = _Expiry()
+
+
+def write_shared(
+    kv: torch.Tensor, directory: str, ttl_s: float = SHARED_KV_TTL_S
+) -> SharedKV | None:
+    """``kv`` copied into a new file under ``directory``, removed after ``ttl_s`` unless its
+    importer did so first; None when the file cannot be made (no such directory, no space
+    left), and the caller sends the bytes instead. The file's pages are reserved before the
+    copy, so a full tmpfs fails here rather than with a SIGBUS."""
     if kv.numel() == 0:
         return None
     path = os.path.join(directory, f"{SHARED_KV_PREFIX}{uuid.uuid4().hex}")
@@ -115,6 +155,7 @@ def write_shared(kv: torch.Tensor, directory: str) -> SharedKV | None:
     except (OSError, RuntimeError):
         remove_shared(path)
         return None
+    _expiry.remove_later(path, ttl_s)
     return SharedKV(path, dtype_name(kv.dtype), tuple(kv.shape))
 
 

@@ -5,9 +5,9 @@ When one tensor-parallel worker dies, its replica's actor lives on with a dead e
 which ``EngineReplica.generate`` yields as a ``dead`` rejection) until Serve's health check
 replaces it, seconds later. Unlike a killed replica, Serve keeps routing to it meanwhile, so:
 
-- the dead replica must report itself full in its routing stats, and the ``prefix`` policy
-  must then send a request elsewhere even though the dead replica holds its whole prefix
-  (otherwise every re-submission lands on it again);
+- the dead replica must say so in its routing stats (``engine_alive``), and the request
+  router must then leave it out even though it holds the request's whole prefix (otherwise
+  every re-submission lands on it again);
 - the ingress must fail a stream over when the ``dead`` rejection arrives mid-stream, and
   re-submit a request whose first answer is that rejection, so the client's stream holds
   exactly the tokens of a fault-free run;
@@ -21,7 +21,6 @@ replaces it, seconds later. Unlike a killed replica, Serve keeps routing to it m
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -30,11 +29,8 @@ from cluster import engine_client
 from cluster.engine_client import MAX_FAILOVERS, EngineClient
 from cluster.errors import APIError
 from cluster.replica import EngineReplica
-from router.config import RouterConfig
-from router.index_types import Match
-from router.policies import make_policy
-from router.policy import ReplicaView
-from router.protocol import ReplicaStats, hash_blocks
+from cluster.request_router import live_replicas
+from router.protocol import ReplicaStats
 from worker.sampling_params import SamplingParams
 
 DEAD_MESSAGE = "engine r-dead is not running: tensor-parallel worker rank(s) [1] ended"
@@ -182,22 +178,18 @@ def routing_stats_of(alive: bool) -> dict:
     return EngineReplica.func_or_class.record_routing_stats(SimpleNamespace(engine=engine))
 
 
-def test_a_dead_engine_reports_itself_full_and_the_prefix_policy_routes_around_it():
-    assert routing_stats_of(alive=True)["num_waiting"] == 0
-    dead = routing_stats_of(alive=False)
-    assert dead["num_waiting"] == 1024 and dead["kv_usage"] == 1.0
+def test_a_dead_engine_says_so_in_its_stats_and_the_request_router_leaves_it_out():
+    alive, dead = routing_stats_of(alive=True), routing_stats_of(alive=False)
+    assert alive["engine_alive"] is True and dead["engine_alive"] is False
+    assert dead["num_running"] == alive["num_running"] == 1  # its own counts, not a disguise
     assert dead["model_id"] == "tiny"
-    stats_fields = {f.name for f in dataclasses.fields(ReplicaStats)}
-    views = [
-        ReplicaView("r-dead", ReplicaStats(**{k: v for k, v in dead.items() if k in stats_fields})),
-        ReplicaView("r-live", ReplicaStats.from_dict(routing_stats_of(alive=True))),
-    ]
-    hashes = hash_blocks(PROMPT, 16, "tiny", None)
-    policy = make_policy(RouterConfig())
-    # The dead replica holds the whole prompt; the live one holds nothing and runs a request.
-    decision = policy.choose(hashes, len(PROMPT), views, {"r-dead": Match(len(hashes))})
-    assert decision.replica_id == "r-live", decision
-    # While alive, the same replica (same load) would have won on its cache hit.
-    views[0] = ReplicaView("r-dead", views[1].stats)
-    decision = policy.choose(hashes, len(PROMPT), views, {"r-dead": Match(len(hashes))})
-    assert decision.replica_id == "r-dead", decision
+    assert ReplicaStats.from_dict(dead).engine_alive is False
+    r_dead = SimpleNamespace(name="r-dead", routing_stats=dead)
+    r_live = SimpleNamespace(name="r-live", routing_stats=alive)
+    # The dead replica holds the whole prompt and is idle: it is still not a candidate.
+    assert live_replicas([r_dead, r_live]) == [r_live]
+    fresh = SimpleNamespace(name="fresh", routing_stats=None)  # no stats yet: alive
+    assert live_replicas([r_dead, fresh]) == [fresh]
+    # Every engine dead: Serve keeps them all (its health check replaces them).
+    both = [r_dead, SimpleNamespace(name="r-dead-2", routing_stats=dead)]
+    assert live_replicas(both) == both

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import API_KEY_ENV, args_from_namespace, build_parser, main
-from cluster.config import ClusterConfig, configs_from_args
-from cluster.metrics import ReplicaMetrics, any_replica_serving, render_prometheus
+from cluster.cli import build_parser, main
+from cluster.cli_options import args_from_namespace
+from cluster.config import API_KEY_ENV, ClusterConfig, configs_from_args
+from cluster.metrics import any_replica_serving
+from cluster.metrics_render import render_prometheus
+from cluster.metrics_snapshots import ReplicaMetrics
 from router.config import RouterConfig
 from worker.config import EngineConfig
 
@@ -152,7 +155,7 @@ def test_cluster_config_rejects_bad_values_naming_the_field(fields, name):
 
 
 def test_help_groups_flags_by_topic_and_shows_the_dataclass_defaults():
-    from cluster import cli
+    from cluster.cli_flags import GROUPS, LIST, field_default, flag_rows
 
     (serve,) = [
         action.choices["serve"]
@@ -160,17 +163,17 @@ def test_help_groups_flags_by_topic_and_shows_the_dataclass_defaults():
         if isinstance(action, argparse._SubParsersAction)
     ]
     titles = [group.title for group in serve._action_groups]
-    assert [t for t in titles if t in cli.GROUPS.values()] == list(cli.GROUPS.values())
+    assert [t for t in titles if t in GROUPS.values()] == list(GROUPS.values())
     by_dest = {action.dest: action for action in serve._actions}
-    for _, section, field, kind, _, _ in cli._rows():
-        default = cli.field_default(section, field)
+    for _, section, field, kind, _, _ in flag_rows():
+        default = field_default(section, field)
         help_text = by_dest[field].help
         if default is None or default in ((), ""):
             continue  # the text says what unset means, in words
         if kind is None:
             shown = "on" if default else "off"
         else:
-            shown = ",".join(default) if kind == cli.LIST else str(default)
+            shown = ",".join(default) if kind == LIST else str(default)
         assert help_text.endswith(f"(default: {shown}).".replace("%", "%%")), (field, help_text)
         assert help_text.count("(default") == 1, help_text  # never typed a second time
     assert by_dest["block_size"].help.endswith(f"(default: {EngineConfig().block_size}).")
@@ -399,19 +402,43 @@ def test_router_snapshot_renders_as_router_series():
     assert "prefixserve:router_lookup_latency_seconds_count 1.0" in text
 
 
-def test_metrics_hub_relays_a_drain_order_and_drops_stale_replicas(monkeypatch):
+def test_metrics_hub_counts_busy_requests_and_drops_stale_replicas(monkeypatch):
     from cluster import metrics
 
     hub = metrics.MetricsHub.func_or_class()
     busy = {"engine": {"num_requests_running": 2, "num_requests_waiting": 1}, "alive": True}
-    assert hub.report("r1", busy) is None  # serving: no drain
-    hub.begin_drain(5.0)
-    assert 4.0 < hub.report("r1", busy) <= 5.0
+    hub.report("r1", busy)
+    assert list(hub.snapshots()) == ["r1"]  # what a drain tells, and waits for
     assert metrics.num_busy_requests(hub.snapshots()) == 3
     later_s = metrics.time.monotonic() + metrics.STALE_AFTER_S + 1.0
     monkeypatch.setattr(metrics.time, "monotonic", lambda: later_s)
     assert hub.snapshots() == {}  # a replica that stopped pushing no longer counts
-    assert hub.report("r2", busy) == 0.0  # the drain deadline has passed
+
+
+def test_a_drain_order_lets_requests_finish_then_aborts_the_rest_once():
+    """``EngineReplica.begin_drain``: what is in flight after the grace period is aborted
+    (finish_reason abort reaches the client); a second order starts no second drain."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.replica import EngineReplica
+
+    aborted: list[str] = []
+    replica = object.__new__(EngineReplica.func_or_class)
+    replica.engine = SimpleNamespace(abort=aborted.append)
+    replica._in_flight, replica._drain_task = {"done-in-time", "slow"}, None
+
+    async def main():
+        replica.begin_drain(0.2)
+        first = replica._drain_task
+        await asyncio.sleep(0.05)
+        replica._in_flight.discard("done-in-time")  # finished within the grace period
+        replica.begin_drain(0.0)
+        assert replica._drain_task is first
+        await first
+
+    asyncio.run(main())
+    assert aborted == ["slow"]
 
 
 def test_deployments_run_serve_code_on_the_loop_that_receives_it(monkeypatch):

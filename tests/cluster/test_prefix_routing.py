@@ -28,7 +28,7 @@ from cluster.app import ROUTING_STATS_PERIOD_S
 from cluster.ingress import INGRESS_HEADER, REPLICA_HEADER
 from cluster.kv_publisher import ReplicaKVPublisher
 from router.embedded_index import EmbeddedIndex
-from router.index import IndexUnavailableError
+from router.index_types import IndexUnavailableError
 from router.liveness import ApplyOutcome
 from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
 from tests.cluster.conftest import STARTUP_TIMEOUT_S
@@ -98,9 +98,8 @@ def test_replica_stream_reannounces_what_it_holds_to_an_index_that_lost_it():
 
 
 def test_router_metrics_of_a_process_sum_up_and_render_for_prometheus():
-    from cluster.metrics import render_prometheus
-    from cluster.request_router import _merge
-    from router.metrics import RouterMetrics
+    from cluster.metrics_render import render_prometheus
+    from router.metrics import RouterMetrics, merge_snapshots
 
     first, second = RouterMetrics(), RouterMetrics()
     first.record_decision("prefix", "prefix", 10, 8)
@@ -108,7 +107,7 @@ def test_router_metrics_of_a_process_sum_up_and_render_for_prometheus():
     second.record_decision("prefix", "fallback", 10, 0)
     second.record_decision("prefix", "prefix", 20, 20)
     second.record_lookup(3.0)
-    merged = _merge(_merge({}, first.snapshot()), second.snapshot())
+    merged = merge_snapshots(merge_snapshots({}, first.snapshot()), second.snapshot())
     assert merged["matched_block_ratio"] == 28 / 40
     assert merged["num_fallback_decisions"] == 1
     assert merged["lookup_latency_ms"]["count"] == 2

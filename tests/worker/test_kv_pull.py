@@ -347,3 +347,27 @@ def test_a_shared_memory_payload_is_read_once_and_falls_back_to_bytes(
         same_output(run(b, {"b0": (prompt, PARAMS)})["b0"], first)
     fallback = a.export_device_prefix(hashes, prompt, None, str(tmp_path / "missing"))
     assert fallback.kv.equal(reference.kv)
+
+
+def test_a_shared_memory_file_nobody_imports_is_removed_after_its_ttl(tmp_path):
+    """The exporting process removes its file after ``ttl_s`` (the importer timed out or
+    died); one the importer already removed is no error, and files expire in deadline order
+    whatever order they were written in."""
+    import os
+    import time
+
+    import torch
+
+    from worker.kv_transfer import write_shared
+
+    late = write_shared(torch.ones(4, 8), str(tmp_path), ttl_s=30.0)
+    soon = write_shared(torch.ones(4, 8), str(tmp_path), ttl_s=0.1)
+    read = write_shared(torch.arange(32.0).view(4, 8), str(tmp_path), ttl_s=0.1)
+    assert torch.equal(read.load(), torch.arange(32.0).view(4, 8))  # removes the file
+    assert os.path.exists(soon.path) and os.path.exists(late.path)
+    deadline = time.monotonic() + 5.0
+    while os.path.exists(soon.path):
+        assert time.monotonic() < deadline, "the expired file was never removed"
+        time.sleep(0.02)
+    assert os.path.exists(late.path)
+    os.unlink(late.path)
