@@ -246,6 +246,8 @@ class ActorBoardClient:
         return answer
 
     def _send(self, snapshot: InflightSnapshot) -> None:
+        if not ray.is_initialized():  # this process left its cluster: nobody to tell, and a
+            return  # call now would start a Ray instance of its own (Ray's auto-init)
         try:  # fire and forget: the sequence number orders what arrives
             self._handle().report_inflight.remote(
                 self.router_id, next(self._seq), snapshot, BOARD_TTL_S

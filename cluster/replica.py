@@ -462,11 +462,12 @@ class EngineReplica:
                 log.debug("metrics push failed: %s", exc)
             await asyncio.sleep(METRICS_PUSH_PERIOD_S)
 
-    def begin_drain(self, grace_s: float) -> None:
+    async def begin_drain(self, grace_s: float) -> None:
         """The drain order of ``prefixserve serve`` (Ctrl-C, SIGTERM), called on this
         replica's actor: requests in flight may finish for ``grace_s``, then the rest are
         aborted (``_end_in_flight``). Serve gives user code no signal before it drains a
-        replica, hence the call. A second order while draining changes nothing."""
+        replica, hence the call. A second order while draining changes nothing. A coroutine,
+        so Serve runs it on the replica's loop (a plain method runs in a worker thread)."""
         if self._drain_task is None:
             self._drain_task = asyncio.get_running_loop().create_task(self._end_in_flight(grace_s))
 

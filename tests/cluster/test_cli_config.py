@@ -429,11 +429,11 @@ def test_a_drain_order_lets_requests_finish_then_aborts_the_rest_once():
     replica._in_flight, replica._drain_task = {"done-in-time", "slow"}, None
 
     async def main():
-        replica.begin_drain(0.2)
+        await replica.begin_drain(0.2)
         first = replica._drain_task
         await asyncio.sleep(0.05)
         replica._in_flight.discard("done-in-time")  # finished within the grace period
-        replica.begin_drain(0.0)
+        await replica.begin_drain(0.0)
         assert replica._drain_task is first
         await first
 

@@ -193,6 +193,7 @@ def test_a_router_alone_on_the_board_skips_round_trips_until_another_router_repo
     from cluster.inflight_board import ActorBoardClient
 
     monkeypatch.setattr(inflight_board.ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(inflight_board.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
     board = InflightBoard()
     actor = _BoardActor(board)
@@ -213,6 +214,23 @@ def test_a_router_alone_on_the_board_skips_round_trips_until_another_router_repo
         assert client.peers() == {"y": ((2.0, 8, True),)} and actor.num_views == 3
     finally:
         client.close()
+
+
+def test_a_board_client_outside_a_ray_cluster_sends_nothing(monkeypatch):
+    """A router left in a process whose Ray was shut down (a test's handle, a driver after
+    ``ray.shutdown``) must not call the actor: Ray would start a local instance for it."""
+    from cluster.inflight_board import ActorBoardClient
+
+    looked_up = []
+    client = ActorBoardClient(
+        lambda: looked_up.append(1), lambda: {"x": ((1.0, 16, True),)}, lookup_timeout_s=0.1
+    )
+    try:
+        client._send({"x": ((1.0, 16, True),)})
+        assert looked_up == []
+    finally:
+        client.close()
+    assert looked_up == []
 
 
 def test_awaited_board_reads_skip_round_trips_while_alone_and_time_out_to_none(monkeypatch):
@@ -241,6 +259,7 @@ def test_awaited_board_reads_skip_round_trips_while_alone_and_time_out_to_none(m
                 board.report(*args)
 
     monkeypatch.setattr(inflight_board.ray, "get", lambda ref, timeout=None: asyncio.run(ref))
+    monkeypatch.setattr(inflight_board.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
     client = ActorBoardClient(lambda: Actor, dict, lookup_timeout_s=0.2)
 

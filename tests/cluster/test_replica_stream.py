@@ -119,9 +119,8 @@ def test_pushed_outputs_go_through_the_channel_between_the_first_and_the_last(
     assert [m["seq"] for m in stream] == list(range(len(stream)))
     assert yielded[-1]["seq"] == len(stream) - 1 and yielded[-1]["finished"]
     assert _tokens(stream) == _tokens(direct) and len(_tokens(stream)) == 24
-    assert [len(c["new_token_ids"]) for m in stream for c in m["outputs"]] == [
-        len(c["new_token_ids"]) for m in direct for c in m["outputs"]
-    ]
+    sizes = [len(c["new_token_ids"]) for m in stream for c in m["outputs"]]
+    assert sizes[0] == 1 and all(size >= interval for size in sizes[1:-1]), sizes
 
 
 def test_a_channel_that_breaks_mid_stream_hands_the_rest_back_to_the_call(tiny_models):
