@@ -203,7 +203,7 @@ class ActorBoardClient:
     def peers(self) -> InflightSnapshot | None:
         """The other routers' in-flight requests (None when the board does not answer);
         ``{}`` without a round trip while this router is alone (module docstring)."""
-        if self._alone and time.monotonic() < self._recheck_at_s:
+        if self._still_alone():
             return {}
         try:
             ref = self._handle().peer_view.remote(self.router_id)
@@ -211,15 +211,12 @@ class ActorBoardClient:
         except Exception as exc:  # any Ray failure: decide without the peers
             self._failed("lookup", exc)
             return None
-        if self._down:
-            self._down = False
-            log.warning("in-flight board reachable again")
         return self._answered(answer, num_others)
 
     async def peers_async(self) -> InflightSnapshot | None:
         """``peers`` awaited on the caller's event loop (no thread, no blocking ``ray.get``);
         a worker thread only while the actor is unresolved (resolving it blocks)."""
-        if self._alone and time.monotonic() < self._recheck_at_s:
+        if self._still_alone():
             return {}
         actor = self._actor
         if actor is None:
@@ -230,13 +227,18 @@ class ActorBoardClient:
         except Exception as exc:  # any Ray failure or the timeout: decide without the peers
             self._failed("lookup", exc)
             return None
+        return self._answered(answer, num_others)
+
+    def _still_alone(self) -> bool:
+        """No other router reported at the last answer, and it is not time to ask again."""
+        return self._alone and time.monotonic() < self._recheck_at_s
+
+    def _answered(self, answer: InflightSnapshot, num_others: int) -> InflightSnapshot:
+        """Notes that the board answered and whether other routers read it (module
+        docstring); returns ``answer``."""
         if self._down:
             self._down = False
             log.warning("in-flight board reachable again")
-        return self._answered(answer, num_others)
-
-    def _answered(self, answer: InflightSnapshot, num_others: int) -> InflightSnapshot:
-        """Notes whether other routers read the board (module docstring); returns ``answer``."""
         was_alone, self._alone = self._alone, num_others == 0
         if self._alone:
             self._recheck_at_s = time.monotonic() + ALONE_RECHECK_S
