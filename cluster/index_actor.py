@@ -47,6 +47,9 @@ SERVE_NAMESPACE = serve_namespace()
 """Serve's Ray namespace: the index actor lives beside Serve's own actors."""
 
 INDEX_ACTOR_PREFIX = "prefixserve-index:"
+_CALL_FAILURES = (ray.exceptions.RayError, ValueError, TimeoutError)
+"""What a call on the actor raises when the index is unavailable: Ray's errors (a timeout
+among them), ``ValueError`` for an actor that was not found, and asyncio's timeout."""
 # Calls are microseconds of dict work; a few threads keep one large re-announce from
 # delaying every lookup behind it (EmbeddedIndex is thread-safe).
 INDEX_ACTOR_MAX_CONCURRENCY = 8
@@ -168,14 +171,19 @@ class ActorIndexClient:
         try:
             ref = getattr(self._handle(), method).remote(*args)
             return ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise IndexUnavailableError(f"index actor {method} took over {timeout_s}s") from exc
-        except (ray.exceptions.RayActorError, ValueError) as exc:
-            with self._lock:  # dead or not found: resolve (and maybe re-create) next time
+        except _CALL_FAILURES as exc:
+            raise self._unavailable(method, timeout_s, exc) from exc
+
+    def _unavailable(self, method: str, timeout_s: float, exc: Exception) -> IndexUnavailableError:
+        """The ``IndexUnavailableError`` a failed call stands for; a dead or missing actor is
+        resolved (and maybe re-created) on the next call."""
+        if isinstance(exc, TimeoutError):  # ray.get's GetTimeoutError or asyncio's
+            return IndexUnavailableError(f"index actor {method} took over {timeout_s}s")
+        if isinstance(exc, ray.exceptions.RayActorError | ValueError):
+            with self._lock:
                 self._actor = None
-            raise IndexUnavailableError(f"index actor unreachable: {exc!r}") from exc
-        except ray.exceptions.RayError as exc:
-            raise IndexUnavailableError(f"index actor call failed: {exc!r}") from exc
+            return IndexUnavailableError(f"index actor unreachable: {exc!r}")
+        return IndexUnavailableError(f"index actor call failed: {exc!r}")
 
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
         return self._call("apply", self.write_timeout_s, batch)
@@ -196,16 +204,8 @@ class ActorIndexClient:
         try:
             ref = actor.match.remote(list(block_hashes))
             return await asyncio.wait_for(ref, self.lookup_timeout_s)
-        except asyncio.TimeoutError as exc:
-            raise IndexUnavailableError(
-                f"index actor match took over {self.lookup_timeout_s}s"
-            ) from exc
-        except (ray.exceptions.RayActorError, ValueError) as exc:
-            with self._lock:
-                self._actor = None
-            raise IndexUnavailableError(f"index actor unreachable: {exc!r}") from exc
-        except ray.exceptions.RayError as exc:
-            raise IndexUnavailableError(f"index actor call failed: {exc!r}") from exc
+        except _CALL_FAILURES as exc:
+            raise self._unavailable("match", self.lookup_timeout_s, exc) from exc
 
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
         return self._call("heartbeat", self.write_timeout_s, replica_id, epoch, now)
