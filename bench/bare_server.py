@@ -80,20 +80,21 @@ def build_app(config) -> FastAPI:
         }
 
         async def events():
-            out = first
+            out, n_out = first, 0
             try:
                 while True:
-                    c = out.outputs[0]
-                    reason = c.finish_reason.value if c.finish_reason else None
-                    choice = {"index": 0, "text": c.new_text, "finish_reason": reason}
-                    yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                    for c in out.choices:
+                        reason = c.finish_reason.value if c.finish_reason else None
+                        choice = {"index": 0, "text": c.new_text, "finish_reason": reason}
+                        yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                        n_out += len(c.new_token_ids)
                     if out.finished:
                         break
                     out = await anext(stream)
             finally:
                 await stream.aclose()  # a client gone mid-stream aborts its request
             if usage:
-                n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+                n_prompt = out.num_prompt_tokens
                 counts = {"prompt_tokens": n_prompt, "completion_tokens": n_out}
                 counts["total_tokens"] = n_prompt + n_out
                 counts["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}

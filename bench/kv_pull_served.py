@@ -60,18 +60,19 @@ def _as_list(tokens: list) -> list[list[int]]:
 
 async def timed(handle, request_id, prompt, params, salt=None, hashes=None, keep=False):
     """(TTFT s, replica id, cached tokens, token ids, the stream when ``keep``)."""
+    from cluster.stream_items import check_item
+
     start_s = time.perf_counter()
     stream = handle.options(stream=True).generate.remote(
         request_id, prompt, params, cache_salt=salt, block_hashes=hashes
     )
     ttft_s, replica_id, cached, tokens = None, None, 0, []
     async for item in stream:
-        if "rejected" in item:
-            raise RuntimeError(item["rejected"])
+        item = check_item(item)
         if ttft_s is None:
             ttft_s = time.perf_counter() - start_s
-        replica_id, cached = item["replica_id"], item["num_cached_tokens"]
-        tokens += [t for c in item["outputs"] for t in c["new_token_ids"]]
+        replica_id, cached = item.replica_id, item.num_cached_tokens
+        tokens += [t for c in item.choices for t in c.new_token_ids]
         if keep:
             return ttft_s, replica_id, cached, tokens, stream
     return ttft_s, replica_id, cached, tokens, None

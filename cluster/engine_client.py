@@ -4,13 +4,13 @@
 starts one engine request per prompt (block hashes attached for the request router) and
 awaits each first output, so refusals surface as ``APIError`` before the HTTP response
 starts: Serve's full queue (``BackPressureError``) -> 429, the replica's own refusals
-(``{"rejected": ...}``) -> 400/429/503/500, an unreachable replica -> 503. Each first output is
-also reported to the request router that routed the call (``cluster.inflight``): the
+(``cluster.stream_items.Rejected``) -> 400/429/503/500, an unreachable replica -> 503. Each
+first output is also reported to the request router that routed the call (``cluster.inflight``): the
 request is no longer in its replica's prefill queue. With ``push_to`` the replica pushes the
 outputs between a call's first and its last to this ingress replica (``deliver``, one call
 per engine step for every request: ``cluster/ingress_channel.py``); each call's inbox gets
 them and, behind them, what its handle stream carries (``_Call``), in the replica's order.
-``merge`` then yields ``(prompt index, output dict)`` as outputs arrive and, when the caller
+``merge`` then yields ``(prompt index, OutputDelta)`` as outputs arrive and, when the caller
 stops early (client gone, a sibling failed), cancels every stream not yet ended, which aborts
 the engine requests and frees their blocks.
 
@@ -41,7 +41,9 @@ from cluster import errors
 from cluster.errors import APIError
 from cluster.inflight import first_output_arrived
 from cluster.serve_compat import own_internal_request_id
+from cluster.stream_items import Rejected, RejectKind
 from router.protocol import hash_blocks
+from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
 
 # Serve routes the "ray.serve" logger into each replica's log file.
@@ -70,25 +72,6 @@ def _cancel_quietly(response) -> None:
         response.cancel()
     except Exception as exc:
         log.debug("cancel of a finished handle call: %r", exc)
-
-
-def rejection_error(rejected: dict) -> APIError:
-    kind, message = rejected["kind"], rejected["message"]
-    if kind == "invalid":
-        return errors.from_value_error(ValueError(message))
-    if kind == "overloaded":
-        return errors.overloaded("engine queue full")
-    if kind == "dead":
-        return errors.unavailable(f"replica unavailable: {message}")
-    return errors.internal(message)
-
-
-def check_item(item: dict) -> None:
-    """Raises the APIError a mid-stream replica output stands for, if any."""
-    if "rejected" in item:
-        raise rejection_error(item["rejected"])
-    if item.get("error"):
-        raise errors.internal(f"the engine failed this request: {item['error']}")
 
 
 class ReplicaDiedError(Exception):
@@ -142,7 +125,7 @@ class _Stream:
         prompt_ids: list[int],
         params: SamplingParams,
         salt,
-        first: dict,
+        first: OutputDelta,
         call: _Call,
     ) -> None:
         self.request_id = request_id
@@ -151,7 +134,7 @@ class _Stream:
         self.salt = salt
         self.first = first
         self.call = call
-        self.num_cached_tokens = first.get("num_cached_tokens", 0)
+        self.num_cached_tokens = first.num_cached_tokens
         self.token_ids: list[int] = []
         """Output tokens streamed so far (choice 0; failover is for ``n == 1``)."""
         self.finished = False
@@ -162,23 +145,19 @@ class _Stream:
     def response(self):
         return self.call.response
 
-    def record(self, item: dict) -> dict:
+    def record(self, item: OutputDelta) -> OutputDelta:
         """Notes what ``item`` streams; after a failover, shows the first replica's cache hit.
         Raises ``ReplicaDiedError`` when an output of the call never arrived (a push lost
         with a broken channel): the stream fails over from what the client has."""
-        seq = item.get("seq")
-        if seq is not None:
-            if seq != self._next_seq:
-                raise ReplicaDiedError(
-                    f"output {self._next_seq} of {self.call.request_id} was lost in transit"
-                )
-            self._next_seq += 1
-        for choice in item.get("outputs", ()):
-            if choice.get("index", 0) == 0:
-                self.token_ids += choice.get("new_token_ids") or ()
-        self.finished = self.finished or bool(item.get("finished"))
+        if item.seq != self._next_seq:
+            raise ReplicaDiedError(
+                f"output {self._next_seq} of {self.call.request_id} was lost in transit"
+            )
+        self._next_seq += 1
+        self.token_ids += item.new_token_ids
+        self.finished = self.finished or item.finished
         if self.num_failovers:
-            item["num_cached_tokens"] = self.num_cached_tokens
+            item.num_cached_tokens = self.num_cached_tokens
         return item
 
     def resumed_with(self, call: _Call) -> None:
@@ -209,12 +188,12 @@ class EngineClient:
         self.push_to = push_to
         self._inboxes: dict[str, asyncio.Queue] = {}
 
-    def deliver(self, batch: list[tuple[str, dict]]) -> None:
+    def deliver(self, batch: list[OutputDelta]) -> None:
         """Outputs a replica pushed, into their calls' inboxes; a call that ended already
         (cancelled, failed over) drops its outputs."""
         inboxes = self._inboxes
-        for request_id, item in batch:
-            inbox = inboxes.get(request_id)
+        for item in batch:
+            inbox = inboxes.get(item.request_id)
             if inbox is not None:
                 inbox.put_nowait(item)
 
@@ -265,9 +244,9 @@ class EngineClient:
             log.warning("request %s failed to start: %r", request_id, exc)
             raise errors.unavailable("no replica could take the request") from None
         call = _Call(request_id, inbox, response)
-        if "rejected" in first:
+        if isinstance(first, Rejected):
             self.close(call)
-            raise rejection_error(first["rejected"])
+            raise first.api_error()
         return first, call
 
     def close(self, call: _Call) -> None:
@@ -317,7 +296,7 @@ class EngineClient:
             attempt += 1
             sub_id = f"{request_id}@open{attempt}"
 
-    async def _fail_over(self, stream: _Stream, cause: BaseException) -> dict:
+    async def _fail_over(self, stream: _Stream, cause: BaseException) -> OutputDelta:
         """Re-submits ``stream`` with the tokens streamed so far; returns the new first output."""
         while True:
             stream.num_failovers += 1
@@ -352,8 +331,11 @@ class EngineClient:
             rest = stream.call.rest()
             try:
                 async for item in rest:
-                    if item.get("rejected", {}).get("kind") == "dead":
-                        raise ReplicaDiedError(item["rejected"]["message"])
+                    if isinstance(item, Rejected):
+                        if item.kind is RejectKind.DEAD:
+                            raise ReplicaDiedError(item.message)
+                        yield item  # the caller raises what it stands for
+                        return
                     yield stream.record(item)
                 break
             except Exception as exc:
@@ -375,7 +357,7 @@ class EngineClient:
                 await rest.aclose()
 
     async def merge(self, opened: list[_Stream]):
-        """(prompt index, output dict) from every stream as they arrive; raises on failure.
+        """(prompt index, output) from every stream as they arrive; raises on failure.
 
         A stream whose replica dies fails over (``_fail_over``) while it may. One stream (a
         request with one prompt) is read in this task; several are pumped by a task each

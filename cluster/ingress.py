@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import errors
 from cluster.anthropic_messages import MessageEvents, MessagesRequest, message_object
 from cluster.config import API_KEY_ENV, ClusterConfig
-from cluster.engine_client import EngineClient, check_item
+from cluster.engine_client import EngineClient
 from cluster.errors import APIError
 from cluster.metrics import METRICS_PUSH_PERIOD_S, any_replica_serving
 from cluster.metrics_render import render_prometheus
@@ -63,6 +63,7 @@ from cluster.request_router import router_metrics_snapshot
 from cluster.response_store import store_actor, tenant_of
 from cluster.responses import ResponseBuilder
 from cluster.serve_compat import own_address
+from cluster.stream_items import check_item
 from cluster.tool_calls import (
     ToolPlan,
     apply_tool_plan,
@@ -72,6 +73,7 @@ from cluster.tool_calls import (
 )
 from worker import EngineConfig
 from worker.loader import load_frontend
+from worker.outputs import OutputDelta
 
 # Serve routes the "ray.serve" logger into each replica's log file.
 log = logging.getLogger("ray.serve")
@@ -168,12 +170,12 @@ class Ingress:
             )
         return app
 
-    async def deliver(self, batch: list[tuple[str, dict]]) -> None:
-        """Outputs an engine replica pushed here (``cluster/ingress_channel.py``): (request
-        id, output dict) of every call this replica has open there, from one engine step or
-        more; called on this replica's actor, not over HTTP. A coroutine so that Serve runs
-        it on the user-code loop, which owns the inboxes (a plain method would run in a
-        worker thread, one thread start per call, touching the loop's queues from outside)."""
+    async def deliver(self, batch: list[OutputDelta]) -> None:
+        """Outputs an engine replica pushed here (``cluster/ingress_channel.py``), of every
+        call this replica has open there, from one engine step or more; called on this
+        replica's actor, not over HTTP. A coroutine so that Serve runs it on the user-code
+        loop, which owns the inboxes (a plain method would run in a worker thread, one
+        thread start per call, touching the loop's queues from outside)."""
         self.engines.deliver(batch)
 
     # ---- request plumbing ---------------------------------------------------------------
@@ -272,7 +274,7 @@ class Ingress:
         self.request_metrics.started(
             arrival_s, [stream.first for stream in opened], time.monotonic()
         )
-        replicas = ",".join(dict.fromkeys(stream.first["replica_id"] for stream in opened))
+        replicas = ",".join(dict.fromkeys(stream.first.replica_id for stream in opened))
         return self.engines.merge(opened), replica_headers(self.cluster, replicas, self._ingress_id)
 
     async def _relay(self, items, builder: ResponseBuilder, arrival_s: float, events_of):
@@ -440,7 +442,7 @@ class Ingress:
         stream = ResponseEvents(req, response_id, self.served_name)
         finish: list[str | None] = [None]
 
-        def events_of(index: int, item: dict) -> list[str]:
+        def events_of(index: int, item: OutputDelta) -> list[str]:
             events = []
             for state, new_text, _ in builder.add(index, item):
                 finish[0] = state.finish_reason or finish[0]
@@ -476,8 +478,8 @@ class Ingress:
         stream = MessageEvents(message_id, self.served_name)
         last: list = [None, None, False]  # the choice's state, its finish reason, started
 
-        def events_of(index: int, item: dict) -> list[str]:
-            events = [] if last[2] else stream.start(item.get("num_prompt_tokens") or 0)
+        def events_of(index: int, item: OutputDelta) -> list[str]:
+            events = [] if last[2] else stream.start(item.num_prompt_tokens)
             last[2] = True
             for state, new_text, _ in builder.add(index, item):
                 last[0] = state

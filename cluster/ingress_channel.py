@@ -27,10 +27,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from worker.outputs import OutputDelta
+
 log = logging.getLogger("ray.serve")
 
-Deliver = Callable[[list[tuple[str, dict]]], Awaitable[object]]
-"""Sends one batch of (request id, output dict) to the ingress: ``Ingress.deliver``."""
+Deliver = Callable[[list[OutputDelta]], Awaitable[object]]
+"""Sends one batch of outputs (any requests', in order) to the ingress: ``Ingress.deliver``."""
 
 
 class IngressChannel:
@@ -39,7 +41,7 @@ class IngressChannel:
     def __init__(self, name: str, deliver: Deliver) -> None:
         self.name = name
         self._deliver = deliver
-        self._pending: list[tuple[str, dict]] = []
+        self._pending: list[OutputDelta] = []
         self._pushed = 0
         self._delivered = 0
         self._progress = asyncio.Condition()
@@ -48,11 +50,11 @@ class IngressChannel:
         self.num_deliveries = 0
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def push(self, request_id: str, item: dict) -> bool:
+    def push(self, item: OutputDelta) -> bool:
         """Queues ``item`` for delivery; False once the channel is broken (stream it instead)."""
         if self.broken:
             return False
-        self._pending.append((request_id, item))
+        self._pending.append(item)
         self._pushed += 1
         self._wakeup.set()
         return True

@@ -20,6 +20,8 @@ from cluster.metrics_series import (
     TOKEN_HISTOGRAMS,
     token_buckets,
 )
+from cluster.stream_items import prefill_time_s
+from worker.outputs import OutputDelta
 
 
 class Histogram:
@@ -89,11 +91,12 @@ class IngressMetrics:
         self.histograms.update({name: Histogram(tokens) for name in TOKEN_HISTOGRAMS})
         self.finished_reasons: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
 
-    def started(self, arrival_s: float, first_outputs: list[dict], now_s: float) -> None:
-        """``first_outputs``: each prompt's first replica output (``prefill_time_s`` in it)."""
+    def started(self, arrival_s: float, first_outputs: list[OutputDelta], now_s: float) -> None:
+        """``first_outputs``: each prompt's first replica output (with the engine's timestamps,
+        whose prefill time ``stream_items.prefill_time_s`` reads)."""
         ttft_s = max(0.0, now_s - arrival_s)
         self.histograms["time_to_first_token_seconds"].observe(ttft_s)
-        prefill_s = [out["prefill_time_s"] for out in first_outputs if "prefill_time_s" in out]
+        prefill_s = [s for s in map(prefill_time_s, first_outputs) if s is not None]
         if prefill_s:  # the slowest prompt's prefill ends at the TTFT; before it, waiting
             queue_s = max(0.0, ttft_s - max(prefill_s))
             self.histograms["request_queue_time_seconds"].observe(queue_s)

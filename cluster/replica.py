@@ -1,18 +1,16 @@
 """The engine-replica deployment: one ``AsyncEngine`` per Serve replica, streamed over handles.
 
 ``EngineReplica.generate`` is an async generator called through a streaming
-``DeploymentHandle``; it makes plain dicts (``output_to_dict``), one per engine step that
-advanced the request, numbered (``seq``), carrying only what is new (``new_text``,
-``new_token_ids``, new logprobs) plus, once per choice, its ``finish_reason`` and full
-``text``. It yields the first and the last; with ``push_to`` (the calling ingress replica)
-the ones in between go to that ingress through an ``IngressChannel``
-(``cluster/ingress_channel.py``: every request's outputs of an engine step in one call),
-else it yields them too; the first dict also carries
-``prefill_time_s`` (the engine's first scheduling to first token) for the ingress's queue time,
-and the replica times the engine-side phases (``cluster.metrics_snapshots.ReplicaMetrics``). A
-request the engine refuses (bad input, full queue, dead engine) yields one
-``{"rejected": {"kind", "message"}}`` dict instead of raising, so the ingress maps it to
-400/429/503 without unpickling engine errors.
+``DeploymentHandle``; it relays the engine's ``OutputDelta``s (``worker/outputs.py``: what
+each step added, nothing else) as the engine made them, stamping each with its number in the
+stream (``seq``) and this replica's id; with ``stream_interval`` above 1 it first joins
+consecutive ones. It yields the first and the last; with ``push_to`` (the calling ingress
+replica) the ones in between go to that ingress through an ``IngressChannel``
+(``cluster/ingress_channel.py``: every request's outputs of an engine step in one call), else
+it yields them too. The replica times the engine-side phases from the timestamps in the first
+and last delta (``cluster.metrics_snapshots.ReplicaMetrics``). A request the engine refuses
+(bad input, full queue, dead engine) yields one ``cluster.stream_items.Rejected`` instead of
+raising, so the ingress maps it to 400/429/503 without unpickling engine errors.
 
 ``export_prefix`` and ``pull_prefix`` move a prefix's KV between replicas
 (``worker/kv_transfer.py``): the puller asks a peer for the blocks it holds and imports them
@@ -33,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 import time
@@ -48,12 +45,12 @@ from cluster.kv_pull import ReplicaKVPuller
 from cluster.metrics import METRICS_PUSH_PERIOD_S
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.serve_compat import peer_replica, replica_of
+from cluster.stream_items import Rejected, RejectKind
 from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
-from worker.async_engine import coalesce
 from worker.kv_transfer import default_shared_dir
-from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
+from worker.outputs import EngineDeadError, EngineOverloadedError, OutputDelta
 
 # Serve routes the "ray.serve" logger into each replica's log file.
 log = logging.getLogger("ray.serve")
@@ -63,79 +60,6 @@ log = logging.getLogger("ray.serve")
 SHUTDOWN_DRAIN_S = 2.0
 # How often a draining replica checks whether its last requests finished on their own.
 DRAIN_POLL_S = 0.1
-
-
-class RejectKind(str, enum.Enum):
-    INVALID = "invalid"
-    """Bad input the engine found (prompt too long, token id out of range): 400."""
-    OVERLOADED = "overloaded"
-    """The engine's waiting queue is full: 429."""
-    DEAD = "dead"
-    """The engine loop died: 503 (Serve replaces the replica)."""
-    INTERNAL = "internal"
-    """Anything else: 500."""
-
-
-def output_to_dict(out: RequestOutput, replica_id: str, reported: set[int]) -> dict:
-    """The new part of ``out`` as a plain dict; ``reported`` holds choices already finished."""
-    choices = []
-    for completion in out.outputs:
-        if completion.index in reported:
-            continue
-        new_ids = list(completion.new_token_ids)
-        logprobs = None
-        if completion.logprobs is not None and new_ids:
-            logprobs = [
-                [entry.token_id, entry.logprob, [[tid, lp] for tid, lp in entry.top]]
-                for entry in completion.logprobs[-len(new_ids) :]
-            ]
-        finish = completion.finish_reason
-        if finish is not None:
-            reported.add(completion.index)
-        if not new_ids and not completion.new_text and finish is None:
-            continue
-        choices.append(
-            {
-                "index": completion.index,
-                "new_text": completion.new_text,
-                "new_token_ids": new_ids,
-                "logprobs": logprobs,
-                "finish_reason": finish.value if finish is not None else None,
-                "stop_reason": completion.stop_reason,
-                "text": completion.text if finish is not None else None,
-            }
-        )
-    item = {
-        "replica_id": replica_id,
-        "request_id": out.request_id,
-        "num_prompt_tokens": len(out.prompt_token_ids),
-        "num_cached_tokens": out.num_cached_tokens,
-        "finished": out.finished,
-        "error": out.error,
-        "outputs": choices,
-    }
-    if out.prompt_logprobs is not None and out.carries_first_tokens:  # once per request
-        item["prompt_logprobs"] = [
-            None
-            if entry is None
-            else [entry.token_id, entry.logprob, entry.rank, [list(t) for t in entry.top]]
-            for entry in out.prompt_logprobs
-        ]
-    return item
-
-
-def prefill_time_s(times: dict) -> float | None:
-    """Seconds from the request's first scheduling to its first token (engine timestamps in
-    ``RequestOutput.metrics``); None while either is unknown."""
-    scheduled_s = times.get("first_scheduled_time")
-    first_token_s = times.get("first_token_time")
-    if scheduled_s is None or first_token_s is None:
-        return None
-    return max(0.0, first_token_s - scheduled_s)
-
-
-def rejection(replica_id: str, kind: RejectKind, message: str) -> dict:
-    return {"replica_id": replica_id, "rejected": {"kind": kind.value, "message": message}}
 
 
 def _deliver_to(address: dict):
@@ -148,14 +72,12 @@ class _StreamState:
     """What ``EngineReplica.generate`` keeps of one request's stream: shared by the call's
     own loop and by the sink its pushed outputs go through (``EngineReplica._push``)."""
 
-    __slots__ = ("reported", "last_step_s", "pending", "seq")
+    __slots__ = ("last_step_s", "pending", "seq")
 
     def __init__(self) -> None:
-        self.reported: set[int] = set()
-        """Choices whose finish was already sent."""
         self.last_step_s: float | None = None
         """When the last output arrived (None before the first)."""
-        self.pending: RequestOutput | None = None
+        self.pending: OutputDelta | None = None
         """Outputs held back to send ``stream_interval`` tokens at once."""
         self.seq = 0
         """The number the next output sent gets."""
@@ -222,7 +144,8 @@ class EngineReplica:
         kv_pull: dict | None = None,
         push_to: dict | None = None,
     ):
-        """Streams the request's outputs as dicts, each numbered (``seq``). ``block_hashes``
+        """Streams the request's ``OutputDelta``s, each numbered (``seq``), or one
+        ``Rejected``. ``block_hashes``
         are for the router (and a pull); ``resume_token_ids`` continue a stream a dead replica
         began (the ingress's failover); ``kv_pull``: the request router's order to pull leading
         blocks from a peer first (``cluster.request_router.kv_pull_order``), set by the router,
@@ -250,10 +173,7 @@ class EngineReplica:
                     item = self._take(state, out)
                     if item is None:  # held back: stream_interval tokens not reached
                         continue
-                    if is_first:  # for the ingress's queue time: its TTFT less this
-                        prefill_s = prefill_time_s(out.metrics)
-                        if prefill_s is not None:
-                            item["prefill_time_s"] = prefill_s
+                    if is_first:
                         yield item
                         if push_to is not None and not out.finished:
                             channel = self._channels.get(push_to)
@@ -261,7 +181,7 @@ class EngineReplica:
                             self.engine.forward(
                                 request_id, functools.partial(self._push, state, channel)
                             )
-                    elif out.finished or channel is None or not channel.push(request_id, item):
+                    elif out.finished or channel is None or not channel.push(item):
                         if channel is not None:
                             await channel.flushed()  # what was pushed arrives first
                         yield item
@@ -279,46 +199,50 @@ class EngineReplica:
         finally:
             self._in_flight.discard(request_id)
 
-    async def _after_pushes(self, channel, kind: RejectKind, message: str) -> dict:
+    async def _after_pushes(self, channel, kind: RejectKind, message: str) -> Rejected:
         """The rejection to stream, once what was pushed for the request has arrived."""
         if channel is not None:
             await channel.flushed()
-        return rejection(self.replica_id, kind, message)
+        return Rejected(kind, message, self.replica_id)
 
-    def _take(self, state: _StreamState, out: RequestOutput) -> dict | None:
-        """The dict to send for ``out`` (numbered, with what was held back before it), or
-        None while ``stream_interval`` holds it back; records the engine-side histograms."""
+    def _take(self, state: _StreamState, out: OutputDelta) -> OutputDelta | None:
+        """The delta to send for ``out`` (numbered, joined to what was held back before
+        it), or None while ``stream_interval`` holds it back; records the engine-side
+        histograms."""
         now_s = time.monotonic()
         self._observe(out, now_s, state.last_step_s)
         is_first = state.last_step_s is None
         state.last_step_s = now_s
-        pending = out if state.pending is None else coalesce(state.pending, out)
+        pending = out if state.pending is None else state.pending.extend(out)
         if not is_first and not self._due(pending):
             state.pending = pending
             return None
         state.pending = None
-        item = output_to_dict(pending, self.replica_id, state.reported)
-        item["seq"], state.seq = state.seq, state.seq + 1
-        return item
+        pending.seq, pending.replica_id = state.seq, self.replica_id
+        state.seq += 1
+        return pending
 
-    def _push(self, state: _StreamState, channel, out: RequestOutput) -> bool:
+    def _push(self, state: _StreamState, channel, out: OutputDelta) -> bool:
         """``AsyncEngine.forward``'s sink for a request whose outputs go to ``channel``:
         False once the channel broke (the output then streams through the handle call)."""
         if channel.broken:
             return False
         item = self._take(state, out)
         if item is not None:
-            channel.push(out.request_id, item)
+            channel.push(item)
         return True
 
-    def _due(self, pending: RequestOutput) -> bool:
-        """Whether held-back outputs go now: the request ended, or a choice has
+    def _due(self, pending: OutputDelta) -> bool:
+        """Whether held-back outputs go now: the request ended, or a choice ended or has
         ``stream_interval`` new tokens."""
-        if pending.finished or any(c.finished for c in pending.outputs):
+        if pending.finished:
             return True
-        return any(len(c.new_token_ids) >= self.stream_interval for c in pending.outputs)
+        return any(
+            c.finish_reason is not None or len(c.new_token_ids) >= self.stream_interval
+            for c in pending.choices
+        )
 
-    def _observe(self, out: RequestOutput, now_s: float, last_step_s: float | None) -> None:
+    def _observe(self, out: OutputDelta, now_s: float, last_step_s: float | None) -> None:
         """Engine-side histograms from the engine's timestamps (a missing arrival, first token
         or finish reads as now; without a first scheduling the phases it starts are skipped).
         Between the first output and the last: one clock difference per output."""
@@ -327,7 +251,7 @@ class EngineReplica:
             observe("inter_token_latency_seconds", now_s - last_step_s)
             if not out.finished:
                 return
-        times = out.metrics
+        times = out.metrics or {}
         arrival_s = times.get("arrival_time") or now_s
         scheduled_s = times.get("first_scheduled_time")
         first_token_s = times.get("first_token_time")

@@ -1,8 +1,9 @@
 """OpenAI response shapes: streamed SSE chunks and whole responses, built from replica outputs.
 
-The replica streams plain dicts (``cluster.replica.output_to_dict``): per step, each choice's
-``new_text``, ``new_token_ids``, new ``logprobs`` as ``[token_id, logprob, [[id, lp], ...]]``
-and, once, its ``finish_reason``/``text``. ``ResponseBuilder`` turns those into
+The replica streams the engine's ``OutputDelta``s (``worker/outputs.py``): per step, each
+advanced choice's ``new_text``, ``new_token_ids``, ``new_logprobs`` (``TokenLogprob``s) and,
+once, its ``finish_reason``/``text``. ``ResponseBuilder`` is where they accumulate, once, and
+turns them into
 ``chat.completion(.chunk)`` or ``text_completion`` objects; it owns the per-choice state
 (text so far, token counts, logprobs) and the usage, whose
 ``prompt_tokens_details.cached_tokens`` is always filled. Choices of a batched completions
@@ -14,7 +15,7 @@ there are only calls), and a choice that ended by itself with calls has finish_r
 engine error is reported by the caller.
 
 Prompt logprobs come once per prompt, in the output that carries choice 0's first tokens, as
-``prompt_logprobs``: ``[None, [token_id, logprob, rank, [[id, lp], ...]], ...]``. With
+``prompt_logprobs``: ``[None, TokenLogprob (with its rank), ...]``. With
 ``echo`` (legacy completions) each choice's text, and its logprobs when asked for, start with
 the prompt's: the first prompt token's logprob and top_logprobs are null, each other prompt
 token's top_logprobs holds the token itself beside the top ``logprobs`` (OpenAI's shape, what
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 from cluster.tool_calls import ToolPlan
 from cluster.tool_parsers import ToolCallStream
+from worker.outputs import OutputDelta
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -135,27 +137,27 @@ class ResponseBuilder:
         sets it while relaying; the closing events are then not sent)."""
 
     # ---- accumulation -------------------------------------------------------------------
-    def add(self, prompt_index: int, out: dict) -> list[tuple[ChoiceState, str, list]]:
+    def add(self, prompt_index: int, out: OutputDelta) -> list[tuple[ChoiceState, str, list]]:
         """Records one replica output; returns (choice, new text, new logprobs) per change."""
-        self.num_prompt_tokens[prompt_index] = out["num_prompt_tokens"]
-        self.num_cached_tokens[prompt_index] = out["num_cached_tokens"]
-        if out.get("prompt_logprobs") is not None:
-            self.prompt_logprobs[prompt_index] = out["prompt_logprobs"]
+        self.num_prompt_tokens[prompt_index] = out.num_prompt_tokens
+        self.num_cached_tokens[prompt_index] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
         changes = []
-        for completion in out["outputs"]:
-            state = self.choices[prompt_index * self.n + completion["index"]]
+        for completion in out.choices:
+            state = self.choices[prompt_index * self.n + completion.index]
             if state.finish_reason is not None:
                 continue
-            new_text = completion["new_text"]
-            new_logprobs = completion.get("logprobs") or []
+            new_text = completion.new_text
+            new_logprobs = completion.new_logprobs or []
             state.text_parts.append(new_text)
-            state.num_tokens += len(completion["new_token_ids"])
+            state.num_tokens += len(completion.new_token_ids)
             state.logprobs.extend(new_logprobs)
-            if completion["finish_reason"] is not None:
-                state.finish_reason = completion["finish_reason"]
-                state.stop_reason = completion.get("stop_reason")
-                state.final_text = completion.get("text")
-            if new_text or completion["new_token_ids"] or state.finish_reason is not None:
+            if completion.finish_reason is not None:
+                state.finish_reason = completion.finish_reason.value
+                state.stop_reason = completion.stop_reason
+                state.final_text = completion.text
+            if new_text or completion.new_token_ids or state.finish_reason is not None:
                 changes.append((state, new_text, new_logprobs))
         return changes
 
@@ -175,9 +177,9 @@ class ResponseBuilder:
         if not self.want_logprobs:
             return None
         content = []
-        for token_id, logprob, top in entries:
-            entry = self._token_entry(token_id, logprob)
-            entry["top_logprobs"] = [self._token_entry(tid, lp) for tid, lp in top]
+        for sampled in entries:
+            entry = self._token_entry(sampled.token_id, sampled.logprob)
+            entry["top_logprobs"] = [self._token_entry(tid, lp) for tid, lp in sampled.top]
             content.append(entry)
         return {"content": content}
 
@@ -185,12 +187,13 @@ class ResponseBuilder:
         if not self.want_logprobs:
             return None
         tokens, token_logprobs, top_logprobs = [], [], []
-        for token_id, logprob, top in entries:
-            token = self.token_to_str(token_id)
-            alternatives = {self.token_to_str(tid): lp for tid, lp in top}
-            alternatives.setdefault(token, logprob)  # the sampled token too, as OpenAI and vLLM
+        for sampled in entries:
+            token = self.token_to_str(sampled.token_id)
+            alternatives = {self.token_to_str(tid): lp for tid, lp in sampled.top}
+            # the sampled token too, as OpenAI and vLLM
+            alternatives.setdefault(token, sampled.logprob)
             tokens.append(token)
-            token_logprobs.append(logprob)
+            token_logprobs.append(sampled.logprob)
             top_logprobs.append(alternatives)
         return _text_logprobs(tokens, token_logprobs, top_logprobs, start_offset)
 
@@ -206,12 +209,11 @@ class ResponseBuilder:
                 token_logprobs.append(None)
                 top_logprobs.append(None)
             else:
-                _, logprob, _, top = entry
                 alternatives = {
-                    self.token_to_str(tid): lp for tid, lp in top[: self.num_top_logprobs]
+                    self.token_to_str(tid): lp for tid, lp in entry.top[: self.num_top_logprobs]
                 }
-                alternatives.setdefault(token, logprob)
-                token_logprobs.append(logprob)
+                alternatives.setdefault(token, entry.logprob)
+                token_logprobs.append(entry.logprob)
                 top_logprobs.append(alternatives)
             tokens.append(token)
         return _text_logprobs(tokens, token_logprobs, top_logprobs, 0)
@@ -242,15 +244,14 @@ class ResponseBuilder:
             if entry is None:
                 rendered.append(None)
                 continue
-            token_id, logprob, rank, top = entry
             ranked = {
                 str(tid): {"logprob": lp, "rank": i + 1, "decoded_token": self.token_to_str(tid)}
-                for i, (tid, lp) in enumerate(top)
+                for i, (tid, lp) in enumerate(entry.top)
             }
-            ranked[str(token_id)] = {
-                "logprob": logprob,
-                "rank": rank,
-                "decoded_token": self.token_to_str(token_id),
+            ranked[str(entry.token_id)] = {
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": self.token_to_str(entry.token_id),
             }
             rendered.append(ranked)
         return rendered

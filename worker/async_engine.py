@@ -1,4 +1,6 @@
-"""``AsyncEngine``: the engine a server hosts. The engine steps elsewhere; asyncio callers stream.
+"""``AsyncEngine``: the engine a server hosts. The engine steps elsewhere; asyncio callers stream
+each request's ``OutputDelta``s (``worker/outputs.py``): what each step added, never the
+whole answer again (``worker.outputs.accumulate`` adds them up for a caller that wants it).
 
 Where the engine runs (``EngineCore``)
     ``ProcessCore`` (the default for one rank, ``worker/engine_process.py``): the
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import time
@@ -42,10 +43,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from router.protocol import BlockHash, KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
 from worker.engine import validate_request
+from worker.engine_commands import Abort, Add, Call, Stop
 from worker.engine_core import EngineCore, StepResult, ThreadCore
 from worker.engine_process import ProcessCore
 from worker.kv_transfer import KVPayload
-from worker.outputs import EngineDeadError, EngineOverloadedError, RequestOutput
+from worker.outputs import EngineDeadError, EngineOverloadedError, OutputDelta
 from worker.parallel.workers import WorkerLauncher
 from worker.sampling_params import SamplingParams
 
@@ -55,7 +57,7 @@ MAX_BUFFERED_KV_BATCHES = 10_000
 """Undrained KV event batches kept; older ones are dropped (the index resyncs on a seq gap)."""
 
 
-Sink = Callable[[RequestOutput], bool]
+Sink = Callable[[OutputDelta], bool]
 """Takes one output of a forwarded request (``AsyncEngine.forward``); False hands it back."""
 
 
@@ -71,7 +73,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    """``generate`` streams a request's ``RequestOutput``s; see the module docstring."""
+    """``generate`` streams a request's ``OutputDelta``s; see the module docstring."""
 
     def __init__(
         self,
@@ -114,9 +116,10 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         resume_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams ``RequestOutput``s; ``resume_token_ids`` continue a stream another replica
-        began (``LLMEngine.add_request``)."""
+    ) -> AsyncIterator[OutputDelta]:
+        """Streams the request's ``OutputDelta``s, several steps' in one when the caller
+        reads slower than the engine steps; ``resume_token_ids`` continue a stream another
+        replica began (``LLMEngine.add_request``)."""
         if not self.is_alive():
             raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
         info = self._core.info
@@ -140,7 +143,7 @@ class AsyncEngine:
         self._streams[request_id] = _Stream(asyncio.get_running_loop(), out_q)
         self._adds_sent += 1
         self._core.submit(
-            ("add", request_id, list(prompt_token_ids), params, cache_salt, list(resume_token_ids))
+            Add(request_id, list(prompt_token_ids), params, cache_salt, list(resume_token_ids))
         )
         finished = False
         try:
@@ -150,7 +153,7 @@ class AsyncEngine:
                     not isinstance(item, BaseException) and not item.finished and not out_q.empty()
                 ):
                     later = out_q.get_nowait()  # a slow reader: send what piled up as one output
-                    item = later if isinstance(later, BaseException) else coalesce(item, later)
+                    item = later if isinstance(later, BaseException) else item.extend(later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -161,10 +164,10 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished and self.is_alive():
-                self._core.submit(("abort", request_id))
+                self._core.submit(Abort(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._core.submit(("abort", request_id))
+        self._core.submit(Abort(request_id))
 
     def forward(self, request_id: str, sink: Sink) -> None:
         """From now on ``sink(output)`` takes each output of ``request_id`` that does not
@@ -218,7 +221,7 @@ class AsyncEngine:
         call_id = next(self._call_ids)
         self._calls[call_id] = (loop, future)
         future.add_done_callback(lambda _: self._calls.pop(call_id, None))
-        self._core.submit(("call", call_id, method, args))
+        self._core.submit(Call(call_id, method, args))
         if not self.is_alive():  # died before it could answer: _on_dead may have run already
             _settle(future, EngineDeadError(f"engine {self.replica_id} failed: {self.why_dead()}"))
         return future
@@ -254,7 +257,7 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         for rid in list(self._streams):
             self.abort(rid)
-        self._core.submit(("stop",))
+        self._core.submit(Stop())
         await asyncio.get_running_loop().run_in_executor(None, self._core.join, 10.0)
 
     # -- the core's thread -------------------------------------------------------------------
@@ -302,30 +305,8 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 for _, item in items:
-                    if isinstance(item, RequestOutput) and not item.finished:
-                        self._core.submit(("abort", item.request_id))
-
-
-def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output saying what ``earlier`` and ``later`` said: ``later``'s cumulative fields
-    with both steps' new tokens and text."""
-    new_by_index = {c.index: c for c in earlier.outputs}
-    outputs = []
-    for c in later.outputs:
-        before = new_by_index.get(c.index)
-        if before is not None:
-            c = dataclasses.replace(
-                c,
-                new_token_ids=before.new_token_ids + c.new_token_ids,
-                new_text=before.new_text + c.new_text,
-            )
-        outputs.append(c)
-    seen = {c.index for c in later.outputs}
-    outputs += [
-        c for c in earlier.outputs if c.index not in seen
-    ]  # advanced only in the earlier step
-    outputs.sort(key=lambda c: c.index)
-    return dataclasses.replace(later, outputs=outputs)
+                    if isinstance(item, OutputDelta) and not item.finished:
+                        self._core.submit(Abort(item.request_id))
 
 
 def _settle(future: asyncio.Future, answer: object) -> None:
@@ -341,7 +322,7 @@ def _put_all(items: list[tuple[_Stream, object]]) -> None:
     has one and the item is an output that does not finish the request, else to its queue."""
     for stream, item in items:
         sink = stream.sink
-        if sink is not None and isinstance(item, RequestOutput) and not item.finished:
+        if sink is not None and isinstance(item, OutputDelta) and not item.finished:
             try:
                 if sink(item):
                     continue

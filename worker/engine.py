@@ -33,7 +33,14 @@ from worker.loader import load_tokenizer, load_weights, resolve_engine_model
 from worker.metrics import EngineMetrics, EngineMetricsSnapshot, HostTierMetrics
 from worker.model_runner import ModelRunner
 from worker.models.llama import ModelSpec
-from worker.outputs import CompletionOutput, EngineOverloadedError, FinishReason, RequestOutput
+from worker.outputs import (
+    ChoiceDelta,
+    CompletionOutput,
+    EngineOverloadedError,
+    FinishReason,
+    OutputDelta,
+    RequestOutput,
+)
 from worker.parallel.sharding import ShardPlan, load_shard, read_spec
 from worker.parallel.workers import (
     LocalProcessLauncher,
@@ -64,6 +71,8 @@ class StepDelta:
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    is_first: bool = False
+    """The sequence's first token in this engine."""
 
 
 def check_resume(
@@ -306,20 +315,51 @@ class LLMEngine:
         self.metrics.prompt_tokens_total += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends ``request_id`` (its unfinished choices with ``FinishReason.ABORT``); its final
+        cumulative output, or None when it is not running."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
-        for req in group:
-            if not req.is_finished:
-                self.scheduler.finish(req)
-                req.finish_reason = req.finish_reason or FinishReason.ABORT
+        self._end_group(group)
         return self._output(request_id, group, {}, finished=True)
+
+    def abort_delta(self, request_id: str) -> OutputDelta | None:
+        """``abort`` for a streaming caller: the delta that ends the request's unfinished
+        choices (None when it is not running)."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        ended = self._end_group(group)
+        return self._delta(request_id, group, {req: StepDelta() for req in ended}, finished=True)
+
+    def _end_group(self, group: list[Request]) -> list[Request]:
+        """Finishes the group's unfinished sequences with ``ABORT``; returns them."""
+        ended = [req for req in group if not req.is_finished]
+        for req in ended:
+            self.scheduler.finish(req)
+            req.finish_reason = req.finish_reason or FinishReason.ABORT
+        return ended
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step; the cumulative output of every request it touched (offline callers)."""
+        return [self._output(*advanced) for advanced in self._advance()]
+
+    def step_deltas(self) -> list[OutputDelta]:
+        """One step; what it added to each request it advanced or ended (streaming callers:
+        ``EngineLoop``). A prefill chunk that sampled nothing yields no delta."""
+        deltas = []
+        for request_id, group, new, finished in self._advance():
+            if new or finished:
+                deltas.append(self._delta(request_id, group, new, finished))
+        return deltas
+
+    def _advance(self) -> list[tuple[str, list[Request], dict[Request, StepDelta], bool]]:
+        """Schedules and runs one step: (request id, its group, what the step added to each
+        sampled sequence, whether the group is done) per request the step touched."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -338,23 +378,23 @@ class LLMEngine:
         results = self.sampler.sample(logits, sampling_reqs)
         self.scheduler.commit_computed(batch)
         now = time.monotonic()
-        deltas = {
+        added = {
             req: self._append(req, res, now)
             for req, res in zip(sampling_reqs, results, strict=True)
         }
         self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - t0)
         self._collect_events()
-        touched = {r.request_id for r in batch.requests}
-        outputs = []
-        for rid in touched:
+        advanced = []
+        for rid in {r.request_id for r in batch.requests}:
             group = self._groups.get(rid)
             if group is None:
                 continue
             done = all(r.is_finished for r in group)
-            outputs.append(self._output(rid, group, deltas, finished=done))
+            new = {r: added[r] for r in group if r in added}
+            advanced.append((rid, group, new, done))
             if done:
                 del self._groups[rid]
-        return outputs
+        return advanced
 
     def _append(self, req: Request, res: SampleResult, now: float) -> StepDelta:
         """Appends the sampled token to ``req``, applies the stop checks, returns the delta."""
@@ -362,7 +402,8 @@ class LLMEngine:
         req.append_token(token)
         if res.logprob is not None:
             req.logprobs.append(res.logprob)
-        if req.first_token_time is None:
+        is_first = req.first_token_time is None
+        if is_first:
             req.first_token_time = now
         self.metrics.generation_tokens_total += 1
         req.detokenizer.add_token(token)
@@ -372,7 +413,7 @@ class LLMEngine:
         if req.finish_reason is not None:
             self.scheduler.finish(req)
         finished = req.finish_reason is not None
-        return StepDelta(token_ids=[token], text=req.detokenizer.take_delta(finished))
+        return StepDelta([token], req.detokenizer.take_delta(finished), is_first)
 
     def _check_stop(self, req: Request, token: int) -> None:
         """Sets ``finish_reason``/``stop_reason`` if ``token`` (just appended) ends ``req``.
@@ -420,6 +461,68 @@ class LLMEngine:
                     stop_reason=req.stop_reason,
                 )
             )
+        metrics = self._timestamps(group, finished)
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outs,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            finished=finished,
+            error=None,
+            metrics=metrics,
+            prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None,
+        )
+
+    def _delta(
+        self,
+        request_id: str,
+        group: list[Request],
+        added: dict[Request, StepDelta],
+        finished: bool,
+    ) -> OutputDelta:
+        """The group's ``OutputDelta``: one ``ChoiceDelta`` per sequence in ``added`` (what
+        the step gave it, its finish if it ended); the timestamps with a first token or the
+        finish, the prompt logprobs with choice 0's first token."""
+        first = group[0]
+        choices = []
+        any_first = False
+        for req, step in added.items():
+            ended = req.finish_reason is not None
+            logprobs = None
+            if req.params.logprobs is not None:
+                logprobs = req.logprobs[-len(step.token_ids) :] if step.token_ids else []
+            choices.append(
+                ChoiceDelta(
+                    req.index,
+                    step.token_ids,
+                    step.text,
+                    logprobs,
+                    req.finish_reason,
+                    req.stop_reason,
+                    req.detokenizer.text if ended else None,
+                )
+            )
+            any_first = any_first or step.is_first
+        if len(choices) > 1:
+            choices.sort(key=lambda c: c.index)
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and first in added and added[first].is_first:
+            prompt_logprobs = first.prompt_logprobs
+        return OutputDelta(
+            request_id,
+            len(first.prompt_token_ids),
+            first.num_cached_tokens or 0,
+            choices,
+            finished,
+            metrics=self._timestamps(group, finished) if any_first or finished else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @staticmethod
+    def _timestamps(group: list[Request], finished: bool) -> dict:
+        """``RequestOutput.metrics`` of the group: arrival, first scheduling and first token
+        (the earliest of its sequences), and the finish once ``finished``."""
+        first = group[0]
         if len(group) == 1:  # most requests: no earliest-of-the-group to find
             first_token_time = first.first_token_time
             first_scheduled_time = first.first_scheduled_time
@@ -437,16 +540,7 @@ class LLMEngine:
         }
         if finished:
             metrics["finished_time"] = time.monotonic()
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outs,
-            num_cached_tokens=first.num_cached_tokens or 0,
-            finished=finished,
-            error=None,
-            metrics=metrics,
-            prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None,
-        )
+        return metrics
 
     # -- KV events and stats -----------------------------------------------------------------
     def _collect_events(self) -> None:

@@ -1,8 +1,9 @@
 """Where an engine runs and the loop that steps it: the interface ``AsyncEngine`` talks to.
 
-``EngineLoop`` is the loop itself, with no thread or process: take commands (add, abort,
-stop), step the ``LLMEngine``, report a ``StepResult`` (new outputs, refused adds, replica
-stats, metrics, KV events). ``EngineCore`` is where that loop runs: ``ThreadCore`` here (a
+``EngineLoop`` is the loop itself, with no thread or process: take commands
+(``worker/engine_commands.py``: ``Add``, ``Abort``, ``Call``, ``Stop``), step the
+``LLMEngine``, report a ``StepResult`` (each advanced request's ``OutputDelta``, refused adds,
+replica stats, metrics, KV events). ``EngineCore`` is where that loop runs: ``ThreadCore`` here (a
 thread of this process, which owns the engine), ``ProcessCore`` in
 ``worker/engine_process.py`` (a child process). Both call ``on_step`` once per step that
 produced anything and ``on_dead`` once if the engine dies, from a background thread.
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.outputs import EngineOverloadedError, RequestOutput
+from worker.engine_commands import Abort, Add, Call, Command, Stop
+from worker.outputs import EngineOverloadedError, OutputDelta
 from worker.parallel.workers import WorkerLauncher
 from worker.tokenizer import Tokenizer
 
@@ -33,23 +35,22 @@ IDLE_POLL_S = 0.05
 """How long the idle thread loop waits for a command before checking again."""
 
 ENGINE_CALLS = frozenset({"export_prefix", "import_prefix"})
-"""``LLMEngine`` methods a ``("call", ...)`` command may run between steps (KV pulled
-from a peer)."""
+"""``LLMEngine`` methods a ``Call`` command may run between steps (KV pulled from a
+peer)."""
 
 
-def answer_now(engine: LLMEngine, command: tuple) -> tuple[object] | None:
-    """A ``("call", ...)`` that needs no step boundary, answered on the caller's thread while
+def answer_now(engine: LLMEngine, call: Call) -> tuple[object] | None:
+    """A ``Call`` that needs no step boundary, answered on the caller's thread while
     the engine steps: ``(answer,)``, or None when the call must wait for a step boundary.
 
     One call qualifies: ``export_prefix`` on an engine without a host tier, answered with the
     device blocks (``LLMEngine.export_device_prefix``); a host tier is read between steps
     only. A peer's pull then waits for the copy, not for the holder's step (up to seconds on
     a busy CPU replica)."""
-    _, _, method, args = command
-    if method != "export_prefix" or engine.has_host_tier:
+    if call.method != "export_prefix" or engine.has_host_tier:
         return None
     try:
-        return (engine.export_device_prefix(*args),)
+        return (engine.export_device_prefix(*call.args),)
     except Exception as exc:  # noqa: BLE001 - bad input from a peer must not end the engine
         return (exc,)
 
@@ -70,7 +71,8 @@ class EngineInfo:
 class StepResult:
     """One engine step as the core reports it."""
 
-    outputs: list[RequestOutput]
+    outputs: list[OutputDelta]
+    """What the step added to each request it advanced or ended (aborts included)."""
     rejected: list[tuple[str, BaseException]]
     """Adds the engine refused (request id, ``ValueError`` or ``EngineOverloadedError``)."""
     stats: ReplicaStats
@@ -80,8 +82,8 @@ class StepResult:
     adds_handled: int
     """Adds the engine has taken off its command queue so far (accepted or refused)."""
     replies: list[tuple[int, object]] = field(default_factory=list)
-    """Answers to ``("call", ...)`` commands: (call id, the method's result or the exception
-    it raised)."""
+    """Answers to ``Call`` commands: (call id, the method's result or the exception it
+    raised)."""
 
 
 class EngineCore:
@@ -100,10 +102,9 @@ class EngineCore:
         """``on_reply(call id, answer)``: a call answered outside a step (``answer_now``)."""
         raise NotImplementedError
 
-    def submit(self, command: tuple) -> None:
-        """``("add", id, prompt ids, params, salt, resume token ids)``, ``("abort", id)``,
-        ``("stop",)`` or ``("call", call id, method, args)`` (one of ``ENGINE_CALLS``, answered in
-        ``StepResult.replies``)."""
+    def submit(self, command: Command) -> None:
+        """Queues a command for the loop; a ``Call`` is answered in ``StepResult.replies``
+        (or through ``on_reply``)."""
         raise NotImplementedError
 
     def is_alive(self) -> bool:
@@ -116,7 +117,7 @@ class EngineCore:
         return []
 
     def join(self, timeout_s: float) -> None:
-        """Waits for the core to end after ``("stop",)``; forces it past ``timeout_s``."""
+        """Waits for the core to end after ``Stop``; forces it past ``timeout_s``."""
         raise NotImplementedError
 
 
@@ -137,29 +138,35 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.adds_handled = 0
-        self._aborted: list[RequestOutput] = []
+        self._aborted: list[OutputDelta] = []
         self._rejected: list[tuple[str, BaseException]] = []
         self._replies: list[tuple[int, object]] = []
 
-    def handle(self, command: tuple) -> bool:
-        """Applies one command; False for ``stop``."""
-        kind = command[0]
-        if kind == "stop":
-            return False
-        if kind == "add":
-            _, request_id, prompt_ids, params, salt, resume_ids = command
-            self.adds_handled += 1
-            try:
-                self.engine.add_request(request_id, prompt_ids, params, salt, resume_ids)
-            except (ValueError, EngineOverloadedError) as exc:
-                self._rejected.append((request_id, exc))
-        elif kind == "abort":
-            out = self.engine.abort(command[1])
-            if out is not None:
-                self._aborted.append(out)
-        elif kind == "call":
-            _, call_id, method, args = command
-            self._replies.append((call_id, self._call(method, args)))
+    def handle(self, command: Command) -> bool:
+        """Applies one command; False for ``Stop``."""
+        match command:
+            case Add():
+                self.adds_handled += 1
+                try:
+                    self.engine.add_request(
+                        command.request_id,
+                        command.prompt_token_ids,
+                        command.params,
+                        command.cache_salt,
+                        command.resume_token_ids,
+                    )
+                except (ValueError, EngineOverloadedError) as exc:
+                    self._rejected.append((command.request_id, exc))
+            case Abort():
+                out = self.engine.abort_delta(command.request_id)
+                if out is not None:
+                    self._aborted.append(out)
+            case Call():
+                self._replies.append((command.call_id, self._call(command.method, command.args)))
+            case Stop():
+                return False
+            case _:
+                raise TypeError(f"not an engine command: {command!r}")
         return True
 
     def _call(self, method: str, args: tuple) -> object:
@@ -177,7 +184,7 @@ class EngineLoop:
         The stats are stamped with the step's start (``ReplicaStats.as_of_s``): every request
         added before it is in them."""
         started_at_s = time.time()
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        outputs = self.engine.step_deltas() if self.engine.has_unfinished() else []
         outputs = self._aborted + outputs
         kv_batches = self.engine.drain_kv_events()
         if not (outputs or self._rejected or kv_batches or self._replies):
@@ -222,7 +229,7 @@ class ThreadCore(EngineCore):
         self._on_step, self._on_dead = on_step, on_dead
         self._thread.start()
 
-    def submit(self, command: tuple) -> None:
+    def submit(self, command: Command) -> None:
         self._commands.put(command)
 
     def is_alive(self) -> bool:

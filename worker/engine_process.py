@@ -6,15 +6,15 @@ process. Sharing one GIL with them, the engine loop waited for the GIL after eve
 ``LLMEngine`` and its loop (``EngineLoop``) own a child process, as vLLM v1's engine core does.
 
 Protocol, over one ``socket.socketpair`` wrapped in ``multiprocessing.connection``:
-    parent -> child: ``("init", EngineConfig, replica_id)``, then commands (``("add", ...)``,
-    ``("abort", id)``, ``("stop",)``, ``("call", id, method, args)`` answered in the step's
-    replies).
+    parent -> child: ``("init", EngineConfig, replica_id)``, then the commands themselves
+    (``worker/engine_commands.py``: ``Add``, ``Abort``, ``Call``, ``Stop``; a ``Call`` is
+    answered in the step's replies).
     child -> parent: ``("ready", EngineInfo)`` or ``("failed", message)`` once, then one
-    ``("step", PackedStep)`` per engine step that produced anything, ``("reply", (call id,
+    ``("step", StepResult)`` per engine step that produced anything, ``("reply", (call id,
     answer))`` for a call answered at once (``engine_core.answer_now``: a peer's export), and
-    ``("error", message)`` if the loop dies. Outputs travel as deltas (new token ids, new text, new
-    logprobs); ``OutputAssembler`` rebuilds the cumulative ``RequestOutput`` on this side, so
-    a step's message grows with the batch, not with the length of the outputs.
+    ``("error", message)`` if the loop dies. Outputs travel as the engine made them,
+    ``OutputDelta``s (new token ids, new text, new logprobs), passed on untouched: a step's
+    message grows with the batch, not with the length of the outputs.
 
 A peer's export (``engine_core.answer_now``) goes down a second socket, read in the child by
 a thread of its own that answers it while the engine steps; its reply comes back on the first
@@ -45,21 +45,13 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from worker.config import EngineConfig
-from worker.engine_core import (
-    EngineCore,
-    EngineInfo,
-    EngineLoop,
-    StepResult,
-    answer_now,
-    info_of,
-)
+from worker.engine_commands import Call, Command
+from worker.engine_core import EngineCore, EngineInfo, EngineLoop, answer_now, info_of
 from worker.loader import load_tokenizer
-from worker.outputs import CompletionOutput, EngineDeadError, RequestOutput
+from worker.outputs import EngineDeadError
 from worker.parallel.workers import child_env
 
 log = logging.getLogger(__name__)
@@ -74,124 +66,6 @@ for the GIL only when a command arrives; then it waits at most this long behind 
 ENGINE_START_TIMEOUT_S = 900.0
 """Loading a model (a first GGUF conversion included) on a busy node."""
 START_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class PackedCompletion:
-    index: int
-    new_text: str
-    new_token_ids: list[int]
-    new_logprobs: list | None
-    finish_reason: object
-    stop_reason: str | int | None
-    text: str | None
-    """The whole text, only once finished (a stop string may cut what the deltas said)."""
-
-
-@dataclass(frozen=True)
-class PackedOutput:
-    request_id: str
-    num_cached_tokens: int
-    finished: bool
-    error: str | None
-    metrics: dict
-    completions: list[PackedCompletion]
-    prompt_logprobs: list | None = None
-    """Sent once, with choice 0's first tokens (``RequestOutput.carries_first_tokens``)."""
-
-
-def pack_output(out: RequestOutput) -> PackedOutput:
-    completions = []
-    for c in out.outputs:
-        num_new = len(c.new_token_ids)
-        new_logprobs = None if c.logprobs is None else (c.logprobs[-num_new:] if num_new else [])
-        completions.append(
-            PackedCompletion(
-                c.index,
-                c.new_text,
-                list(c.new_token_ids),
-                new_logprobs,
-                c.finish_reason,
-                c.stop_reason,
-                c.text if c.finished else None,
-            )
-        )
-    prompt_logprobs = out.prompt_logprobs if out.carries_first_tokens else None
-    return PackedOutput(
-        out.request_id,
-        out.num_cached_tokens,
-        out.finished,
-        out.error,
-        out.metrics,
-        completions,
-        prompt_logprobs,
-    )
-
-
-class OutputAssembler:
-    """Rebuilds cumulative ``RequestOutput``s from packed deltas, one request at a time."""
-
-    def __init__(self) -> None:
-        self._requests: dict[str, tuple[list[int], dict[int, CompletionOutput]]] = {}
-        self._prompt_logprobs: dict[str, list] = {}
-
-    def add(
-        self, request_id: str, prompt_token_ids: list[int], resume_token_ids: Sequence[int] = ()
-    ) -> None:
-        """Expects ``request_id``'s outputs; ``resume_token_ids`` come before its first ones."""
-        resumed = {0: CompletionOutput(0, "", list(resume_token_ids))} if resume_token_ids else {}
-        self._requests[request_id] = (prompt_token_ids, resumed)
-
-    def discard(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._prompt_logprobs.pop(request_id, None)
-
-    def assemble(self, packed: PackedOutput) -> RequestOutput | None:
-        state = self._requests.get(packed.request_id)
-        if state is None:  # its caller already left
-            return None
-        prompt_ids, completions = state
-        outputs = []
-        for p in packed.completions:
-            c = completions.get(p.index)
-            if c is None:
-                c = completions[p.index] = CompletionOutput(
-                    p.index, "", [], logprobs=None if p.new_logprobs is None else []
-                )
-            c.text += p.new_text
-            c.token_ids += p.new_token_ids
-            if p.new_logprobs is not None:
-                c.logprobs += p.new_logprobs
-            if p.text is not None:
-                c.text = p.text
-            outputs.append(
-                CompletionOutput(
-                    p.index,
-                    c.text,
-                    list(c.token_ids),
-                    p.new_text,
-                    p.new_token_ids,
-                    None if c.logprobs is None else list(c.logprobs),
-                    p.finish_reason,
-                    p.stop_reason,
-                )
-            )
-        if packed.prompt_logprobs is not None:
-            self._prompt_logprobs[packed.request_id] = packed.prompt_logprobs
-        prompt_logprobs = self._prompt_logprobs.get(packed.request_id)
-        if packed.finished:
-            del self._requests[packed.request_id]
-            self._prompt_logprobs.pop(packed.request_id, None)
-        return RequestOutput(
-            packed.request_id,
-            prompt_ids,
-            outputs,
-            packed.num_cached_tokens,
-            packed.finished,
-            packed.error,
-            packed.metrics,
-            prompt_logprobs=prompt_logprobs,
-        )
 
 
 class ProcessCore(EngineCore):
@@ -225,7 +99,6 @@ class ProcessCore(EngineCore):
         self.tokenizer = load_tokenizer(
             config, model_path=self.info.model_path, chat_template=False
         )
-        self._assembler = OutputAssembler()
         self._dead_reason = ""
         self._reader = threading.Thread(
             target=self._read, name=f"engine-reader-{replica_id}", daemon=True
@@ -260,20 +133,21 @@ class ProcessCore(EngineCore):
         self._on_step, self._on_dead, self._on_reply = on_step, on_dead, on_reply
         self._reader.start()
 
-    def submit(self, command: tuple) -> None:
-        if command[0] == "add":
-            self._assembler.add(command[1], command[2], command[5])
+    def submit(self, command: Command) -> None:
         try:
-            if command[0] == "call" and command[2] == "export_prefix" and self._export_at_once:
+            if (
+                self._export_at_once
+                and isinstance(command, Call)
+                and command.method == "export_prefix"
+            ):
                 with self._calls_lock:
                     self._calls.send(command)
             else:
                 self._send(command)
         except OSError:  # the process is gone; the reader thread reports it
-            if command[0] == "add":
-                self._assembler.discard(command[1])
+            pass
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: object) -> None:
         with self._send_lock:
             self._conn.send(message)
 
@@ -302,7 +176,7 @@ class ProcessCore(EngineCore):
             while True:
                 kind, payload = self._conn.recv()
                 if kind == "step":
-                    self._on_step(self._unpack(payload))
+                    self._on_step(payload)
                 elif kind == "reply" and self._on_reply is not None:
                     self._on_reply(*payload)
                 elif kind == "error":
@@ -319,20 +193,6 @@ class ProcessCore(EngineCore):
             self._finalizer()
         self._dead_reason = reason
         self._on_dead(EngineDeadError(reason))
-
-    def _unpack(self, step: StepResult) -> StepResult:
-        outputs = [out for out in map(self._assembler.assemble, step.outputs) if out is not None]
-        for request_id, _ in step.rejected:
-            self._assembler.discard(request_id)
-        return StepResult(
-            outputs,
-            step.rejected,
-            step.stats,
-            step.metrics,
-            step.kv_batches,
-            step.adds_handled,
-            step.replies,
-        )
 
 
 def _end_process(proc: subprocess.Popen, conn: Connection, calls: Connection) -> None:
@@ -380,7 +240,6 @@ def serve_engine(conn: Connection, calls: Connection | None = None) -> int:
                 timeout_s = 0.0
             result = loop.step()
             if result is not None:
-                result.outputs = [pack_output(out) for out in result.outputs]
                 send(("step", result))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 0  # the parent went away: nobody is left to serve
@@ -393,18 +252,18 @@ def serve_engine(conn: Connection, calls: Connection | None = None) -> int:
 
 
 def answer_calls(calls: Connection, engine, send) -> None:
-    """The child's calls thread: answers each ``("call", ...)`` on ``calls`` at once
-    (``answer_now``), with a ``("reply", (call id, answer))`` through ``send``; ends when the
-    socket closes. A call ``answer_now`` does not take is answered with a ``ValueError``."""
+    """The child's calls thread: answers each ``Call`` on ``calls`` at once (``answer_now``),
+    with a ``("reply", (call id, answer))`` through ``send``; ends when the socket closes. A
+    call ``answer_now`` does not take is answered with a ``ValueError``."""
     try:
         while True:
-            command = calls.recv()
+            call = calls.recv()
             start_s = time.perf_counter()
-            answered = answer_now(engine, command)
+            answered = answer_now(engine, call)
             if answered is None:
-                answered = (ValueError(f"{command[2]} cannot be answered while the engine steps"),)
-            send(("reply", (command[1], answered[0])))
-            log.debug("call %s answered in %.3f s", command[2], time.perf_counter() - start_s)
+                answered = (ValueError(f"{call.method} cannot be answered while the engine steps"),)
+            send(("reply", (call.call_id, answered[0])))
+            log.debug("call %s answered in %.3f s", call.method, time.perf_counter() - start_s)
     except (EOFError, OSError):
         return  # the parent went away; the loop sees it on its own socket
 

@@ -1,7 +1,14 @@
-"""What the engine hands back: one ``RequestOutput`` per request per step it advanced.
+"""What the engine hands back, in two shapes.
 
-Fields are cumulative (the whole text and token list so far), plus the ``new_token_ids`` and
-``new_text`` of this step so a streaming server need not diff.
+``OutputDelta`` (``LLMEngine.step_deltas``): what one step added to one request, and only
+that: each advanced choice's new token ids, new text and new logprobs, its finish once. This
+is what a server streams: built once in the engine, it crosses the engine socket, the
+replica and the replica-to-ingress hop as it is, and the ingress accumulates it once
+(``cluster/responses.py``). A step's deltas never copy what earlier steps produced.
+
+``RequestOutput`` (``LLMEngine.step``, ``LLM.generate``): the cumulative view offline
+callers want (the whole text and token list so far, plus this step's ``new_token_ids`` and
+``new_text``).
 """
 
 from __future__ import annotations
@@ -87,3 +94,178 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one step added to one choice (sequence) of a request."""
+
+    index: int
+    new_token_ids: list[int]
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] | None = None
+    """The new tokens' logprobs, when the request asked for them."""
+    finish_reason: FinishReason | None = None
+    """Set in the delta that ends the choice, and in no other."""
+    stop_reason: str | int | None = None
+    text: str | None = None
+    """The choice's whole text, in its finishing delta only: a stop string may cut what
+    earlier deltas' ``new_text`` said."""
+
+    # Pickled as a plain tuple: a delta crosses two or three process boundaries per token, and
+    # the dataclass default (a Python-built list per object) costs about twice as much.
+    def __getstate__(self) -> tuple:
+        return (
+            self.index,
+            self.new_token_ids,
+            self.new_text,
+            self.new_logprobs,
+            self.finish_reason,
+            self.stop_reason,
+            self.text,
+        )
+
+    def __setstate__(self, state: tuple) -> None:
+        (
+            self.index,
+            self.new_token_ids,
+            self.new_text,
+            self.new_logprobs,
+            self.finish_reason,
+            self.stop_reason,
+            self.text,
+        ) = state
+
+    def extend(self, later: ChoiceDelta) -> None:
+        """Adds ``later`` (the same choice, a later step) to this delta."""
+        self.new_token_ids += later.new_token_ids
+        self.new_text += later.new_text
+        if later.new_logprobs is not None:
+            self.new_logprobs = (self.new_logprobs or []) + later.new_logprobs
+        if later.finish_reason is not None:
+            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+            self.text = later.text
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    """What one engine step added to one request: the one shape a streamed token takes from
+    the engine to the ingress. Emitted only for a request a step advanced (new tokens) or
+    ended; a prefill chunk that produced no token emits nothing."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens)."""
+    choices: list[ChoiceDelta]
+    """The choices this step advanced or ended, by ``index``."""
+    finished: bool = False
+    """Every choice of the request has ended."""
+    error: str | None = None
+    """Why the engine failed this request (then ``finished``)."""
+    metrics: dict | None = None
+    """Engine timestamps (``RequestOutput.metrics``), in the request's first delta and its
+    last only: what the replica's latency histograms need."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Once, in the delta with choice 0's first token, when asked for."""
+    seq: int = 0
+    """The delta's number in the replica's stream of this request (stamped by the replica:
+    the ingress checks that none was lost)."""
+    replica_id: str = ""
+    """The replica that relayed it (stamped by the replica)."""
+
+    def __getstate__(self) -> tuple:  # a plain tuple, as ``ChoiceDelta``'s
+        return (
+            self.request_id,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.choices,
+            self.finished,
+            self.error,
+            self.metrics,
+            self.prompt_logprobs,
+            self.seq,
+            self.replica_id,
+        )
+
+    def __setstate__(self, state: tuple) -> None:
+        (
+            self.request_id,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.choices,
+            self.finished,
+            self.error,
+            self.metrics,
+            self.prompt_logprobs,
+            self.seq,
+            self.replica_id,
+        ) = state
+
+    def extend(self, later: OutputDelta) -> OutputDelta:
+        """Adds ``later`` (the same request, a later step) to this delta; returns it."""
+        by_index = {c.index: c for c in self.choices}
+        for choice in later.choices:
+            mine = by_index.get(choice.index)
+            if mine is None:
+                self.choices.append(choice)
+            else:
+                mine.extend(choice)
+        if len(self.choices) > 1:
+            self.choices.sort(key=lambda c: c.index)
+        self.num_cached_tokens = later.num_cached_tokens
+        self.finished, self.error = later.finished, later.error
+        if later.metrics is not None:
+            self.metrics = later.metrics
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        return self
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        """Choice 0's new token ids (empty when this delta has none)."""
+        for choice in self.choices:
+            if choice.index == 0:
+                return choice.new_token_ids
+        return []
+
+
+def accumulate(
+    deltas, prompt_token_ids: list[int], resume_token_ids: list[int] | tuple = ()
+) -> RequestOutput:
+    """The cumulative ``RequestOutput`` a request's deltas add up to (``resume_token_ids``
+    lead choice 0, as when a stream resumed), for callers that want the whole answer of a
+    streamed request."""
+    completions: dict[int, CompletionOutput] = {}
+    last = None
+    prompt_logprobs = None
+    for delta in deltas:
+        last = delta
+        if delta.prompt_logprobs is not None:
+            prompt_logprobs = delta.prompt_logprobs
+        for choice in delta.choices:
+            c = completions.get(choice.index)
+            if c is None:
+                lead = list(resume_token_ids) if choice.index == 0 else []
+                c = completions[choice.index] = CompletionOutput(choice.index, "", lead)
+            c.text += choice.new_text
+            c.token_ids += choice.new_token_ids
+            c.new_text, c.new_token_ids = choice.new_text, choice.new_token_ids
+            if choice.new_logprobs is not None:
+                c.logprobs = (c.logprobs or []) + choice.new_logprobs
+            if choice.finish_reason is not None:
+                c.finish_reason, c.stop_reason = choice.finish_reason, choice.stop_reason
+                if choice.text is not None:
+                    c.text = choice.text
+    if last is None:
+        raise ValueError("no deltas to accumulate")
+    return RequestOutput(
+        last.request_id,
+        list(prompt_token_ids),
+        [completions[i] for i in sorted(completions)],
+        last.num_cached_tokens,
+        last.finished,
+        last.error,
+        last.metrics or {},
+        prompt_logprobs,
+    )

@@ -21,6 +21,7 @@ replaces it, seconds later. Unlike a killed replica, Serve keeps routing to it m
 from __future__ import annotations
 
 import asyncio
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +31,9 @@ from cluster.engine_client import MAX_FAILOVERS, EngineClient
 from cluster.errors import APIError
 from cluster.replica import EngineReplica
 from cluster.request_router import live_replicas
+from cluster.stream_items import Rejected, RejectKind
 from router.protocol import ReplicaStats
+from worker.outputs import ChoiceDelta, FinishReason, OutputDelta
 from worker.sampling_params import SamplingParams
 
 DEAD_MESSAGE = "engine r-dead is not running: tensor-parallel worker rank(s) [1] ended"
@@ -54,34 +57,27 @@ class FakeReplica:
     async def generate(self, request_id, prompt_ids, params, resume_token_ids=None, **_):
         self.calls.append({"request_id": request_id, "resume": list(resume_token_ids or ())})
         done = len(resume_token_ids or ())
-        while True:
+        for seq in itertools.count():
             if self.dead or (self.die_after is not None and done >= self.die_after):
                 self.dead = True
-                yield {
-                    "replica_id": self.replica_id,
-                    "rejected": {"kind": "dead", "message": DEAD_MESSAGE},
-                }
+                yield Rejected(RejectKind.DEAD, DEAD_MESSAGE, self.replica_id)
                 return
             finished = done + 1 == params.max_tokens
-            yield {
-                "replica_id": self.replica_id,
-                "request_id": request_id,
-                "num_prompt_tokens": len(prompt_ids),
-                "num_cached_tokens": 0,
-                "finished": finished,
-                "error": None,
-                "outputs": [
-                    {
-                        "index": 0,
-                        "new_text": f"<{done}>",
-                        "new_token_ids": [token(done)],
-                        "logprobs": None,
-                        "finish_reason": "length" if finished else None,
-                        "stop_reason": None,
-                        "text": None,
-                    }
-                ],
-            }
+            choice = ChoiceDelta(
+                0,
+                [token(done)],
+                f"<{done}>",
+                finish_reason=FinishReason.LENGTH if finished else None,
+            )
+            yield OutputDelta(
+                request_id,
+                len(prompt_ids),
+                0,
+                [choice],
+                finished,
+                seq=seq,
+                replica_id=self.replica_id,
+            )
             done += 1
             if finished:
                 return
@@ -129,8 +125,8 @@ def stream_tokens(handle: ScriptedHandle) -> list[int]:
         opened = await client.open_all("cmpl-1", [PROMPT], [params], None)
         out: list[int] = []
         async for _, item in client.merge(opened):
-            for choice in item.get("outputs", ()):
-                out += choice["new_token_ids"]
+            for choice in item.choices:
+                out += choice.new_token_ids
         return out
 
     return asyncio.run(run())

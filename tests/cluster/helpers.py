@@ -14,9 +14,45 @@ from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.replica import EngineReplica
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.outputs import ChoiceDelta, FinishReason, OutputDelta
 from worker.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+
+def delta(
+    index: int = 0,
+    new_text: str = "",
+    new_ids: list[int] | None = None,
+    finish: str | None = None,
+    text: str | None = None,
+    logprobs: list | None = None,
+    cached: int = 0,
+    *,
+    seq: int = 0,
+    request_id: str = "x",
+    num_prompt_tokens: int = 5,
+) -> OutputDelta:
+    """A replica output of one choice, as ``EngineReplica.generate`` streams it; ``finish``
+    ends the choice and the request."""
+    choice = ChoiceDelta(
+        index,
+        list(new_ids or []),
+        new_text,
+        logprobs,
+        None if finish is None else FinishReason(finish),
+        None,
+        text,
+    )
+    return OutputDelta(
+        request_id,
+        num_prompt_tokens,
+        cached,
+        [choice],
+        finished=finish is not None,
+        seq=seq,
+        replica_id="r0",
+    )
 
 
 class Remote:

@@ -1,22 +1,22 @@
 """echo and prompt logprobs on /v1/completions, through every hop but Ray: a real engine on a
-tiny random model, the engine process's packing, the replica's output dicts and the
-ResponseBuilder; the numbers against transformers' own log-softmax, the shape against OpenAI's
-legacy completions (what lm-eval-harness's local-completions reads)."""
+tiny random model, its output deltas (what the engine process, the replica and the ingress
+pass on untouched) and the ResponseBuilder; the numbers against transformers' own
+log-softmax, the shape against OpenAI's legacy completions (what lm-eval-harness's
+local-completions reads)."""
 
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.openai_protocol import CompletionRequest, parse_body
-from cluster.replica import output_to_dict
 from cluster.responses import ResponseBuilder
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.engine_process import OutputAssembler, pack_output
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 NUM_TOP = 2
@@ -24,7 +24,8 @@ NUM_TOP = 2
 
 @pytest.fixture(scope="module")
 def served(tiny_models):
-    """Replica output dicts of one echo request (n=2), the prompt ids and transformers' logprobs."""
+    """The output deltas of one echo request (n=2), the prompt ids and transformers'
+    logprobs."""
     path = tiny_models["llama"]
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=128, block_size=8))
     ids = engine.tokenizer.encode(PROMPT)
@@ -43,13 +44,9 @@ def served(tiny_models):
         ).encode(),
     )
     engine.add_request("cmpl-1", ids, body.sampling_params(3))
-    assembler = OutputAssembler()
-    assembler.add("cmpl-1", ids)
-    reported: set[int] = set()
     items = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            items.append(output_to_dict(assembler.assemble(pack_output(out)), "r0", reported))
+    while engine.has_unfinished():  # pickled, as they cross the engine socket and Ray
+        items += [pickle.loads(pickle.dumps(delta)) for delta in engine.step_deltas()]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
@@ -73,7 +70,7 @@ def make_builder(body, ids, tokenizer) -> ResponseBuilder:
 
 def test_prompt_logprobs_are_sent_once(served):
     _, items, ids, _, _ = served
-    sent = [item["prompt_logprobs"] for item in items if "prompt_logprobs" in item]
+    sent = [item.prompt_logprobs for item in items if item.prompt_logprobs is not None]
     assert len(sent) == 1 and len(sent[0]) == len(ids) and sent[0][0] is None
 
 

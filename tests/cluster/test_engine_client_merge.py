@@ -14,20 +14,22 @@ import pytest
 from ray.exceptions import ActorUnavailableError
 
 from cluster.engine_client import EngineClient, ReplicaDiedError, _Call, _Stream
+from tests.cluster.helpers import delta
+from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
 
 
 class _DyingCall:
     """A handle call that yields ``items`` and then fails as a lost replica does."""
 
-    def __init__(self, items: list[dict]) -> None:
+    def __init__(self, items: list[OutputDelta]) -> None:
         self._items = list(items)
         self.cancelled = False
 
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> OutputDelta:
         if self._items:
             return self._items.pop(0)
         raise ActorUnavailableError("The actor is temporarily unavailable", None)
@@ -39,11 +41,11 @@ class _DyingCall:
 class _EndingCall(_DyingCall):
     """A handle call that yields ``items`` after ``before_end`` ran, then ends normally."""
 
-    def __init__(self, items: list[dict], before_end=None) -> None:
+    def __init__(self, items: list[OutputDelta], before_end=None) -> None:
         super().__init__(items)
         self._before_end = before_end
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> OutputDelta:
         if self._before_end is not None:
             before, self._before_end = self._before_end, None
             before()
@@ -52,11 +54,8 @@ class _EndingCall(_DyingCall):
         raise StopAsyncIteration
 
 
-def _item(token_id: int, finished: bool, seq: int | None = None) -> dict:
-    item = {"outputs": [{"index": 0, "new_token_ids": [token_id]}], "finished": finished}
-    if seq is not None:
-        item["seq"] = seq
-    return item
+def _item(token_id: int, finished: bool, seq: int = 0) -> OutputDelta:
+    return delta(0, "", [token_id], "length" if finished else None, seq=seq, request_id="r")
 
 
 def _stream(call, params=None, first=None) -> _Stream:
@@ -64,7 +63,7 @@ def _stream(call, params=None, first=None) -> _Stream:
     return _Stream("r", [1, 2, 3], params, None, first or _item(7, False), _Call("r", *call))
 
 
-def _merge(items: list[dict]) -> list[dict]:
+def _merge(items: list[OutputDelta]) -> list[OutputDelta]:
     client = EngineClient(None, block_size=16, model_id="m")
 
     async def collect():
@@ -75,8 +74,8 @@ def _merge(items: list[dict]) -> list[dict]:
 
 
 def test_a_replica_lost_after_its_last_output_ends_the_stream_normally():
-    got = _merge([_item(8, False), _item(9, True)])
-    assert [i["outputs"][0]["new_token_ids"] for i in got] == [[7], [8], [9]]
+    got = _merge([_item(8, False, 1), _item(9, True, 2)])
+    assert [i.new_token_ids for i in got] == [[7], [8], [9]]
 
 
 def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
@@ -85,7 +84,7 @@ def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
     params = SamplingParams(max_tokens=3, n=2)
 
     async def collect():
-        stream = _stream((asyncio.Queue(), _DyingCall([_item(8, False)])), params)
+        stream = _stream((asyncio.Queue(), _DyingCall([_item(8, False, 1)])), params)
         return [item async for _, item in client.merge([stream])]
 
     with pytest.raises(ActorUnavailableError):
@@ -116,13 +115,15 @@ def test_an_engine_calls_first_output_is_reported_to_the_ledger_that_routed_it()
 
     client = EngineClient(_Handle(), block_size=16, model_id="m")
     first, _ = asyncio.run(client._open("r", [1, 2, 3], SamplingParams(max_tokens=3), None))
-    assert first["outputs"][0]["new_token_ids"] == [7]
+    assert first.new_token_ids == [7]
     assert seen["key"] and seen["awaiting"]  # a fresh id, awaiting at the decision
     assert ledger.timed_snapshot()["a"][0][2] is False
     assert ledger.marks_first_outputs
 
 
-def _pushed_run(pushed: list[dict], last: dict, params: SamplingParams | None = None) -> list[dict]:
+def _pushed_run(
+    pushed: list[OutputDelta], last: OutputDelta, params: SamplingParams | None = None
+) -> list[OutputDelta]:
     """A call whose replica pushed ``pushed`` (delivered before its handle's last output, as
     ``IngressChannel.flushed`` makes it) and then sent ``last`` through the handle."""
     client = EngineClient(None, block_size=16, model_id="m", push_to={"replica_id": "i"})
@@ -130,11 +131,11 @@ def _pushed_run(pushed: list[dict], last: dict, params: SamplingParams | None = 
     async def collect():
         inbox = asyncio.Queue()
         client._inboxes["r"] = inbox
-        call = _EndingCall([last], lambda: client.deliver([("r", i) for i in pushed]))
+        call = _EndingCall([last], lambda: client.deliver(pushed))
         stream = _stream((inbox, call), params, first=_item(7, False, 0))
         got = [item async for _, item in client.merge([stream])]
         assert "r" not in client._inboxes  # the ended call's inbox is gone
-        client.deliver([("r", _item(99, False, 9))])  # a late push is dropped, not kept
+        client.deliver([_item(99, False, 9)])  # a late push is dropped, not kept
         return got
 
     return asyncio.run(collect())
@@ -142,7 +143,7 @@ def _pushed_run(pushed: list[dict], last: dict, params: SamplingParams | None = 
 
 def test_pushed_outputs_and_the_handles_last_one_make_one_stream_in_order():
     got = _pushed_run([_item(8, False, 1), _item(9, False, 2)], _item(10, True, 3))
-    assert [i["outputs"][0]["new_token_ids"] for i in got] == [[7], [8], [9], [10]]
+    assert [i.new_token_ids for i in got] == [[7], [8], [9], [10]]
 
 
 def test_a_lost_push_is_a_lost_replica():

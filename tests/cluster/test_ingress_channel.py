@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from cluster.ingress_channel import IngressChannel, IngressChannels
+from tests.cluster.helpers import delta
 
 
 class _Ingress:
@@ -29,10 +30,10 @@ def test_outputs_pushed_while_a_delivery_is_in_flight_go_together_in_order():
         ingress = _Ingress()
         channel = IngressChannel("i", ingress.deliver)
         ingress.gate.clear()  # the first delivery hangs until released
-        assert channel.push("a", {"seq": 1})
+        assert channel.push(delta(seq=1, request_id="a"))
         await asyncio.sleep(0)
         for i in range(2, 6):
-            assert channel.push("a" if i % 2 else "b", {"seq": i})
+            assert channel.push(delta(seq=i, request_id="a" if i % 2 else "b"))
         waiter = asyncio.create_task(channel.flushed())
         await asyncio.sleep(0.01)
         assert not waiter.done()  # nothing delivered yet
@@ -42,7 +43,8 @@ def test_outputs_pushed_while_a_delivery_is_in_flight_go_together_in_order():
         return ingress.batches, channel.num_deliveries
 
     batches, deliveries = asyncio.run(scenario())
-    assert [[item["seq"] for _, item in b] for b in batches] == [[1], [2, 3, 4, 5]]
+    assert [[item.seq for item in b] for b in batches] == [[1], [2, 3, 4, 5]]
+    assert [item.request_id for item in batches[1]] == ["b", "a", "b", "a"]
     assert deliveries == 2
 
 
@@ -50,9 +52,9 @@ def test_a_failed_delivery_breaks_the_channel_and_releases_its_waiters():
     async def scenario():
         ingress = _Ingress(fail_on=0)
         channel = IngressChannel("i", ingress.deliver)
-        channel.push("a", {"seq": 1})
+        channel.push(delta(seq=1))
         await asyncio.wait_for(channel.flushed(), 1.0)
-        pushed_after = channel.push("a", {"seq": 2})
+        pushed_after = channel.push(delta(seq=2))
         channels = IngressChannels(lambda address: _Ingress().deliver)
         first = channels.get({"replica_id": "i"})
         first.broken = True  # a broken channel is replaced on the next request

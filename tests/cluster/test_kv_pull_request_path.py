@@ -23,6 +23,7 @@ from router.protocol import hash_blocks
 from router.routing import Router
 from tests.cluster.helpers import PARAMS, PeerHandle, pending, replica, running
 from worker.config import EngineConfig
+from worker.outputs import OutputDelta
 
 BLOCK_SIZE = 16
 NUM_PROMPT_TOKENS = 100  # 6 full blocks (96 tokens) and 4 more
@@ -79,12 +80,12 @@ def request_router(model_id: str, index: EmbeddedIndex) -> PrefixAwareRequestRou
 async def run(r, pending_request: PendingRequest) -> tuple[int, list[int], list]:
     """(cached tokens, token ids, logprobs) of one call, made as Serve would make it."""
     messages = [m async for m in r.generate(*pending_request.args, **pending_request.kwargs)]
-    assert not any("rejected" in m for m in messages), messages
-    choices = [c for m in messages for c in m["outputs"]]
+    assert all(isinstance(m, OutputDelta) for m in messages), messages
+    choices = [c for m in messages for c in m.choices]
     return (
-        messages[-1]["num_cached_tokens"],
-        [t for c in choices for t in c["new_token_ids"]],
-        [lp for c in choices for lp in c["logprobs"] or ()],
+        messages[-1].num_cached_tokens,
+        [t for c in choices for t in c.new_token_ids],
+        [lp for c in choices for lp in c.new_logprobs or ()],
     )
 
 

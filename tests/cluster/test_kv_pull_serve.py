@@ -19,6 +19,7 @@ from cluster.app import ROUTING_STATS_PERIOD_S
 from router.protocol import hash_blocks
 from tests.cluster.conftest import STARTUP_TIMEOUT_S, Server
 from tests.ports import free_port
+from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -65,9 +66,9 @@ async def generate(handle, request_id, prompt, hashes, params, first_only=False)
     )
     replica_id, cached, tokens = None, 0, []
     async for item in stream:
-        assert "rejected" not in item, item
-        replica_id, cached = item["replica_id"], item["num_cached_tokens"]
-        tokens += [t for c in item["outputs"] for t in c["new_token_ids"]]
+        assert isinstance(item, OutputDelta), item
+        replica_id, cached = item.replica_id, item.num_cached_tokens
+        tokens += [t for c in item.choices for t in c.new_token_ids]
         if first_only:
             return replica_id, cached, tokens, stream
     return replica_id, cached, tokens, None

@@ -21,10 +21,11 @@ from cluster.config import ClusterConfig, configs_from_args
 from cluster.metrics_render import render_prometheus
 from cluster.metrics_series import token_buckets
 from cluster.metrics_snapshots import IngressMetrics, ReplicaMetrics, sum_ingress_snapshots
-from cluster.replica import EngineReplica, prefill_time_s
+from cluster.replica import EngineReplica
+from cluster.stream_items import prefill_time_s
 from router.metrics import RouterMetrics
 from router.policy import RoutingReason
-from worker.outputs import CompletionOutput, FinishReason, RequestOutput
+from worker.outputs import ChoiceDelta, FinishReason, OutputDelta
 
 MODEL = "tiny"
 
@@ -45,7 +46,13 @@ def value(families: dict, family: str, sample: str, **labels) -> float:
 def one_ingress(ttft_s: float, prefill_s: float, reasons: list[str | None]) -> IngressMetrics:
     """An ingress that served one request of ``len(reasons)`` choices, 4 tokens each."""
     ingress = IngressMetrics(max_model_len=1000)
-    ingress.started(10.0, [{"prefill_time_s": prefill_s}], now_s=10.0 + ttft_s)
+    times = {
+        "arrival_time": 9.9,
+        "first_scheduled_time": 10.0,
+        "first_token_time": 10.0 + prefill_s,
+    }
+    first = OutputDelta("r", 30, 0, [ChoiceDelta(0, [1])], metrics=times)
+    ingress.started(10.0, [first], now_s=10.0 + ttft_s)
     choices = [(reason, 4) for reason in reasons]
     ingress.finished(10.0, 10.0 + ttft_s + 1.0, [30], choices, unfinished_reason="abort")
     return ingress
@@ -148,17 +155,21 @@ def test_replica_observes_the_engine_phases_from_the_engines_timestamps():
     replica = SimpleNamespace(metrics=ReplicaMetrics())  # all that _observe touches
     observe = EngineReplica.func_or_class._observe
     times = {"arrival_time": 100.0, "first_scheduled_time": 100.5, "first_token_time": 101.25}
-    assert prefill_time_s(times) == pytest.approx(0.75)
-    assert prefill_time_s({"arrival_time": 100.0, "first_token_time": 101.0}) is None
 
-    def output(finished: bool, **extra) -> RequestOutput:
+    def output(finished: bool, metrics: dict | None = None) -> OutputDelta:
         reason = FinishReason.LENGTH if finished else None
-        choice = CompletionOutput(index=0, text="", token_ids=[1], finish_reason=reason)
-        return RequestOutput("r", [1, 2], [choice], finished=finished, metrics={**times, **extra})
+        choice = ChoiceDelta(0, [1], finish_reason=reason)
+        return OutputDelta("r", 2, 0, [choice], finished=finished, metrics=metrics)
 
-    observe(replica, output(False), now_s=101.3, last_step_s=None)
+    assert prefill_time_s(output(False, times)) == pytest.approx(0.75)
+    assert prefill_time_s(output(False, {"arrival_time": 100.0, "first_token_time": 101.0})) is None
+    assert prefill_time_s(output(False)) is None  # a delta between the first and the last
+
+    observe(replica, output(False, times), now_s=101.3, last_step_s=None)
     observe(replica, output(False), now_s=101.5, last_step_s=101.3)
-    observe(replica, output(True, finished_time=104.0), now_s=104.1, last_step_s=101.5)
+    observe(
+        replica, output(True, {**times, "finished_time": 104.0}), now_s=104.1, last_step_s=101.5
+    )
     snapshot = replica.metrics.snapshot({}, alive=True, model_name=MODEL)
     families = parse(render_prometheus({"r1": snapshot}, prefix="vllm"))  # ':' added
     labels = {"model_name": MODEL, "replica": "r1"}

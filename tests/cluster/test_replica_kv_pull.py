@@ -30,11 +30,11 @@ def test_a_replica_pulls_a_prefix_from_its_peer(tiny_models, test_seed):
     async def last(r, rid):
         """(cached tokens, token ids, logprobs) of the streamed messages, which carry deltas."""
         messages = [m async for m in r.generate(rid, prompt, PARAMS)]
-        choices = [c for m in messages for c in m["outputs"]]
+        choices = [c for m in messages for c in m.choices]
         return (
-            messages[-1]["num_cached_tokens"],
-            [t for c in choices for t in c["new_token_ids"]],
-            [lp for c in choices for lp in c["logprobs"] or ()],
+            messages[-1].num_cached_tokens,
+            [t for c in choices for t in c.new_token_ids],
+            [lp for c in choices for lp in c.new_logprobs or ()],
         )
 
     async def main():
@@ -105,8 +105,8 @@ def test_a_peer_on_the_same_node_gets_the_kv_through_shared_memory(
         outputs = []
         for r in (b, c):
             messages = [m async for m in r.generate(f"{r.replica_id}1", prompt, PARAMS)]
-            assert messages[-1]["num_cached_tokens"] == 96
-            outputs.append([t for m in messages for o in m["outputs"] for t in o["new_token_ids"]])
+            assert messages[-1].num_cached_tokens == 96
+            outputs.append([t for m in messages for o in m.choices for t in o.new_token_ids])
         assert outputs[0] == outputs[1]
         for r in (a, b, c):
             await r.engine.shutdown(1.0)

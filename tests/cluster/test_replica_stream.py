@@ -7,36 +7,34 @@ step, as ``AsyncEngine`` does, so the test sees exactly the messages the ingress
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.replica import EngineReplica
-from worker.outputs import CompletionOutput, FinishReason, RequestOutput
+from worker.outputs import ChoiceDelta, FinishReason, OutputDelta
 from worker.sampling_params import SamplingParams
 
 NUM_TOKENS = 10
 
 
 class StepEngine:
-    """Yields one token per step for NUM_TOKENS steps, cumulative like the real engine."""
+    """Yields one token per step for NUM_TOKENS steps, a delta each, like the real engine."""
 
     async def generate(
         self, request_id, prompt_token_ids, params, cache_salt=None, resume_token_ids=()
     ):
-        tokens: list[int] = []
         for step in range(NUM_TOKENS):
-            tokens.append(100 + step)
-            last = step == NUM_TOKENS - 1
-            completion = CompletionOutput(
+            token, last = 100 + step, step == NUM_TOKENS - 1
+            choice = ChoiceDelta(
                 0,
-                "".join(f"<{t}>" for t in tokens),
-                list(tokens),
-                f"<{tokens[-1]}>",
-                [tokens[-1]],
+                [token],
+                f"<{token}>",
                 finish_reason=FinishReason.LENGTH if last else None,
+                text="".join(f"<{100 + i}>" for i in range(NUM_TOKENS)) if last else None,
             )
-            yield RequestOutput(request_id, list(prompt_token_ids), [completion], finished=last)
+            yield OutputDelta(request_id, len(prompt_token_ids), 0, [choice], finished=last)
 
 
 def replica(stream_interval: int):
@@ -46,7 +44,7 @@ def replica(stream_interval: int):
     return self
 
 
-async def messages(stream_interval: int) -> list[dict]:
+async def messages(stream_interval: int) -> list[OutputDelta]:
     params = SamplingParams(max_tokens=NUM_TOKENS)
     return [m async for m in replica(stream_interval).generate("req", [1, 2, 3], params)]
 
@@ -54,11 +52,13 @@ async def messages(stream_interval: int) -> list[dict]:
 @pytest.mark.parametrize(("interval", "sizes"), [(1, [1] * 10), (4, [1, 4, 4, 1]), (20, [1, 9])])
 def test_messages_carry_interval_tokens_first_and_last_at_once(interval, sizes):
     out = asyncio.run(messages(interval))
-    choices = [m["outputs"][0] for m in out]
-    assert [len(c["new_token_ids"]) for c in choices] == sizes
-    assert [t for c in choices for t in c["new_token_ids"]] == [100 + i for i in range(NUM_TOKENS)]
-    assert "".join(c["new_text"] for c in choices) == choices[-1]["text"]
-    assert out[-1]["finished"] and choices[-1]["finish_reason"] == "length"
+    choices = [m.choices[0] for m in out]
+    assert [len(c.new_token_ids) for c in choices] == sizes
+    assert [t for c in choices for t in c.new_token_ids] == [100 + i for i in range(NUM_TOKENS)]
+    assert "".join(c.new_text for c in choices) == choices[-1].text
+    assert out[-1].finished and choices[-1].finish_reason is FinishReason.LENGTH
+    assert [m.seq for m in out] == list(range(len(out)))
+    assert {m.replica_id for m in out} == {"r0"}
 
 
 # -- pushed outputs: the engine's sink feeds the ingress channel (AsyncEngine.forward) -------
@@ -81,7 +81,7 @@ def engine_replica(model: str, stream_interval: int, deliver):
 async def pushed_run(model: str, stream_interval: int, break_after: int | None = None):
     """(what the call yielded, what was pushed, in order): ``break_after`` deliveries go
     through, then the ingress is gone (the call raises)."""
-    pushed: list[dict] = []
+    pushed: list[OutputDelta] = []
     calls = 0
 
     async def deliver(batch):
@@ -90,7 +90,7 @@ async def pushed_run(model: str, stream_interval: int, break_after: int | None =
         if break_after is not None and calls > break_after:
             raise ConnectionError("ingress replica is gone")
         await asyncio.sleep(0)  # an actor call returns on a later loop turn
-        pushed.extend(item for _, item in batch)
+        pushed.extend(pickle.loads(pickle.dumps(batch)))  # as Ray carries it
 
     r = engine_replica(model, stream_interval, deliver)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -102,8 +102,8 @@ async def pushed_run(model: str, stream_interval: int, break_after: int | None =
     return yielded, pushed
 
 
-def _tokens(messages: list[dict]) -> list[int]:
-    return [t for m in messages for c in m["outputs"] for t in c["new_token_ids"]]
+def _tokens(messages: list[OutputDelta]) -> list[int]:
+    return [t for m in messages for c in m.choices for t in c.new_token_ids]
 
 
 @pytest.mark.parametrize("interval", [1, 4])
@@ -115,11 +115,11 @@ def test_pushed_outputs_go_through_the_channel_between_the_first_and_the_last(
     direct = asyncio.run(_direct_run(tiny_models["llama"], interval))
     yielded, pushed = asyncio.run(pushed_run(tiny_models["llama"], interval))
     assert len(yielded) == 2 and pushed
-    stream = sorted(yielded + pushed, key=lambda m: m["seq"])
-    assert [m["seq"] for m in stream] == list(range(len(stream)))
-    assert yielded[-1]["seq"] == len(stream) - 1 and yielded[-1]["finished"]
+    stream = sorted(yielded + pushed, key=lambda m: m.seq)
+    assert [m.seq for m in stream] == list(range(len(stream)))
+    assert yielded[-1].seq == len(stream) - 1 and yielded[-1].finished
     assert _tokens(stream) == _tokens(direct) and len(_tokens(stream)) == 24
-    sizes = [len(c["new_token_ids"]) for m in stream for c in m["outputs"]]
+    sizes = [len(c.new_token_ids) for m in stream for c in m.choices]
     assert sizes[0] == 1 and all(size >= interval for size in sizes[1:-1]), sizes
 
 
@@ -129,17 +129,15 @@ def test_a_channel_that_breaks_mid_stream_hands_the_rest_back_to_the_call(tiny_m
     direct = asyncio.run(_direct_run(tiny_models["llama"], 1))
     yielded, pushed = asyncio.run(pushed_run(tiny_models["llama"], 1, break_after=1))
     assert len(yielded) > 2  # the outputs after the break came through the call
-    seqs = sorted(m["seq"] for m in yielded + pushed)
+    seqs = sorted(m.seq for m in yielded + pushed)
     assert seqs[0] == 0 and len(set(seqs)) == len(seqs)
-    delivered = sorted(yielded + pushed, key=lambda m: m["seq"])
+    delivered = sorted(yielded + pushed, key=lambda m: m.seq)
     lost = len(direct) - len(delivered)  # the batch in flight when it broke
     assert lost >= 0
-    assert _tokens(delivered) == [
-        t for m in direct if m["seq"] in set(seqs) for c in m["outputs"] for t in c["new_token_ids"]
-    ]
+    assert _tokens(delivered) == _tokens([m for m in direct if m.seq in set(seqs)])
 
 
-async def _direct_run(model: str, stream_interval: int) -> list[dict]:
+async def _direct_run(model: str, stream_interval: int) -> list[OutputDelta]:
     async def never(batch):
         raise AssertionError("nothing is pushed without push_to")
 

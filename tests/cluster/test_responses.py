@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 from cluster.responses import SSE_DONE, ResponseBuilder
+from tests.cluster.helpers import delta
+from worker.outputs import TokenLogprob
 
 
 def token_to_str(token_id: int) -> str:
@@ -12,25 +14,7 @@ def token_to_str(token_id: int) -> str:
 
 
 def output(index, new_text, new_ids, finish=None, text=None, logprobs=None, cached=0):
-    return {
-        "replica_id": "r0",
-        "request_id": "x",
-        "num_prompt_tokens": 5,
-        "num_cached_tokens": cached,
-        "finished": finish is not None,
-        "error": None,
-        "outputs": [
-            {
-                "index": index,
-                "new_text": new_text,
-                "new_token_ids": new_ids,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                "stop_reason": None,
-                "text": text,
-            }
-        ],
-    }
+    return delta(index, new_text, new_ids, finish, text, logprobs, cached)
 
 
 def builder(**kw) -> ResponseBuilder:
@@ -90,7 +74,7 @@ def test_full_response_with_n_2_counts_every_choice_and_ignores_repeats():
 
 
 def test_logprobs_shapes_for_chat_and_completions():
-    entries = [[7, -0.5, [[7, -0.5], [8, -1.5]]]]
+    entries = [TokenLogprob(7, -0.5, [(7, -0.5), (8, -1.5)])]
     chat = builder(want_logprobs=True)
     chat.add(0, output(0, "x", [7], finish="stop", text="x", logprobs=entries))
     content = chat.full_response()["choices"][0]["logprobs"]["content"]
@@ -109,7 +93,10 @@ def test_logprobs_shapes_for_chat_and_completions():
 def test_completion_top_logprobs_hold_the_sampled_token_too():
     """A sampled token outside the top ``logprobs`` still appears in its position's
     top_logprobs (up to logprobs + 1 entries), as OpenAI's and vLLM's legacy completions."""
-    entries = [[9, -4.0, [[7, -0.5], [8, -1.5]]], [7, -0.5, [[7, -0.5], [8, -1.5]]]]
+    entries = [
+        TokenLogprob(9, -4.0, [(7, -0.5), (8, -1.5)]),
+        TokenLogprob(7, -0.5, [(7, -0.5), (8, -1.5)]),
+    ]
     completion = builder(chat=False, want_logprobs=True, request_id="cmpl-1")
     completion.add(0, output(0, "xy", [9, 7], finish="stop", text="xy", logprobs=entries))
     top = completion.full_response()["choices"][0]["logprobs"]["top_logprobs"]
@@ -125,42 +112,32 @@ def test_batched_completion_choices_are_numbered_by_prompt():
     assert b.full_response()["usage"]["prompt_tokens"] == 5
 
 
-def test_replica_output_dict_carries_only_what_is_new_and_finishes_once():
-    from cluster.replica import output_to_dict
-    from worker.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
-
-    logprobs = [TokenLogprob(5, -0.1, [(5, -0.1)]), TokenLogprob(6, -0.2, [(6, -0.2), (7, -2.0)])]
-    done = CompletionOutput(
-        0,
-        "ab",
-        [5, 6],
-        new_text="b",
-        new_token_ids=[6],
-        logprobs=logprobs,
-        finish_reason=FinishReason.STOP,
-        stop_reason="x",
-    )
-    running = CompletionOutput(1, "c", [9], new_text="c", new_token_ids=[9])
-    out = RequestOutput("r", [1, 2, 3], [done, running], num_cached_tokens=2)
-    reported: set[int] = set()
-    first = output_to_dict(out, "rep", reported)
-    assert first["replica_id"] == "rep" and first["num_prompt_tokens"] == 3
-    assert first["num_cached_tokens"] == 2
-    assert first["outputs"][0]["logprobs"] == [[6, -0.2, [[6, -0.2], [7, -2.0]]]]
-    assert first["outputs"][0]["finish_reason"] == "stop" and first["outputs"][0]["text"] == "ab"
-    assert first["outputs"][1]["text"] is None
-    again = output_to_dict(out, "rep", reported)
-    assert [c["index"] for c in again["outputs"]] == [1]  # a finished choice is not repeated
-
-
 def test_replica_rejections_map_to_statuses():
-    from cluster.engine_client import rejection_error
+    from cluster.stream_items import Rejected, RejectKind
 
-    def status(kind: str) -> int:
-        return rejection_error({"kind": kind, "message": "max_tokens=5 too many"}).status
+    def status(kind: RejectKind) -> int:
+        return Rejected(kind, "max_tokens=5 too many").api_error().status
 
-    assert status("invalid") == 400 and status("overloaded") == 429
-    assert status("dead") == 503 and status("internal") == 500
-    invalid = rejection_error({"kind": "invalid", "message": "max_tokens=5 too many"})
+    assert status(RejectKind.INVALID) == 400 and status(RejectKind.OVERLOADED) == 429
+    assert status(RejectKind.DEAD) == 503 and status(RejectKind.INTERNAL) == 500
+    invalid = Rejected(RejectKind.INVALID, "max_tokens=5 too many").api_error()
     assert invalid.param == "max_tokens"
-    assert rejection_error({"kind": "overloaded", "message": ""}).retry_after_s >= 1
+    assert Rejected(RejectKind.OVERLOADED, "").api_error().retry_after_s >= 1
+
+
+def test_check_item_raises_what_a_refusal_or_an_engine_failure_stands_for():
+    import pytest
+
+    from cluster.errors import APIError
+    from cluster.stream_items import Rejected, RejectKind, check_item
+
+    ok = delta(0, "a", [1])
+    assert check_item(ok) is ok
+    with pytest.raises(APIError) as refused:
+        check_item(Rejected(RejectKind.OVERLOADED, "queue full"))
+    assert refused.value.status == 429
+    failed = delta(0, "", [], finish="error")
+    failed.error = "grammar rejected every token"
+    with pytest.raises(APIError) as internal:
+        check_item(failed)
+    assert internal.value.status == 500 and "grammar" in str(internal.value)

@@ -18,6 +18,7 @@ from cluster.tool_calls import (
     template_renders_tools,
 )
 from cluster.tool_parsers import HermesStream, Llama3JsonStream
+from tests.cluster.helpers import delta as replica_output
 
 WEATHER = {
     "type": "function",
@@ -376,19 +377,7 @@ def test_response_builder_streams_calls_and_reports_tool_calls(test_seed):
     streaming, events = builder(), []
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        out = {
-            "num_prompt_tokens": 5,
-            "num_cached_tokens": 0,
-            "outputs": [
-                {
-                    "index": 0,
-                    "new_text": piece,
-                    "new_token_ids": [1],
-                    "finish_reason": "stop" if last else None,
-                    "text": text if last else None,
-                }
-            ],
-        }
+        out = replica_output(0, piece, [1], "stop" if last else None, text if last else None)
         events += streaming.stream_events(0, out)
     chunks = [json.loads(e[len("data: ") :]) for e in events]
     deltas = [c["choices"][0]["delta"] for c in chunks]
@@ -401,19 +390,7 @@ def test_response_builder_streams_calls_and_reports_tool_calls(test_seed):
     whole = builder()
     whole.add(
         0,
-        {
-            "num_prompt_tokens": 5,
-            "num_cached_tokens": 0,
-            "outputs": [
-                {
-                    "index": 0,
-                    "new_text": text,
-                    "new_token_ids": [1, 2],
-                    "finish_reason": "stop",
-                    "text": text,
-                }
-            ],
-        },
+        replica_output(0, text, [1, 2], "stop", text),
     )
     choice = whole.full_response()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import router.protocol
 from tests.worker.helpers import run
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.outputs import FinishReason
+from worker.outputs import FinishReason, OutputDelta, RequestOutput, accumulate
 from worker.sampling_params import SamplingParams
 
 
@@ -195,6 +196,135 @@ def test_penalties_change_greedy_output(tiny_engine):
     assert plain != pen
 
 
+def test_step_deltas_add_up_to_the_cumulative_outputs_of_step(tiny_models):
+    """Two identical engines run the same requests, one through ``step`` (cumulative outputs),
+    one through ``step_deltas``: every step's deltas say what that step's cumulative outputs
+    say is new, a prefill chunk that sampled nothing yields no delta, each choice finishes in
+    one delta, and each request's deltas add up (``accumulate``) to its final output exactly:
+    chunked prefill, n > 1, logprobs, prompt logprobs, a stop string, a stop token, aborts."""
+    config = EngineConfig(model=tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=64)
+    cumulative, streaming = LLMEngine(config), LLMEngine(config)
+    prompts: dict[str, list[int]] = {}
+    deltas: dict[str, list[OutputDelta]] = {}
+    final: dict[str, RequestOutput] = {}
+    skipped: set[str] = set()  # requests a step touched without sampling a token
+
+    def add(rid: str, prompt: list[int], params: SamplingParams) -> None:
+        prompts[rid] = prompt
+        for engine in (cumulative, streaming):
+            engine.add_request(rid, prompt, params)
+
+    def step() -> None:
+        outs = {o.request_id: o for o in cumulative.step()}
+        step_deltas = streaming.step_deltas()
+        advanced = {
+            rid for rid, o in outs.items() if o.finished or any(c.new_token_ids for c in o.outputs)
+        }
+        assert sorted(d.request_id for d in step_deltas) == sorted(advanced)
+        skipped.update(outs.keys() - advanced)
+        for d in step_deltas:
+            out = outs[d.request_id]
+            assert d.finished == out.finished and d.error == out.error is None
+            assert d.num_prompt_tokens == len(out.prompt_token_ids)
+            assert d.num_cached_tokens == out.num_cached_tokens
+            assert [c.index for c in d.choices] == sorted({c.index for c in d.choices})
+            by_index = {c.index: c for c in d.choices}
+            for c in out.outputs:
+                choice = by_index.pop(c.index, None)
+                if choice is None:  # not advanced by this step
+                    assert (c.new_token_ids, c.new_text) == ([], "")
+                    continue
+                assert (choice.new_token_ids, choice.new_text) == (c.new_token_ids, c.new_text)
+                assert (choice.finish_reason, choice.stop_reason) == (
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+                assert choice.text == (c.text if c.finished else None)
+                if c.logprobs is None:
+                    assert choice.new_logprobs is None
+                else:
+                    assert (
+                        choice.new_logprobs == c.logprobs[len(c.logprobs) - len(c.new_token_ids) :]
+                    )
+            assert not by_index, "a delta for a choice the cumulative output does not have"
+            deltas.setdefault(d.request_id, []).append(d)
+        final.update((rid, o) for rid, o in outs.items() if o.finished)
+        assert cumulative.has_unfinished() == streaming.has_unfinished()
+
+    def abort(rid: str) -> None:
+        out, d = cumulative.abort(rid), streaming.abort_delta(rid)
+        assert out.finished and d.finished and d.request_id == rid
+        final[rid] = out
+        deltas.setdefault(rid, []).append(d)
+
+    def check(rid: str) -> None:
+        want = final[rid]
+        got = accumulate(deltas[rid], prompts[rid])
+        assert (got.request_id, got.prompt_token_ids, got.num_cached_tokens) == (
+            want.request_id,
+            want.prompt_token_ids,
+            want.num_cached_tokens,
+        )
+        assert (got.finished, got.error) == (want.finished, want.error) == (True, None)
+        assert got.prompt_logprobs == want.prompt_logprobs
+        assert {k: v is None for k, v in got.metrics.items()} == {
+            k: v is None for k, v in want.metrics.items()
+        }
+
+        def fields(c):
+            return c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason
+
+        assert [fields(c) for c in got.outputs] == [fields(c) for c in want.outputs], rid
+        finishes = [c.index for d in deltas[rid] for c in d.choices if c.finish_reason is not None]
+        assert sorted(finishes) == [c.index for c in want.outputs], "each choice ends once"
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    add("free", [11, 12, 13], greedy)
+    while cumulative.has_unfinished():
+        step()
+    check("free")
+    free = final["free"].outputs[0]
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3, text
+
+    long_prompt = [100 + (7 * i) % 900 for i in range(150)]  # three prefill chunks
+    add("chunked", long_prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=3))
+    add(
+        "n3",
+        list(range(1000, 1040)),
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10, logprobs=2, ignore_eos=True),
+    )
+    add("stop", [11, 12, 13], dataclasses.replace(greedy, stop=[stop]))
+    add("stoptok", [11, 12, 13], dataclasses.replace(greedy, stop_token_ids=[free.token_ids[5]]))
+    add(
+        "plp", list(range(500, 530)), SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+    )
+    add(
+        "long",
+        [5, 6, 7, 8],
+        SamplingParams(temperature=0.8, seed=3, max_tokens=200, logprobs=1, ignore_eos=True),
+    )
+    add("prefilling", long_prompt[::-1], SamplingParams(temperature=0, max_tokens=8, logprobs=1))
+    step()
+    assert "prefilling" not in deltas, "the check needs it aborted before its first token"
+    abort("prefilling")
+    while cumulative.has_unfinished():
+        step()
+        if "long" not in final and sum(len(d.new_token_ids) for d in deltas.get("long", [])) >= 3:
+            abort("long")
+    assert set(final) == set(prompts)
+    for rid in final:
+        check(rid)
+    assert skipped, "some step only ran a prefill chunk of a request"
+    assert [c.finish_reason for c in final["long"].outputs] == [FinishReason.ABORT]
+    assert final["prefilling"].outputs[0].token_ids == []
+    assert final["stop"].outputs[0].stop_reason == stop
+    assert final["stoptok"].outputs[0].stop_reason == free.token_ids[5]
+    assert final["plp"].prompt_logprobs is not None
+    assert len(final["n3"].outputs) == 3
+
+
 @pytest.mark.parametrize("spawn", [True, False], ids=["engine-process", "engine-thread"])
 def test_async_engine_streams_and_aborts(tiny_models, spawn):
     from worker.async_engine import AsyncEngine
@@ -207,20 +337,23 @@ def test_async_engine_streams_and_aborts(tiny_models, spawn):
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
         sent_at_s = time.time()
         chunks = [o async for o in engine.generate("a", [1, 2, 3, 4], params)]
-        assert chunks[-1].finished and len(chunks[-1].token_ids) == 12
+        streamed = accumulate(chunks, [1, 2, 3, 4])
+        assert chunks[-1].finished and len(streamed.token_ids) == 12
         # The routing stats say when they were taken: a step that began after the request.
         assert sent_at_s <= engine.stats().as_of_s <= time.time()
         expected = run(offline, {"a": ([1, 2, 3, 4], params)})["a"]
-        assert chunks[-1].token_ids == expected.token_ids and chunks[-1].text == expected.text
-        assert [lp.token_id for lp in chunks[-1].outputs[0].logprobs] == expected.token_ids
+        assert streamed.token_ids == expected.token_ids and streamed.text == expected.text
+        assert [lp.token_id for lp in streamed.outputs[0].logprobs] == expected.token_ids
         slow = []  # a reader slower than the engine gets what piled up, merged, nothing lost
         async for out in engine.generate("slow", [1, 2, 3, 4], params):
             slow.append(out)
             await asyncio.sleep(0.05)
-        assert [t for o in slow for t in o.outputs[0].new_token_ids] == expected.token_ids
-        assert "".join(o.outputs[0].new_text for o in slow) == expected.text
-        assert sum(len(c.outputs[0].new_token_ids) for c in chunks) == 12
-        assert "".join(c.outputs[0].new_text for c in chunks) == chunks[-1].text
+        assert [t for o in slow for t in o.new_token_ids] == expected.token_ids
+        assert "".join(c.new_text for o in slow for c in o.choices) == expected.text
+        slow_logprobs = accumulate(slow, [1, 2, 3, 4]).outputs[0].logprobs
+        assert [lp.token_id for lp in slow_logprobs] == expected.token_ids
+        assert sum(len(c.new_token_ids) for c in chunks) == 12
+        assert "".join(c.new_text for o in chunks for c in o.choices) == streamed.text
         long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
         agen = engine.generate("b", [1, 2, 3, 4], long)
         await agen.__anext__()

@@ -194,13 +194,14 @@ def test_pull_between_async_engines_across_the_process_boundary(tiny_models, tes
     import asyncio
 
     from worker.async_engine import AsyncEngine
+    from worker.outputs import accumulate
 
     prompt = prompt_of(random.Random(test_seed), 100)
     config = EngineConfig(model=tiny_models["llama"], num_kv_blocks=64)
     a, b = AsyncEngine(config, "a", spawn=True), AsyncEngine(config, "b", spawn=False)
 
     async def generate(engine, rid):
-        return [o async for o in engine.generate(rid, prompt, PARAMS)][-1]
+        return accumulate([o async for o in engine.generate(rid, prompt, PARAMS)], prompt)
 
     async def main():
         first = await generate(a, "a0")
@@ -283,6 +284,7 @@ def test_a_busy_engine_process_answers_an_export_without_waiting_for_its_step(
     import threading
     from multiprocessing.connection import Connection
 
+    from worker.engine_commands import Call
     from worker.engine_process import answer_calls
 
     rng = random.Random(test_seed)
@@ -300,7 +302,7 @@ def test_a_busy_engine_process_answers_an_export_without_waiting_for_its_step(
     run(a, {"a0": (prompt, PARAMS)})
     hashes = hash_blocks(prompt, a.block_size, a.model_id, None)
     parent, thread = serve(a)
-    parent.send(("call", 7, "export_prefix", (hashes, prompt, None)))
+    parent.send(Call(7, "export_prefix", (hashes, prompt, None)))
     assert parent.poll(30), "the export was not answered while nothing steps the engine"
     kind, (call_id, payload) = parent.recv()
     assert (kind, call_id) == ("reply", 7)
@@ -313,7 +315,7 @@ def test_a_busy_engine_process_answers_an_export_without_waiting_for_its_step(
     h = tiny(tiny_models, num_kv_blocks=12, host_kv_cache_bytes=64 * per_block)
     run(h, {"h0": (prompt, PARAMS)})
     parent, _ = serve(h)
-    parent.send(("call", 9, "export_prefix", (hashes, prompt, None)))
+    parent.send(Call(9, "export_prefix", (hashes, prompt, None)))
     assert parent.poll(30)
     kind, (call_id, answer) = parent.recv()
     assert (kind, call_id) == ("reply", 9) and isinstance(answer, ValueError)
