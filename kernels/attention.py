@@ -26,6 +26,11 @@ Batch-invariant path (``deterministic=True``)
     ``bmm`` over every KV head (a head-major batch), its keys one gather for all heads, and the
     fold one pass per chunk index over all rows.
 
+8-bit KV (``kernels/kv_quant.py``)
+    With a quantized cache each gather copies the rows' bytes (a quarter of float32's), then
+    reads them back into the query's dtype (``dequantize_rows``: value times the row's own
+    scale, elementwise) before the same matmuls: the batch invariance above is untouched.
+
 Fast path (``deterministic=False``)
     One ``scaled_dot_product_attention`` call per prefill sequence (its rounding depends on the
     sequence's length); decodes take the tiled path, which reads shared prefix chunks once,
@@ -42,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_plan import AttentionPlan, build_plan
+from kernels.kv_quant import FORMATS, KVFormat, dequantize_rows
 from kernels.linear import cpu_description
 
 log = logging.getLogger(__name__)
@@ -85,17 +91,24 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     deterministic: bool,
+    fmt: KVFormat = FORMATS["auto"],
 ) -> torch.Tensor:
-    """Attention of every query token over its sequence's cache (new K/V already stored)."""
+    """Attention of every query token over its sequence's cache (new K/V already stored);
+    ``fmt``: how the cache stores its rows."""
     if deterministic:
-        return _attention_tiled(query, k_cache, v_cache, meta, scale)
-    return _attention_fast(query, k_cache, v_cache, meta, scale)
+        return _attention_tiled(query, k_cache, v_cache, meta, scale, fmt)
+    return _attention_fast(query, k_cache, v_cache, meta, scale, fmt)
 
 
 def _gather_kv(
-    cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    out: torch.Tensor | None = None,
+    fmt: KVFormat = FORMATS["auto"],
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Head-major cache, [..., nblocks] block ids -> [Hkv, ..., nblocks * block_size, D].
+    """Head-major cache, [..., nblocks] block ids -> [Hkv, ..., nblocks * block_size, D]; rows
+    of an 8-bit cache (``fmt``) are read back as ``dtype``.
 
     One dim-0 ``index_select`` per KV head: on a contiguous 2-D source torch copies whole
     rows (blocks) with memcpy, which beat indexing dim 1 of the 3-D cache and advanced
@@ -103,13 +116,16 @@ def _gather_kv(
     block_size * D]) is a step's reusable buffer: a fresh multi-MB tensor per layer costs its
     page faults again.
     """
-    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
+    num_kv_heads, num_blocks, block_size, width = cache.shape
     ids = blocks.reshape(-1)
     if out is None:
-        out = cache.new_empty(num_kv_heads, ids.numel(), block_size * head_dim)
+        out = cache.new_empty(num_kv_heads, ids.numel(), block_size * width)
     for h in range(num_kv_heads):
-        torch.index_select(cache[h].view(num_blocks, block_size * head_dim), 0, ids, out=out[h])
-    return out.view(num_kv_heads, *blocks.shape[:-1], blocks.shape[-1] * block_size, head_dim)
+        torch.index_select(cache[h].view(num_blocks, block_size * width), 0, ids, out=out[h])
+    if fmt.quantized:
+        out = dequantize_rows(out.view(num_kv_heads, -1, width), fmt, dtype)
+        width = out.shape[-1]
+    return out.view(num_kv_heads, *blocks.shape[:-1], blocks.shape[-1] * block_size, width)
 
 
 def _step_buffer(
@@ -242,10 +258,10 @@ def _block_ids(
 
 
 def _attention_tiled(
-    query, k_cache, v_cache, meta: AttentionMetadata, scale: float
+    query, k_cache, v_cache, meta: AttentionMetadata, scale: float, fmt: KVFormat
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, num_blocks, block_size = k_cache.shape[:3]
+    num_kv_heads, num_blocks, block_size, width = k_cache.shape
     group = num_heads // num_kv_heads
     plan = plan_for(meta, block_size, group, num_kv_heads, head_dim, query.dtype)
     chunk = plan.kv_chunk
@@ -254,8 +270,8 @@ def _attention_tiled(
     qh = (query * scale).view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
     qh = qh.reshape(num_kv_heads, num_tokens * group, head_dim)
     # Every cache row is one block of one KV head: a region's keys for all heads are one gather.
-    k_rows = k_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
-    v_rows = v_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
+    k_rows = k_cache.view(num_kv_heads * num_blocks, block_size * width)
+    v_rows = v_cache.view(num_kv_heads * num_blocks, block_size * width)
 
     # Each tile's softmax over its chunk alone: max m, sum l and unnormalised output o per slot
     # (see kernels/attention_plan.py).
@@ -277,13 +293,18 @@ def _attention_tiled(
             )
             ids_key = ("ids", block_size, group, num_kv_heads, num_blocks, s, i)
             ids = _block_ids(meta, ids_key, region.blocks, num_kv_heads, num_blocks)
-            shape = (ids.numel(), block_size * head_dim)
+            shape = (ids.numel(), block_size * width)
             k = torch.index_select(
                 k_rows, 0, ids, out=_step_buffer(meta, ("k", s, i), shape, k_cache)
             )
             v = torch.index_select(
                 v_rows, 0, ids, out=_step_buffer(meta, ("v", s, i), shape, v_cache)
             )
+            if fmt.quantized:  # read the rows back into the query's dtype
+                k, v = (
+                    _read_back(meta, (name, s, i), raw, fmt, block_size, query)
+                    for name, raw in (("kq", k), ("vq", v))
+                )
             masked = tiles.tile_masked[a : a + region.num_masked]
             if (
                 region.shared
@@ -332,7 +353,30 @@ def _attention_tiled(
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
-def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _read_back(
+    meta: AttentionMetadata,
+    key: tuple,
+    raw: torch.Tensor,
+    fmt: KVFormat,
+    block_size: int,
+    query: torch.Tensor,
+) -> torch.Tensor:
+    """Gathered 8-bit rows ([blocks, block_size * (D + 2)] bytes) as [blocks, block_size * D]
+    of the query's dtype, in a step buffer every layer reuses."""
+    num_rows, head_dim = raw.shape[0], query.shape[-1]
+    out = _step_buffer(meta, key, (num_rows, block_size * head_dim), query)
+    dequantize_rows(
+        raw.view(num_rows, block_size, head_dim + 2),
+        fmt,
+        query.dtype,
+        out=out.view(num_rows, block_size, head_dim),
+    )
+    return out
+
+
+def _attention_fast(
+    query, k_cache, v_cache, meta: AttentionMetadata, scale: float, fmt: KVFormat
+) -> torch.Tensor:
     block_size = k_cache.shape[2]
     qsl, lens = meta.query_start_loc_list, meta.seq_lens_list
     out = torch.empty_like(query)
@@ -342,8 +386,9 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         if q_len == 1:
             continue
         nb = -(-lens[s] // block_size)
-        k = _gather_kv(k_cache, meta.block_tables[s, :nb].long())[:, : lens[s]]  # [Hkv, L, D]
-        v = _gather_kv(v_cache, meta.block_tables[s, :nb].long())[:, : lens[s]]
+        blocks = meta.block_tables[s, :nb].long()
+        k = _gather_kv(k_cache, blocks, fmt=fmt, dtype=query.dtype)[:, : lens[s]]  # [Hkv, L, D]
+        v = _gather_kv(v_cache, blocks, fmt=fmt, dtype=query.dtype)[:, : lens[s]]
         q_pos = torch.arange(lens[s] - q_len, lens[s], device=query.device)
         mask = torch.arange(lens[s], device=query.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
@@ -372,5 +417,5 @@ def _attention_fast(query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
             rows = torch.tensor([qsl[s] for s in decodes], device=query.device)
             cached = meta.plans["decodes"] = (sub, rows)
         sub, rows = cached
-        out[rows] = _attention_tiled(query[rows], k_cache, v_cache, sub, scale)
+        out[rows] = _attention_tiled(query[rows], k_cache, v_cache, sub, scale, fmt)
     return out

@@ -6,6 +6,8 @@
   the batch-invariant Triton matmul when ``deterministic``, else through torch (cuBLAS).
 - ``auto``: ``triton`` on CUDA, ``torch`` elsewhere.
 
+``kv_cache_dtype`` (``kernels/kv_quant.py``) makes both store and read an 8-bit cache.
+
 Both satisfy the determinism contract of docs/design.md on their own; outputs of the two may
 differ from each other in the last bits (a deployment runs one backend).
 """
@@ -19,6 +21,7 @@ import torch
 
 from kernels import attention as torch_attention
 from kernels.cache import store_kv as torch_store_kv
+from kernels.kv_quant import KVFormat, kv_format
 from kernels.linear import batch_invariant_linear, fast_linear, pack_weight, plain_linear
 from kernels.norm import rms_norm as torch_rms_norm
 from kernels.rotary import apply_rotary
@@ -41,11 +44,16 @@ class KernelBackend:
     prepare_weight: Callable = lambda weight: weight
     """Called once per linear weight at load; returns what ``linear`` takes (``pack_weight``
     on the batch-invariant torch path, the weight itself elsewhere)."""
+    kv_format: KVFormat = kv_format("auto")
+    """How the KV cache stores its rows: the model's dtype or an 8-bit format."""
 
 
-def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend:
+def select_backend(
+    name: str, deterministic: bool, device: str, kv_cache_dtype: str = "auto"
+) -> KernelBackend:
     if name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    fmt = kv_format(kv_cache_dtype)
     if name == "auto":
         name = "triton" if device.startswith("cuda") else "torch"
     if name == "torch":
@@ -54,12 +62,13 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
             linear=batch_invariant_linear if deterministic else fast_linear,
             rms_norm=torch_rms_norm,
             rotary=apply_rotary,
-            store_kv=torch_store_kv,
+            store_kv=lambda k, v, kc, vc, slots: torch_store_kv(k, v, kc, vc, slots, fmt),
             attention=lambda q, kc, vc, meta, scale: torch_attention.paged_attention(
-                q, kc, vc, meta, scale, deterministic
+                q, kc, vc, meta, scale, deterministic, fmt
             ),
             head_major_cache=True,
             prepare_weight=pack_weight,
+            kv_format=fmt,
         )
     from kernels import triton_ops
     from kernels.triton_common import patch_interpreter
@@ -73,7 +82,14 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
 
     def attention(q: torch.Tensor, kc, vc, meta, scale: float) -> torch.Tensor:
         return triton_ops.paged_attention(
-            q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            q.contiguous(),
+            kc,
+            vc,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            kv_cache_dtype=fmt.name,
         )
 
     def rotary(
@@ -82,7 +98,7 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
         return triton_ops.rotary(q.contiguous(), k.contiguous(), positions, cos_sin)
 
     def store_kv(k: torch.Tensor, v: torch.Tensor, kc, vc, slots) -> None:
-        triton_ops.store_kv(k.contiguous(), v.contiguous(), kc, vc, slots)
+        triton_ops.store_kv(k.contiguous(), v.contiguous(), kc, vc, slots, kv_cache_dtype=fmt.name)
 
     return KernelBackend(
         name="triton",
@@ -92,4 +108,5 @@ def select_backend(name: str, deterministic: bool, device: str) -> KernelBackend
         store_kv=store_kv,
         attention=attention,
         head_major_cache=False,
+        kv_format=fmt,
     )

@@ -15,11 +15,41 @@ Data layout (shared by every implementation)
                        positions ``0 .. that position``.
     slot_mapping     : [num_tokens] int64, ``block_id * block_size + offset`` of each new token;
                        a slot < 0 is padding, skipped by every ``store_kv``.
+    With an 8-bit KV format (``kernels/kv_quant.py``) the caches are uint8 and their last
+    dimension is ``head_dim + 2``: each row's 8-bit values, then its float16 scale.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.kv_quant import FORMATS, KVFormat
+
+
+def quantize_kv_ref(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """One row at a time, ``kernels/kv_quant.py``'s numerics: ``x`` [..., D] -> uint8
+    [..., D + 2] (the values, then the float16 scale)."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    out = torch.empty(flat.shape[0], flat.shape[1] + 2, dtype=torch.uint8)
+    for i, row in enumerate(flat):
+        amax = max(abs(float(v)) for v in row.tolist())
+        scale = torch.tensor(max(amax / fmt.qmax, 2.0**-24), dtype=torch.float32)
+        scale16 = scale.to(torch.float16)
+        scaled = row / scale16.float()
+        if fmt.value_dtype is torch.int8:
+            values = torch.round(scaled).clamp(-fmt.qmax, fmt.qmax).to(torch.int8)
+        else:
+            values = scaled.clamp(-fmt.qmax, fmt.qmax).to(fmt.value_dtype)
+        out[i, :-2] = values.view(torch.uint8)
+        out[i, -2:] = scale16.reshape(1).view(torch.uint8)
+    return out.reshape(*x.shape[:-1], x.shape[-1] + 2)
+
+
+def dequantize_kv_ref(rows: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Quantized rows [..., D + 2] back to float64 [..., D]: value times scale."""
+    values = rows[..., :-2].contiguous().view(fmt.value_dtype).double()
+    scale = rows[..., -2:].contiguous().view(torch.float16).double()
+    return values * scale
 
 
 def store_kv_ref(
@@ -28,14 +58,20 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
 ) -> None:
-    """Write each token's K/V into its cache slot. Slots < 0 are skipped (padding)."""
+    """Write each token's K/V into its cache slot. Slots < 0 are skipped (padding). With an
+    8-bit ``kv_cache_dtype`` each row is quantized (``quantize_kv_ref``) on the way."""
     block_size = k_cache.shape[1]
+    fmt = FORMATS[kv_cache_dtype]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // block_size, slot % block_size] = key[i]
-        v_cache[slot // block_size, slot % block_size] = value[i]
+        k, v = key[i], value[i]
+        if fmt.quantized:
+            k, v = quantize_kv_ref(k, fmt), quantize_kv_ref(v, fmt)
+        k_cache[slot // block_size, slot % block_size] = k
+        v_cache[slot // block_size, slot % block_size] = v
 
 
 def paged_attention_ref(
@@ -46,10 +82,14 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    """Causal attention of a ragged batch of queries over the paged cache. Returns [N, Hq, D]."""
+    """Causal attention of a ragged batch of queries over the paged cache. Returns [N, Hq, D].
+    With an 8-bit ``kv_cache_dtype`` the keys and values are the cache's rows read back
+    (``dequantize_kv_ref``)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    fmt = FORMATS[kv_cache_dtype]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -60,8 +100,12 @@ def paged_attention_ref(
             continue
         num_blocks = (ctx_len + block_size - 1) // block_size
         blocks = block_tables[s, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].double()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].double()
+        width = k_cache.shape[-1]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, width)[:ctx_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, width)[:ctx_len]
+        if fmt.quantized:
+            k, v = dequantize_kv_ref(k, fmt), dequantize_kv_ref(v, fmt)
+        k, v = k.double(), v.double()
         k = k.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

@@ -51,20 +51,26 @@ def _require_triton() -> None:
         )
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Triton twin of ``store_kv_ref``: write each token's K/V to its slot, skip slots < 0."""
+def store_kv(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype="auto") -> None:
+    """Triton twin of ``store_kv_ref``: write each token's K/V to its slot, skip slots < 0;
+    an 8-bit ``kv_cache_dtype`` (``kernels/kv_quant.py``) quantizes each row on the way."""
     _require_triton()
     from kernels.triton_cache import store_kv as kernel
 
-    kernel(key, value, k_cache, v_cache, slot_mapping)
+    kernel(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype)
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
-    """Triton twin of ``paged_attention_ref``: causal attention of a ragged batch, [N, Hq, D]."""
+def paged_attention(
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, kv_cache_dtype="auto"
+):
+    """Triton twin of ``paged_attention_ref``: causal attention of a ragged batch, [N, Hq, D];
+    an 8-bit ``kv_cache_dtype`` reads the caches' quantized rows back."""
     _require_triton()
     from kernels.triton_attention import paged_attention as kernel
 
-    return kernel(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    return kernel(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, kv_cache_dtype
+    )
 
 
 def rms_norm(x, weight, eps, residual=None):
