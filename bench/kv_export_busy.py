@@ -54,7 +54,7 @@ async def measure(args) -> dict:
         prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(args.prefix_tokens + 1)]
         [_ async for _ in engine.generate("cold", prefix, SamplingParams(max_tokens=1))]
         num_blocks = args.prefix_tokens // engine.block_size
-        hashes = hash_blocks(prefix, engine.block_size, engine.model_id, None)[:num_blocks]
+        hashes = hash_blocks(prefix, engine.block_size, engine.cache_namespace, None)[:num_blocks]
         tokens = prefix[: num_blocks * engine.block_size]
         for _ in range(args.warmup):  # the first answers allocate their buffers
             await engine.export_prefix(hashes, tokens)

@@ -62,7 +62,7 @@ def one_pull(a, b, prefix: list[int], question: list[int], rep: int, device: str
     from router.protocol import hash_blocks
 
     prefill_s, _, _ = run_request(a, prefix + question, f"a-cold{rep}")
-    hashes = hash_blocks(prefix, a.block_size, a.model_id, None)
+    hashes = hash_blocks(prefix, a.block_size, a.cache_namespace, None)
     t0 = time.perf_counter()
     payload = a.export_prefix(hashes, prefix)
     t1 = time.perf_counter()

@@ -88,7 +88,7 @@ async def warm_up(handle, described, rng, max_requests: int = 8) -> None:
     served = set()
     for i in range(max_requests):
         prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(64)]
-        hashes = hash_blocks(prompt, described["block_size"], described["model_id"], None)
+        hashes = hash_blocks(prompt, described["block_size"], described["cache_namespace"], None)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         served.add((await timed(handle, f"warm{i}", prompt, params, hashes=hashes))[1])
         if len(served) == 2:
@@ -110,7 +110,7 @@ async def one_repeat(handle, described, rng, prefix_tokens: int, burst: int, ind
         return prefix + [rng.randrange(*TOKEN_RANGE) for _ in range(QUESTION_TOKENS)]
 
     def call(name, tokens, params, keep=False):
-        hashes = hash_blocks(tokens, described["block_size"], described["model_id"], None)
+        hashes = hash_blocks(tokens, described["block_size"], described["cache_namespace"], None)
         return timed(handle, f"{name}{index}", tokens, params, hashes=hashes, keep=keep)
 
     cold_prompt, busy_prompt, follow_prompt = prompt(), prompt(), prompt()

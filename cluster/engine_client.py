@@ -177,14 +177,20 @@ class EngineClient:
     """Streaming calls to ``EngineReplica.generate`` for one model."""
 
     def __init__(
-        self, stream_handle, *, block_size: int, model_id: str, push_to: dict | None = None
+        self,
+        stream_handle,
+        *,
+        block_size: int,
+        cache_namespace: str,
+        push_to: dict | None = None,
     ) -> None:
         """``push_to``: this ingress replica's address (``serve_compat.own_address``): the
         replicas push a call's outputs between its first and its last to ``deliver`` here
-        (``cluster/ingress_channel.py``); None: every output comes through the handle call."""
+        (``cluster/ingress_channel.py``); None: every output comes through the handle call.
+        ``cache_namespace``: what the replicas seed block hashes with (their ``describe``)."""
         self._stream_handle = stream_handle
         self.block_size = block_size
-        self.model_id = model_id
+        self.cache_namespace = cache_namespace
         self.push_to = push_to
         self._inboxes: dict[str, asyncio.Queue] = {}
 
@@ -211,7 +217,7 @@ class EngineClient:
     ):
         """Starts one engine request; returns (first output, its ``_Call``) or raises
         APIError."""
-        hashes = hash_blocks(prompt_ids, self.block_size, self.model_id, salt)
+        hashes = hash_blocks(prompt_ids, self.block_size, self.cache_namespace, salt)
         # This task's calls only (prompts of one request go in parallel); the router's key.
         routing_key = own_internal_request_id()
         response = None

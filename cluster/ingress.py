@@ -131,7 +131,7 @@ class Ingress:
         self.engines = EngineClient(
             engine.options(stream=True),
             block_size=self.block_size,
-            model_id=self.model_id,
+            cache_namespace=info["cache_namespace"],
             push_to=own_address() if self.cluster.push_outputs else None,
         )
         self.served_name = self.cluster.served_model_name or self.model_id

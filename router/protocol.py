@@ -9,6 +9,8 @@ Block hash, version 1
     ``h[0] = xxh3_128(seed + tokens[0:B])``, ``h[i] = xxh3_128(h[i-1] + tokens[iB:(i+1)B])``.
     Hashes are 16 big-endian bytes; tokens are little-endian uint32. Golden vectors live in
     ``tests/router/test_protocol.py``; changing any of this means a new version string.
+    With an 8-bit KV cache the ``model_id`` hashed is ``cache_namespace(model_id,
+    kv_cache_dtype)``: ``model_id + "\\0kv=" + kv_cache_dtype``.
 
 KV events
     Each replica numbers its event batches with a monotonically increasing ``seq``, one batch
@@ -37,6 +39,15 @@ def hash_seed(model_id: str, cache_salt: str | None = None) -> BlockHash:
     """The chain's seed: distinct models and distinct tenant salts never share a block."""
     salt = (cache_salt or "").encode()
     return xxhash.xxh3_128_digest(_SEED_PREFIX + model_id.encode() + b"\0" + salt)
+
+
+def cache_namespace(model_id: str, kv_cache_dtype: str = "auto") -> str:
+    """The name a block hash's seed takes for a model (``hash_blocks``' ``model_id``): the
+    model id, followed by the KV format when K/V are stored in 8 bits (``kv_cache_dtype`` other
+    than ``auto``), so a block stored at one precision never matches a request at another."""
+    if kv_cache_dtype == "auto":
+        return model_id
+    return f"{model_id}\0kv={kv_cache_dtype}"
 
 
 def _pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -137,6 +148,11 @@ class ReplicaStats:
     """False once the replica's engine died (a tensor-parallel worker lost, its process
     gone): routers send it nothing while a replica with a live engine remains, in the
     seconds before Serve's health check replaces it."""
+    kv_cache_dtype: str = "auto"
+    """How the replica stores K/V (``EngineConfig.kv_cache_dtype``): ``auto`` (the model's
+    dtype), ``int8`` or ``fp8_e4m3``. Replicas of different formats share no prefix blocks
+    and pull no KV from each other. A payload without it (an older replica) reads as
+    ``auto``."""
 
     def to_dict(self) -> dict:
         return {
@@ -149,6 +165,7 @@ class ReplicaStats:
             "num_queued_prefill_tokens": self.num_queued_prefill_tokens,
             "host_to_device_tokens_per_s": self.host_to_device_tokens_per_s,
             "as_of_s": self.as_of_s,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
     @classmethod

@@ -94,6 +94,7 @@ class AsyncEngine:
         self.config = config
         self.replica_id = replica_id
         self.model_id = info.model_id
+        self.cache_namespace = info.cache_namespace
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
         self.tokenizer = self._core.tokenizer

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import KV_CACHE_DTYPES
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
@@ -118,6 +120,10 @@ class EngineConfig:
     enforce_eager: bool = False
     """vLLM's flag: run every step eagerly on CUDA. Off (the default), steps replay CUDA
     graphs captured at start (``worker/cuda_graphs.py``); CPU always runs eagerly."""
+    kv_cache_dtype: str = "auto"
+    """``auto`` (K/V in the model's dtype), ``int8`` or ``fp8_e4m3``: 8-bit K/V with a scale
+    per token and KV head (``kernels/kv_quant.py``), about 4x the blocks of float32 and 2x
+    those of bfloat16 in the same bytes."""
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
@@ -187,6 +193,11 @@ class EngineConfig:
             self.kernel_backend in ("auto", "torch", "triton"),
             "kernel_backend",
             f"must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}",
+        )
+        need(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
         )
         knobs = [
             k
@@ -276,6 +287,12 @@ class EngineConfig:
             "engine",
             "the simulated engine sizes its KV cache from its profile (kv_capacity_tokens); "
             "set num_kv_blocks or kv_cache_bytes instead of a memory fraction",
+        )
+        need(
+            self.engine != "sim" or self.kv_cache_dtype == "auto",
+            "kv_cache_dtype",
+            "the simulated engine prices K/V in its profile's bytes per token; leave "
+            "kv_cache_dtype at auto",
         )
         need(
             tp == 1 or self.host_kv_cache_bytes is None,

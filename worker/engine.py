@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from router.protocol import BlockHash, KVEventBatch, ReplicaStats
+from router.protocol import BlockHash, KVEventBatch, ReplicaStats, cache_namespace
 from worker import kv_transfer
 from worker.block_pool import BlockPool
 from worker.config import EngineConfig
@@ -125,6 +125,8 @@ class LLMEngine:
         self.config = config
         self.replica_id = replica_id
         self.model_id = config.model_id or resolved.model_id
+        self.cache_namespace = cache_namespace(self.model_id, config.kv_cache_dtype)
+        """What block hashes are seeded with: the model id, and an 8-bit KV format's name."""
         self.max_model_len = min(
             config.max_model_len or resolved.max_model_len, resolved.max_model_len
         )
@@ -300,7 +302,7 @@ class LLMEngine:
                 params=params,
                 seed=seed,
                 block_size=self.block_size,
-                model_id=self.model_id,
+                model_id=self.cache_namespace,
                 cache_salt=cache_salt,
                 detokenizer=detok,
                 max_total_tokens=self.max_model_len,
@@ -567,7 +569,13 @@ class LLMEngine:
         """The leading blocks of this prefix held here (either tier), as a picklable payload;
         with ``shared_dir``, K/V in a shared-memory file there (``kv_transfer.SharedKV``)."""
         return kv_transfer.export_prefix(
-            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt, shared_dir
+            self.pool,
+            self.runner,
+            self.cache_namespace,
+            block_hashes,
+            token_ids,
+            cache_salt,
+            shared_dir,
         )
 
     def export_device_prefix(
@@ -580,7 +588,13 @@ class LLMEngine:
         """``export_prefix`` of the device pool alone, callable from another thread while this
         engine steps (``kv_transfer.export_device_prefix``)."""
         return kv_transfer.export_device_prefix(
-            self.pool, self.runner, self.model_id, block_hashes, token_ids, cache_salt, shared_dir
+            self.pool,
+            self.runner,
+            self.cache_namespace,
+            block_hashes,
+            token_ids,
+            cache_salt,
+            shared_dir,
         )
 
     @property
@@ -590,7 +604,7 @@ class LLMEngine:
     def import_prefix(self, payload: kv_transfer.KVPayload) -> int:
         """Caches a peer's exported blocks as if computed here; returns how many were copied.
         Their ``stored`` events go out with the next drain."""
-        imported = kv_transfer.import_prefix(self.pool, self.runner, self.model_id, payload)
+        imported = kv_transfer.import_prefix(self.pool, self.runner, self.cache_namespace, payload)
         self._collect_events()
         return imported
 
@@ -609,6 +623,7 @@ class LLMEngine:
             prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
             decode_tokens_per_s=self.metrics.decode_tokens_per_s,
             num_queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            kv_cache_dtype=self.runner.kv_cache_dtype,
         )
 
     def metrics_snapshot(self) -> EngineMetricsSnapshot:

@@ -65,6 +65,8 @@ class EngineInfo:
     block_size: int
     vocab_size: int
     kv_capacity_tokens: int
+    cache_namespace: str
+    """What block hashes are seeded with (``router.protocol.cache_namespace``)."""
 
 
 @dataclass
@@ -129,6 +131,7 @@ def info_of(engine: LLMEngine) -> EngineInfo:
         engine.block_size,
         engine.spec.vocab_size,
         engine.pool.num_blocks * engine.block_size,
+        engine.cache_namespace,
     )
 
 

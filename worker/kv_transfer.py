@@ -8,8 +8,10 @@ the backend (``KV_LAYOUT``: ``[blocks, layers, K/V, block_size, kv_heads, head_d
 CPU replica (head-major cache) and a CUDA one (block-major) can trade blocks. The payload
 pickles (Ray's object store, an actor call's reply).
 
-``import_prefix`` checks the payload before it touches anything: model id, block size, dtype,
-layout and shape must equal this engine's, and the block hashes must be exactly the hash
+``import_prefix`` checks the payload before it touches anything: the KV format (an 8-bit
+cache's payload carries its bytes and scales, ``kernels/kv_quant.py``, and is refused by an
+engine at another precision, never mixed in), model id, block size, layout and shape must
+equal this engine's, and the block hashes must be exactly the hash
 chain of the payload's tokens under this engine's model id and the payload's cache salt
 (``router/protocol.py``), else ``KVPayloadMismatchError`` (a ``ValueError``) naming the field.
 Then it copies the blocks this engine does not already hold into free blocks and registers
@@ -164,7 +166,9 @@ class KVPayload:
     model_id: str
     block_size: int
     dtype: str
-    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``."""
+    """How the K/V are stored (``ModelRunner.kv_cache_dtype``): a torch dtype name without the
+    ``torch.`` prefix (``float32``), or an 8-bit format (``int8``, ``fp8_e4m3``: uint8 rows of
+    ``head_dim + 2`` bytes, ``kernels/kv_quant.py``)."""
     layout: str
     num_layers: int
     num_kv_heads: int
@@ -341,7 +345,7 @@ def _payload(
     return KVPayload(
         model_id=model_id,
         block_size=block_size,
-        dtype=dtype_name(runner.kv.dtype),
+        dtype=runner.kv_cache_dtype,
         layout=KV_LAYOUT,
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,
@@ -361,10 +365,10 @@ def check_payload(
     if not isinstance(payload, KVPayload):
         raise KVPayloadMismatchError(f"payload: expected a KVPayload, got {type(payload).__name__}")
     spec = runner.spec
-    expected = {
+    expected = {  # the KV format first: a peer at another precision is named as such
+        "dtype": runner.kv_cache_dtype,
         "model_id": model_id,
         "block_size": pool.block_size,
-        "dtype": dtype_name(runner.kv.dtype),
         "layout": KV_LAYOUT,
         "num_layers": spec.num_layers,
         "num_kv_heads": spec.num_kv_heads,
@@ -381,11 +385,11 @@ def check_payload(
         raise KVPayloadMismatchError(
             f"payload.token_ids: {len(payload.token_ids)} tokens for {n} blocks of {bs}"
         )
-    shape = (n, spec.num_layers, 2, bs, spec.num_kv_heads, spec.head_dim)
+    shape = (n, spec.num_layers, 2, bs, spec.num_kv_heads, runner.kv.shape[-1])
     if (
         not isinstance(payload.kv, torch.Tensor)
         or tuple(payload.kv.shape) != shape
-        or dtype_name(payload.kv.dtype) != expected["dtype"]
+        or payload.kv.dtype != runner.kv.dtype
     ):
         got = (
             (tuple(payload.kv.shape), payload.kv.dtype)
@@ -393,7 +397,7 @@ def check_payload(
             else type(payload.kv).__name__
         )
         raise KVPayloadMismatchError(
-            f"payload.kv: expected shape {shape} of {expected['dtype']}, got {got}"
+            f"payload.kv: expected shape {shape} of {dtype_name(runner.kv.dtype)}, got {got}"
         )
     chain = hash_blocks(list(payload.token_ids), bs, model_id, payload.cache_salt)
     if tuple(chain) != tuple(payload.block_hashes):

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kernels.attention import AttentionMetadata, exact_tile_rows
+from kernels.kv_quant import kv_format
 from kernels.linear import log_tile_choices
 from kernels.ops import select_backend
 from worker.config import EngineConfig
@@ -122,7 +123,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         weights = {k: v.to(self.device) for k, v in weights.items()}
-        self.ops = select_backend(config.kernel_backend, config.deterministic, config.device)
+        self.ops = select_backend(
+            config.kernel_backend, config.deterministic, config.device, config.kv_cache_dtype
+        )
+        kv_format(config.kv_cache_dtype, spec.head_dim)  # refuses a head size it cannot store
         self.model = CausalLM(
             spec, weights, self.ops, max_positions=max_model_len, comm=comm, vocab_start=vocab_start
         )
@@ -133,9 +137,10 @@ class ModelRunner:
             )  # the attention's probe, logged now, not mid-step
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = comm.min_int(self._decide_num_blocks())
-        dtype = config.torch_dtype
+        dtype = self.ops.kv_format.cache_dtype(config.torch_dtype)
         # One tensor [layers, K/V, (cache layout of the backend)]: a block's KV across all layers
-        # moves in one copy. ``_block`` indexes one block in it.
+        # moves in one copy. ``_block`` indexes one block in it. An 8-bit cache is bytes whose
+        # rows end with their scale (``kernels/kv_quant.py``).
         self.kv = torch.zeros(
             spec.num_layers, 2, *self._cache_shape(self.num_blocks), dtype=dtype, device=self.device
         )
@@ -162,11 +167,12 @@ class ModelRunner:
         self._load_s = 0.0
         self._pending_load_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, K/V as %s)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
+            self.kv_cache_dtype,
         )
         self.step_graphs = self._step_graphs()
 
@@ -197,9 +203,10 @@ class ModelRunner:
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         s = self.spec
+        width = self.ops.kv_format.row_width(s.head_dim)
         if self.ops.head_major_cache:
-            return (s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
-        return (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+            return (s.num_kv_heads, num_blocks, self.block_size, width)
+        return (num_blocks, self.block_size, s.num_kv_heads, width)
 
     def _block(self, block_id: int) -> tuple:
         """Index of one block (all layers, K and V) in ``self.kv``, in the backend's layout."""
@@ -239,9 +246,17 @@ class ModelRunner:
         return self._load_s
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """How K/V are stored: the model's dtype's name, or the 8-bit format's."""
+        fmt = self.ops.kv_format
+        return fmt.name if fmt.quantized else str(self.config.torch_dtype).removeprefix("torch.")
+
+    @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
-        return self.spec.kv_bytes_per_token * self.block_size * elem
+        """K and V of one block across all layers, in the cache's format."""
+        s = self.spec
+        row_bytes = self.ops.kv_format.row_bytes(s.head_dim, self.config.torch_dtype)
+        return 2 * s.num_layers * s.num_kv_heads * row_bytes * self.block_size
 
     def _decide_num_blocks(self) -> int:
         c = self.config

@@ -157,6 +157,9 @@ class SimModelRunner:
         self._owed_load_s = 0.0
         """Host-tier loads since the last step: the next forward pass waits for them."""
 
+    kv_cache_dtype = "float32"
+    """What the one-element-per-token cache holds (its sizing uses the profile's bytes)."""
+
     @property
     def bytes_per_block(self) -> int:
         """One block of the simulated model's KV (what the byte knobs are divided by)."""

@@ -118,7 +118,7 @@ def quick_backoff(monkeypatch):
 
 
 def stream_tokens(handle: ScriptedHandle) -> list[int]:
-    client = EngineClient(handle, block_size=16, model_id="tiny")
+    client = EngineClient(handle, block_size=16, cache_namespace="tiny")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     async def run() -> list[int]:

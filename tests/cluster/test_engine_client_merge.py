@@ -64,7 +64,7 @@ def _stream(call, params=None, first=None) -> _Stream:
 
 
 def _merge(items: list[OutputDelta]) -> list[OutputDelta]:
-    client = EngineClient(None, block_size=16, model_id="m")
+    client = EngineClient(None, block_size=16, cache_namespace="m")
 
     async def collect():
         stream = _stream((asyncio.Queue(), _DyingCall(items)))
@@ -80,7 +80,7 @@ def test_a_replica_lost_after_its_last_output_ends_the_stream_normally():
 
 def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
     # n > 1 never fails over: the loss before the last output is the caller's error.
-    client = EngineClient(None, block_size=16, model_id="m")
+    client = EngineClient(None, block_size=16, cache_namespace="m")
     params = SamplingParams(max_tokens=3, n=2)
 
     async def collect():
@@ -113,7 +113,7 @@ def test_an_engine_calls_first_output_is_reported_to_the_ledger_that_routed_it()
     class _Handle:
         generate = _Method()
 
-    client = EngineClient(_Handle(), block_size=16, model_id="m")
+    client = EngineClient(_Handle(), block_size=16, cache_namespace="m")
     first, _ = asyncio.run(client._open("r", [1, 2, 3], SamplingParams(max_tokens=3), None))
     assert first.new_token_ids == [7]
     assert seen["key"] and seen["awaiting"]  # a fresh id, awaiting at the decision
@@ -126,7 +126,7 @@ def _pushed_run(
 ) -> list[OutputDelta]:
     """A call whose replica pushed ``pushed`` (delivered before its handle's last output, as
     ``IngressChannel.flushed`` makes it) and then sent ``last`` through the handle."""
-    client = EngineClient(None, block_size=16, model_id="m", push_to={"replica_id": "i"})
+    client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
 
     async def collect():
         inbox = asyncio.Queue()
