@@ -13,6 +13,8 @@ that request's batch (recorded by a logits processor), counted from t=0.
     python -m bench.engine --quick         # 16 requests, 16 tokens: a smoke run
     # one system, small batches:
     python -m bench.engine --only deterministic --max-num-seqs 8 --threads 2
+    # our engine with an 8-bit KV cache (int8 or fp8_e4m3; transformers is unchanged):
+    python -m bench.engine --kv-cache-dtype int8 --skip-transformers
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from kernels.kv_quant import KV_CACHE_DTYPES
 
 RESULTS = Path(__file__).parent / "results"
 TOPICS = ["a travel agency", "a bank's support desk", "a chemistry tutor", "a software help desk"]
@@ -61,6 +65,7 @@ def run_ours(
     *,
     model: str = "smollm2",
     enforce_eager: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
@@ -74,6 +79,7 @@ def run_ours(
             max_num_batched_tokens=512,
             deterministic=deterministic,
             enforce_eager=enforce_eager,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -89,8 +95,9 @@ def run_ours(
                 outs[out.request_id] = out
     total_s = time.monotonic() - t0
     cached = sum(o.num_cached_tokens for o in outs.values())
+    kv = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} KV"
     return _summary(
-        f"prefixserve ({'deterministic' if deterministic else 'fast'})",
+        f"prefixserve ({'deterministic' if deterministic else 'fast'}{kv})",
         total_s,
         sum(len(o.token_ids) for o in outs.values()),
         list(ttft.values()),
@@ -242,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-seqs", type=int, default=64, help="our engine's running-batch cap (default 64)"
     )
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="our engine's KV cache format (EngineConfig.kv_cache_dtype; default auto)",
+    )
+    ap.add_argument(
         "--only", default=None, help=argparse.SUPPRESS
     )  # one system, in a child process
     args = ap.parse_args(argv)
@@ -265,7 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "transformers":
             row = run_transformers(prompts, args.max_tokens, int(batch), path)
         else:
-            row = run_ours(prompts, args.max_tokens, kind == "deterministic", args.max_num_seqs)
+            row = run_ours(
+                prompts,
+                args.max_tokens,
+                kind == "deterministic",
+                args.max_num_seqs,
+                kv_cache_dtype=args.kv_cache_dtype,
+            )
         print(ROW_PREFIX + json.dumps(row), flush=True)
         return 0
     systems = ["deterministic", "fast"]
@@ -295,11 +314,14 @@ def main(argv: list[str] | None = None) -> int:
             "num_requests": len(prompts),
             "max_tokens": args.max_tokens,
             "prompt_tokens_total": sum(map(len, prompts)),
+            "kv_cache_dtype": args.kv_cache_dtype,
         },
         "rows": rows,
         "summary": summary,
     }
     suffix = "_quick" if args.quick else ""
+    if args.kv_cache_dtype != "auto":
+        suffix += f"_kv-{args.kv_cache_dtype}"
     (RESULTS / f"engine_{stamp}{suffix}.json").write_text(json.dumps(out, indent=2))
     plot(rows, RESULTS / f"engine_{stamp}{suffix}.png")
     print(f"wrote {RESULTS / f'engine_{stamp}{suffix}.json'} and .png")

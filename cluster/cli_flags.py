@@ -157,6 +157,12 @@ FLAGS = [
         "engine",
     ),
     (
+        "--kv-cache-dtype", "engine", "kv_cache_dtype", str,
+        "K/V storage: auto (the model's dtype), int8 or fp8_e4m3 (8 bits with a scale per token "
+        "and KV head: about twice the blocks of bfloat16 in the same bytes).",
+        "engine",
+    ),
+    (
         "--kernel-backend", "engine", "kernel_backend", str,
         "auto (triton on CUDA, torch on CPU), torch or triton.",
         "engine",

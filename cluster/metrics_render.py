@@ -3,8 +3,9 @@ snapshot and the routers' counters (``render_prometheus``), every name under a p
 
 One collector per kind of snapshot, registered in a fresh registry per scrape (nothing global,
 so two applications' prefixes never mix). Rendering reads snapshots defensively: a missing
-gauge or counter renders as 0, and a histogram of an unknown name or without bounds (a replica
-of an older version) is skipped rather than failing the scrape.
+gauge or counter renders as 0, a histogram of an unknown name or without bounds (a replica
+of an older version) is skipped rather than failing the scrape, and an info gauge
+(``cache_config_info``) is rendered only for the replicas whose snapshot carries it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cluster.metrics_series import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
+    INFO_GAUGES,
     INGRESS_HISTOGRAMS,
     PREFIX,
     REPLICA_COUNTERS,
@@ -52,6 +54,8 @@ class _SnapshotCollector:
             families[name] = CounterMetricFamily(self.prefix + name, doc, labels=labels)
         for name, (doc, _) in HISTOGRAMS.items():
             families[name] = HistogramMetricFamily(self.prefix + name, doc, labels=labels)
+        for name, (doc, keys) in INFO_GAUGES.items():
+            families[name] = GaugeMetricFamily(self.prefix + name, doc, labels=labels + list(keys))
         for replica_id, snap in sorted(self.snapshots.items()):
             values = [snap.get("model_name", ""), replica_id]
             engine = snap.get("engine", {})
@@ -67,6 +71,10 @@ class _SnapshotCollector:
                     families[name].add_metric(
                         values, _cumulative_buckets(hist), sum_value=hist["sum"]
                     )
+            for name, info in snap.get("info", {}).items():
+                if name in INFO_GAUGES:  # a label missing from the snapshot renders as ""
+                    keys = INFO_GAUGES[name][1]
+                    families[name].add_metric(values + [str(info.get(k, "")) for k in keys], 1.0)
         yield from families.values()
 
 

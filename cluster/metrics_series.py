@@ -152,6 +152,16 @@ REPLICA_COUNTERS = {
     "kv_pull_bytes": "KV bytes received from peer replicas.",
 }
 """Counted by the replica itself (``ReplicaMetrics.count``), not by the engine."""
+INFO_GAUGES = {
+    "cache_config_info": (
+        "The replica's KV cache configuration in its labels; the value is always 1.",
+        ("block_size", "kv_cache_dtype"),
+    ),
+}
+"""vLLM's ``*_info`` gauges: a replica's static configuration as labels (beside
+``model_name`` and ``replica``) of a series whose value is 1. Each snapshot carries its own
+label values (``ReplicaMetrics.snapshot``'s ``info``); a replica that sends none (an older
+version) has no series."""
 INGRESS_HISTOGRAMS = {
     "time_to_first_token_seconds": (
         "Time from the ingress receiving a request to its first output there.",

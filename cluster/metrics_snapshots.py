@@ -65,13 +65,24 @@ class ReplicaMetrics:
     def count(self, name: str, amount: int = 1) -> None:
         self.counters[name] += amount
 
-    def snapshot(self, engine_metrics: dict, *, alive: bool, model_name: str) -> dict:
+    def snapshot(
+        self,
+        engine_metrics: dict,
+        *,
+        alive: bool,
+        model_name: str,
+        info: dict[str, dict[str, str]] | None = None,
+    ) -> dict:
+        """``info``: the label values of each ``INFO_GAUGES`` series, by series name (the
+        replica's static configuration, e.g. ``cache_config_info``'s block size and KV
+        format)."""
         return {
             "alive": alive,
             "model_name": model_name,
             "engine": dict(engine_metrics),
             "histograms": {name: h.to_dict() for name, h in self.histograms.items()},
             "counters": dict(self.counters),
+            "info": {name: dict(labels) for name, labels in (info or {}).items()},
         }
 
 

@@ -289,8 +289,18 @@ class EngineReplica:
         return self.engine.drain_kv_events()
 
     def metrics_snapshot(self) -> dict:
+        """The hub's snapshot: the engine's gauges and counters, the replica's histograms,
+        and its KV cache configuration (``cache_config_info``'s labels)."""
+        config = self.engine.config
+        cache_config = {
+            "block_size": str(config.block_size),
+            "kv_cache_dtype": config.kv_cache_dtype,
+        }
         return self.metrics.snapshot(
-            self.engine.metrics(), alive=self.engine.is_alive(), model_name=self.model_name
+            self.engine.metrics(),
+            alive=self.engine.is_alive(),
+            model_name=self.model_name,
+            info={"cache_config_info": cache_config},
         )
 
     async def export_prefix(
@@ -369,6 +379,7 @@ class EngineReplica:
         return {
             "replica_id": self.replica_id,
             "model_id": self.engine.model_id,
+            "cache_namespace": self.engine.cache_namespace,
             "max_model_len": self.engine.max_model_len,
             "block_size": self.engine.block_size,
             "vocab_size": self.engine.tokenizer.vocab_size,

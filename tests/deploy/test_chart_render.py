@@ -59,6 +59,7 @@ def test_core_validation_rejects_a_misspelt_field() -> None:
     [
         ({"engine": {"blcokSize": 16}}, "blcokSize"),
         ({"engine": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+        ({"engine": {"kvCacheDtype": "int4"}}, "kvCacheDtype"),
         ({"router": {"policy": "random"}}, "policy"),
         ({"gpuWorkers": {"gpu": 2}}, "gpu"),
         ({"redis": {"external": {"url": "http://redis:6379"}}}, "url"),

@@ -190,6 +190,16 @@ def test_serve_config_args_build_the_application_configs(values_file) -> None:
     assert isinstance(engine.kv_cache_bytes, (int, type(None)))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8", "fp8_e4m3"])
+def test_kv_cache_dtype_reaches_the_engine_config(kv_cache_dtype) -> None:
+    from worker.config import EngineConfig
+
+    values = {} if kv_cache_dtype is None else {"engine": {"kvCacheDtype": kv_cache_dtype}}
+    (app,) = chart.serve_config(chart.render(values=values))["applications"]
+    engine = EngineConfig(**app["args"]["engine"])
+    assert engine.kv_cache_dtype == (kv_cache_dtype or "auto")
+
+
 def test_deployment_options_name_a_deployment_of_the_built_application() -> None:
     """Serve rejects options for a deployment the builder does not create."""
     from ray.serve._private.build_app import build_app as build_deployments
