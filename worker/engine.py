@@ -20,7 +20,6 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -34,8 +33,6 @@ from worker.metrics import EngineMetrics, EngineMetricsSnapshot, HostTierMetrics
 from worker.model_runner import ModelRunner
 from worker.models.llama import ModelSpec
 from worker.outputs import (
-    ChoiceDelta,
-    CompletionOutput,
     EngineOverloadedError,
     FinishReason,
     OutputDelta,
@@ -55,6 +52,7 @@ from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
 from worker.sim_model import load_profile
 from worker.sim_runner import SimModelRunner, SimSampler
+from worker.step_outputs import StepDelta, cumulative_output, output_delta
 from worker.structured_output import GrammarCompiler, check_spec
 from worker.tokenizer import IncrementalDetokenizer
 
@@ -63,16 +61,6 @@ log = logging.getLogger(__name__)
 DEAD_RANK_GRACE_S = 1.0
 """After a failed tensor-parallel step, how long to wait for a worker's exit to show before
 saying a rank stopped answering without naming it."""
-
-
-@dataclass(slots=True)
-class StepDelta:
-    """What one step added to one sequence: its new token ids and the text they completed."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    is_first: bool = False
-    """The sequence's first token in this engine."""
 
 
 def check_resume(
@@ -323,7 +311,7 @@ class LLMEngine:
         if group is None:
             return None
         self._end_group(group)
-        return self._output(request_id, group, {}, finished=True)
+        return cumulative_output(request_id, group, {}, finished=True)
 
     def abort_delta(self, request_id: str) -> OutputDelta | None:
         """``abort`` for a streaming caller: the delta that ends the request's unfinished
@@ -332,7 +320,7 @@ class LLMEngine:
         if group is None:
             return None
         ended = self._end_group(group)
-        return self._delta(request_id, group, {req: StepDelta() for req in ended}, finished=True)
+        return output_delta(request_id, group, {req: StepDelta() for req in ended}, finished=True)
 
     def _end_group(self, group: list[Request]) -> list[Request]:
         """Finishes the group's unfinished sequences with ``ABORT``; returns them."""
@@ -348,7 +336,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step; the cumulative output of every request it touched (offline callers)."""
-        return [self._output(*advanced) for advanced in self._advance()]
+        return [cumulative_output(*advanced) for advanced in self._advance()]
 
     def step_deltas(self) -> list[OutputDelta]:
         """One step; what it added to each request it advanced or ended (streaming callers:
@@ -356,7 +344,7 @@ class LLMEngine:
         deltas = []
         for request_id, group, new, finished in self._advance():
             if new or finished:
-                deltas.append(self._delta(request_id, group, new, finished))
+                deltas.append(output_delta(request_id, group, new, finished))
         return deltas
 
     def _advance(self) -> list[tuple[str, list[Request], dict[Request, StepDelta], bool]]:
@@ -437,112 +425,6 @@ class LLMEngine:
                 return
         if req.max_tokens_reached():
             req.finish_reason = FinishReason.LENGTH
-
-    def _output(
-        self,
-        request_id: str,
-        group: list[Request],
-        deltas: dict[Request, StepDelta],
-        finished: bool,
-    ) -> RequestOutput:
-        """The group's ``RequestOutput``; ``deltas`` holds this step's new tokens per sequence
-        (a sequence without one, e.g. a sibling still waiting, gets an empty delta)."""
-        first = group[0]
-        outs = []
-        for req in group:
-            delta = deltas.get(req, StepDelta())
-            outs.append(
-                CompletionOutput(
-                    index=req.index,
-                    text=req.detokenizer.text,
-                    token_ids=list(req.output_token_ids),
-                    new_text=delta.text,
-                    new_token_ids=delta.token_ids,
-                    logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                )
-            )
-        metrics = self._timestamps(group, finished)
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outs,
-            num_cached_tokens=first.num_cached_tokens or 0,
-            finished=finished,
-            error=None,
-            metrics=metrics,
-            prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None,
-        )
-
-    def _delta(
-        self,
-        request_id: str,
-        group: list[Request],
-        added: dict[Request, StepDelta],
-        finished: bool,
-    ) -> OutputDelta:
-        """The group's ``OutputDelta``: one ``ChoiceDelta`` per sequence in ``added`` (what
-        the step gave it, its finish if it ended); the timestamps with a first token or the
-        finish, the prompt logprobs with choice 0's first token."""
-        first = group[0]
-        choices = []
-        any_first = False
-        for req, step in added.items():
-            ended = req.finish_reason is not None
-            logprobs = None
-            if req.params.logprobs is not None:
-                logprobs = req.logprobs[-len(step.token_ids) :] if step.token_ids else []
-            choices.append(
-                ChoiceDelta(
-                    req.index,
-                    step.token_ids,
-                    step.text,
-                    logprobs,
-                    req.finish_reason,
-                    req.stop_reason,
-                    req.detokenizer.text if ended else None,
-                )
-            )
-            any_first = any_first or step.is_first
-        if len(choices) > 1:
-            choices.sort(key=lambda c: c.index)
-        prompt_logprobs = None
-        if first.prompt_logprobs is not None and first in added and added[first].is_first:
-            prompt_logprobs = first.prompt_logprobs
-        return OutputDelta(
-            request_id,
-            len(first.prompt_token_ids),
-            first.num_cached_tokens or 0,
-            choices,
-            finished,
-            metrics=self._timestamps(group, finished) if any_first or finished else None,
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    @staticmethod
-    def _timestamps(group: list[Request], finished: bool) -> dict:
-        """``RequestOutput.metrics`` of the group: arrival, first scheduling and first token
-        (the earliest of its sequences), and the finish once ``finished``."""
-        first = group[0]
-        if len(group) == 1:  # most requests: no earliest-of-the-group to find
-            first_token_time = first.first_token_time
-            first_scheduled_time = first.first_scheduled_time
-        else:
-            first_token_time = min(
-                (r.first_token_time for r in group if r.first_token_time), default=None
-            )
-            first_scheduled_time = min(
-                (r.first_scheduled_time for r in group if r.first_scheduled_time), default=None
-            )
-        metrics = {
-            "arrival_time": first.arrival_time,
-            "first_token_time": first_token_time or None,
-            "first_scheduled_time": first_scheduled_time or None,
-        }
-        if finished:
-            metrics["finished_time"] = time.monotonic()
-        return metrics
 
     # -- KV events and stats -----------------------------------------------------------------
     def _collect_events(self) -> None:

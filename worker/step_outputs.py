@@ -1,0 +1,132 @@
+"""What one engine step hands back for one request, built from its sequences' state.
+
+``LLMEngine`` advances a request's group of sequences (one per choice) and records what each
+sampled sequence got in a ``StepDelta``. From the group and those, ``output_delta`` makes the
+``OutputDelta`` a server streams (only what is new; the timestamps with a first token or the
+finish) and ``cumulative_output`` the ``RequestOutput`` offline callers read (everything so
+far). Nothing here changes the requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from worker.outputs import ChoiceDelta, CompletionOutput, OutputDelta, RequestOutput
+from worker.request import Request
+
+
+@dataclass(slots=True)
+class StepDelta:
+    """What one step added to one sequence: its new token ids and the text they completed."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    is_first: bool = False
+    """The sequence's first token in this engine."""
+
+
+def cumulative_output(
+    request_id: str,
+    group: list[Request],
+    deltas: dict[Request, StepDelta],
+    finished: bool,
+) -> RequestOutput:
+    """The group's ``RequestOutput``; ``deltas`` holds this step's new tokens per sequence
+    (a sequence without one, e.g. a sibling still waiting, gets an empty delta)."""
+    first = group[0]
+    outs = []
+    for req in group:
+        delta = deltas.get(req, StepDelta())
+        outs.append(
+            CompletionOutput(
+                index=req.index,
+                text=req.detokenizer.text,
+                token_ids=list(req.output_token_ids),
+                new_text=delta.text,
+                new_token_ids=delta.token_ids,
+                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+                finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason,
+            )
+        )
+    metrics = group_timestamps(group, finished)
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=outs,
+        num_cached_tokens=first.num_cached_tokens or 0,
+        finished=finished,
+        error=None,
+        metrics=metrics,
+        prompt_logprobs=first.prompt_logprobs if not first.needs_prompt_logits else None,
+    )
+
+
+def output_delta(
+    request_id: str,
+    group: list[Request],
+    added: dict[Request, StepDelta],
+    finished: bool,
+) -> OutputDelta:
+    """The group's ``OutputDelta``: one ``ChoiceDelta`` per sequence in ``added`` (what
+    the step gave it, its finish if it ended); the timestamps with a first token or the
+    finish, the prompt logprobs with choice 0's first token."""
+    first = group[0]
+    choices = []
+    any_first = False
+    for req, step in added.items():
+        ended = req.finish_reason is not None
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = req.logprobs[-len(step.token_ids) :] if step.token_ids else []
+        choices.append(
+            ChoiceDelta(
+                req.index,
+                step.token_ids,
+                step.text,
+                logprobs,
+                req.finish_reason,
+                req.stop_reason,
+                req.detokenizer.text if ended else None,
+            )
+        )
+        any_first = any_first or step.is_first
+    if len(choices) > 1:
+        choices.sort(key=lambda c: c.index)
+    prompt_logprobs = None
+    if first.prompt_logprobs is not None and first in added and added[first].is_first:
+        prompt_logprobs = first.prompt_logprobs
+    return OutputDelta(
+        request_id,
+        len(first.prompt_token_ids),
+        first.num_cached_tokens or 0,
+        choices,
+        finished,
+        metrics=group_timestamps(group, finished) if any_first or finished else None,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def group_timestamps(group: list[Request], finished: bool) -> dict:
+    """``RequestOutput.metrics`` of the group: arrival, first scheduling and first token
+    (the earliest of its sequences), and the finish once ``finished``."""
+    first = group[0]
+    if len(group) == 1:  # most requests: no earliest-of-the-group to find
+        first_token_time = first.first_token_time
+        first_scheduled_time = first.first_scheduled_time
+    else:
+        first_token_time = min(
+            (r.first_token_time for r in group if r.first_token_time), default=None
+        )
+        first_scheduled_time = min(
+            (r.first_scheduled_time for r in group if r.first_scheduled_time), default=None
+        )
+    metrics = {
+        "arrival_time": first.arrival_time,
+        "first_token_time": first_token_time or None,
+        "first_scheduled_time": first_scheduled_time or None,
+    }
+    if finished:
+        metrics["finished_time"] = time.monotonic()
+    return metrics
