@@ -120,7 +120,9 @@ def test_pushed_outputs_go_through_the_channel_between_the_first_and_the_last(
     assert yielded[-1].seq == len(stream) - 1 and yielded[-1].finished
     assert _tokens(stream) == _tokens(direct) and len(_tokens(stream)) == 24
     sizes = [len(c.new_token_ids) for m in stream for c in m.choices]
-    assert sizes[0] == 1 and all(size >= interval for size in sizes[1:-1]), sizes
+    # The first output goes at once, whatever the interval: one token, or the few steps that
+    # piled up before a busy replica's loop took them (AsyncEngine joins them).
+    assert sizes[0] >= 1 and all(size >= interval for size in sizes[1:-1]), sizes
 
 
 def test_a_channel_that_breaks_mid_stream_hands_the_rest_back_to_the_call(tiny_models):
