@@ -133,10 +133,14 @@ def test_a_channel_that_breaks_mid_stream_hands_the_rest_back_to_the_call(tiny_m
     assert len(yielded) > 2  # the outputs after the break came through the call
     seqs = sorted(m.seq for m in yielded + pushed)
     assert seqs[0] == 0 and len(set(seqs)) == len(seqs)
-    delivered = sorted(yielded + pushed, key=lambda m: m.seq)
-    lost = len(direct) - len(delivered)  # the batch in flight when it broke
-    assert lost >= 0
-    assert _tokens(delivered) == _tokens([m for m in direct if m.seq in set(seqs)])
+    got = _tokens(sorted(yielded + pushed, key=lambda m: m.seq))
+    want = _tokens(direct)
+    # What is missing is one run of tokens (the batch in flight when it broke): the same
+    # tokens as the unbroken stream before it and after it. (How steps group into outputs
+    # depends on how fast each run's loop read them, so runs are compared token by token.)
+    head = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got))
+    tail = len(got) - head
+    assert len(got) <= len(want) and got[head:] == want[len(want) - tail :]
 
 
 async def _direct_run(model: str, stream_interval: int) -> list[OutputDelta]:
