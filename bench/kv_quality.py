@@ -15,13 +15,18 @@ model's float32, first; then each of ``--dtypes``), all else equal:
    tokens whose top-1 status (rank 1 or not) differs from float32's.
 3. KV capacity: the blocks an engine gets for ``--kv-cache-bytes`` (64 MiB) per dtype
    (``LLMEngine.pool.num_blocks``), the bytes per block, and the ratio to float32.
-4. The rounding floor (row ``auto-fast``): the float32 cache again, computed by the fast,
+4. Candidate formats (``--variants``, ``bench/kv_quant_variants.py``): other 8-bit row
+   numerics (a scale per channel group, asymmetric rows, K in float16), simulated on the
+   float32 cache, with the blocks their rows' bytes would give; ``int8-sim`` is the control
+   (today's int8 through the same simulation).
+5. The rounding floor (row ``auto-fast``): the float32 cache again, computed by the fast,
    not batch-invariant kernels (``deterministic=False``), against the same baseline. Any
    change in the last bits moves a small model's near-tied greedy choices; this row says how
    much greedy agreement a mere change of rounding costs, the yardstick for the 8-bit rows.
 
     python -m bench.kv_quality                                   # the full run, a few minutes
     python -m bench.kv_quality --num-prompts 8 --max-tokens 16   # a smoke run
+    python -m bench.kv_quality --variants int8-sim,int8-g16,int8-asym,k16-v8
 
 Writes ``bench/results/kv_quality_<cpu|cuda>_<date>.{json,md,png}``.
 """
@@ -37,6 +42,7 @@ import random
 import time
 from pathlib import Path
 
+from bench.kv_quant_variants import CALIBRATION_TEXT, VARIANTS, simulate
 from bench.result_files import result_header, result_stem
 
 BASELINE = "auto"
@@ -225,7 +231,14 @@ FLOOR = "auto-fast"
 """The rounding-floor run: the float32 cache through the fast kernels."""
 
 
-def run_dtype(args, dtype: str, prompts: list[dict], text_ids: list[int], num_blocks: int) -> dict:
+def run_dtype(
+    args,
+    dtype: str,
+    prompts: list[dict],
+    text_ids: list[int],
+    num_blocks: int,
+    calibration_ids: list[int] | None = None,
+) -> dict:
     from worker.llm import LLM
     from worker.sampling_params import SamplingParams
 
@@ -233,9 +246,14 @@ def run_dtype(args, dtype: str, prompts: list[dict], text_ids: list[int], num_bl
     options = {"kv_cache_dtype": dtype, "num_kv_blocks": num_blocks, "max_num_seqs": 64}
     if dtype == FLOOR:
         options.update(kv_cache_dtype=BASELINE, deterministic=False)
+    simulated = VARIANTS.get(dtype)
+    if simulated is not None:
+        options["kv_cache_dtype"] = BASELINE
     if args.threads:
         options["num_threads"] = args.threads
     llm = LLM(args.model, **options)
+    if simulated is not None:
+        simulate(llm, simulated, calibration_ids)
     t_load = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     t1 = time.perf_counter()
@@ -277,6 +295,20 @@ def run_dtype(args, dtype: str, prompts: list[dict], text_ids: list[int], num_bl
     return result
 
 
+def simulated_capacity(base: dict, name: str, head_dim: int) -> dict:
+    """What a simulated variant's engine would get for the same bytes: the float32 block's
+    bytes scaled by the variant's row bytes (computed, not allocated)."""
+    ratio = VARIANTS[name].blocks_ratio_to_float32(head_dim)
+    num_blocks = int(base["num_blocks"] * ratio)
+    return {
+        "dtype": name,
+        "cache_dtype": "uint8 (computed)",
+        "bytes_per_block": round(base["bytes_per_block"] / ratio),
+        "num_blocks": num_blocks,
+        "tokens": num_blocks * base["tokens"] // base["num_blocks"],
+    }
+
+
 def capacity(args, dtype: str) -> dict:
     """Blocks an engine of ``dtype`` gets for ``--kv-cache-bytes``."""
     from worker.config import EngineConfig
@@ -291,6 +323,7 @@ def capacity(args, dtype: str) -> dict:
         "bytes_per_block": engine.runner.bytes_per_block,
         "num_blocks": engine.pool.num_blocks,
         "tokens": engine.pool.num_blocks * engine.block_size,
+        "head_dim": engine.runner.model.spec.head_dim,
     }
     engine.shutdown()
     return row
@@ -302,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtypes", default="int8,fp8_e4m3", help="8-bit KV dtypes, comma-separated")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="candidate formats simulated on the float32 cache (bench/kv_quant_variants.py), "
+        f"comma-separated: {','.join(VARIANTS)}",
+    )
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="for the capacity rows")
@@ -315,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in dtypes if d not in KV_CACHE_DTYPES or d == BASELINE]
     if bad:
         ap.error(f"--dtypes takes 8-bit dtypes of {KV_CACHE_DTYPES[1:]}, got {bad}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants takes {sorted(VARIANTS)}, got {unknown}")
     if args.num_prompts < 1 or args.max_tokens < 1:
         ap.error("--num-prompts and --max-tokens must be positive")
 
@@ -326,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(config, model_path=resolve_engine_model(config).path)
     prompts = make_prompts(tokenizer, args.num_prompts)
     text_ids = tokenizer.encode(TEXT)
+    calibration_ids = tokenizer.encode(CALIBRATION_TEXT)
     lengths = [len(p["ids"]) for p in prompts]
     block = config.block_size
     num_blocks = sum(-(-(n + args.max_tokens) // block) for n in lengths) + 64
@@ -337,9 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     runs = {}
-    for dtype in [BASELINE, FLOOR, *dtypes]:
+    for dtype in [BASELINE, FLOOR, *dtypes, *variants]:
         print(f"kv_cache_dtype={dtype}", flush=True)
-        runs[dtype] = run_dtype(args, dtype, prompts, text_ids, num_blocks)
+        runs[dtype] = run_dtype(args, dtype, prompts, text_ids, num_blocks, calibration_ids)
         gc.collect()
 
     caps = {}
@@ -347,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         caps[dtype] = capacity(args, dtype)
         gc.collect()
     caps[FLOOR] = caps[BASELINE]
+    for name in variants:
+        caps[name] = simulated_capacity(caps[BASELINE], name, caps[BASELINE]["head_dim"])
     for dtype, row in caps.items():
         row["ratio_to_float32"] = row["num_blocks"] / caps[BASELINE]["num_blocks"]
         print(
@@ -357,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = runs[BASELINE]
     rows = []
-    for dtype in [BASELINE, FLOOR, *dtypes]:
+    for dtype in [BASELINE, FLOOR, *dtypes, *variants]:
         run = runs[dtype]
         agree = agreement(base["tokens"], run["tokens"])
         lp = logprob_compare(base["prompt_logprobs"], run["prompt_logprobs"])
@@ -476,6 +522,14 @@ def markdown(result: dict) -> str:
             f"{100 * r['top1_flip_share']:.2f}% | {r['mean_logprob']:.4f} | "
             f"{r['perplexity']:.3f} | {r['num_blocks']} | {r['blocks_ratio_to_float32']:.2f} |"
         )
+    simulated = [r["dtype"] for r in result["rows"] if r["dtype"] in VARIANTS]
+    if simulated:
+        lines += [
+            "",
+            f"Rows {', '.join(simulated)} are candidate formats simulated on the float32 cache "
+            "(`bench/kv_quant_variants.py`: each new K/V row quantized and read back before it "
+            "is stored); their blocks are computed from the row's bytes.",
+        ]
     lines += ["", "By kind of prompt (identical / before first divergence / position-wise):", ""]
     kinds = list(result["rows"][0]["by_kind"])
     lines.append("| KV dtype | " + " | ".join(kinds) + " |")
