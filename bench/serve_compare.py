@@ -82,6 +82,7 @@ from bench.serve_compare_report import (
     arrivals_during_prefill,
     busy_fractions,
     groups,
+    kv_dtype_markdown,
     markdown,
     plot,
     runs_markdown,
@@ -217,21 +218,30 @@ def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -
     return result
 
 
-def run_cluster(args, replicas: int, policy: str, workloads, loadgen_argv) -> list[dict]:
+def run_cluster(
+    args, replicas: int, policy: str, workloads, loadgen_argv, kv_cache_dtype: str = "auto"
+) -> list[dict]:
     """One fresh cluster: every workload in turn; one row per workload."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
+    flags = engine_flags(args, kv_cache_dtype)
     command = args.launch.format(
-        replicas=replicas, policy=policy, port=port, engine_flags=engine_flags(args)
+        replicas=replicas, policy=policy, port=port, engine_flags=flags
     ).strip()
-    log_path = args.log_dir / f"serve_compare_{args.tag}_{replicas}x_{policy}.log"
+    log_path = args.log_dir / f"serve_compare_{args.tag}_{replicas}x_{policy}_{kv_cache_dtype}.log"
     env = dict(os.environ)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(args.threads_per_replica)
     repo_root = str(Path(__file__).resolve().parents[1])  # the CLI imports this checkout
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
     rows = []
-    base = {"replicas": replicas, "policy": policy, "command": command}
+    base = {
+        "replicas": replicas,
+        "policy": policy,
+        "command": command,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_blocks_per_replica": kv_blocks_per_replica(args, kv_cache_dtype),
+    }
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(shlex.split(command), stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -280,11 +290,35 @@ def make_row(base: dict, name: str, workload, result: dict, replicas: int, block
     return row
 
 
-def engine_flags(args) -> str:
+def engine_flags(args, kv_cache_dtype: str = "auto") -> str:
     flags = [f"--block-size {args.block_size}"]
     if args.num_kv_blocks:
         flags.append(f"--num-kv-blocks {args.num_kv_blocks}")
+    if args.kv_cache_bytes:
+        flags.append(f"--kv-cache-bytes {args.kv_cache_bytes}")
+    if kv_cache_dtype != "auto":
+        flags.append(f"--kv-cache-dtype {kv_cache_dtype}")
     return " ".join(flags)
+
+
+def kv_blocks_per_replica(args, kv_cache_dtype: str) -> int | None:
+    """The KV blocks each replica's engine gets: ``--num-kv-blocks``, or ``--kv-cache-bytes``
+    over the bundled model's block bytes in ``kv_cache_dtype`` (float32 on CPU, like the
+    engine's ``bytes_per_block``); None when the engine sizes its cache itself."""
+    if args.num_kv_blocks:
+        return args.num_kv_blocks
+    if not args.kv_cache_bytes:
+        return None
+    import torch
+
+    from kernels.kv_quant import kv_format
+    from worker.loader import resolve_model
+    from worker.models.llama import ModelSpec
+
+    folder = Path(resolve_model("smollm2", weights=False).path)
+    spec = ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+    row = kv_format(kv_cache_dtype).row_bytes(spec.head_dim, torch.float32)
+    return args.kv_cache_bytes // (2 * spec.num_layers * spec.num_kv_heads * row * args.block_size)
 
 
 def build_workloads(args) -> list[tuple[str, Workload | None]]:
@@ -332,6 +366,19 @@ def parse_args(argv):
         help=f"per replica (default: {OVERFLOW_NUM_KV_BLOCKS} with the overflow workload, "
         "else the engine's default)",
     )
+    p.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "int8", "fp8_e4m3"],
+        help="run every (size, policy) cluster once per KV dtype (--kv-cache-dtype)",
+    )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="per replica, instead of --num-kv-blocks: the same bytes for every KV dtype",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, prefix/round_robin")
@@ -348,7 +395,9 @@ def parse_args(argv):
     args.workload = args.workload or ["engine", "overflow"]
     args.replicas = args.replicas or ([2] if args.quick else [2, 3])
     args.policies = args.policies or (["prefix", "round_robin"] if args.quick else list(POLICIES))
-    if args.num_kv_blocks is None and "overflow" in args.workload:
+    if args.kv_cache_bytes and args.num_kv_blocks:
+        p.error("give --kv-cache-bytes or --num-kv-blocks, not both")
+    if args.num_kv_blocks is None and not args.kv_cache_bytes and "overflow" in args.workload:
         args.num_kv_blocks = OVERFLOW_NUM_KV_BLOCKS
     if args.tag is None:
         args.tag = time.strftime("%Y%m%d", time.gmtime()) + ("_quick" if args.quick else "")
@@ -391,6 +440,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "threads_per_replica": args.threads_per_replica,
         "engine_flags": engine_flags(args),
+        "kv_cache_dtypes": args.kv_cache_dtypes,
         "workloads": workload_info,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "note": "shared 2-core machine: the load averages show whether other work ran",
@@ -398,10 +448,13 @@ def main(argv=None) -> int:
     rows = []
     for replicas in args.replicas:
         for repeat in range(1, args.repeats + 1):
-            for policy in args.policies:
-                run = run_cluster(args, replicas, policy, workloads, args.loadgen_args)
-                rows += [{**r, "repeat": repeat} for r in run]
-                write_report(args, header, rows)  # so far: an interrupted run keeps its rows
+            for kv_dtype in args.kv_cache_dtypes:
+                for policy in args.policies:
+                    run = run_cluster(
+                        args, replicas, policy, workloads, args.loadgen_args, kv_dtype
+                    )
+                    rows += [{**r, "repeat": repeat} for r in run]
+                    write_report(args, header, rows)  # so far: an interrupted run keeps its rows
     table = write_report(args, header, rows, with_plot=True)
     print(table)
     print(f"wrote {args.out_dir / f'serve_compare_{args.tag}.json'}")
@@ -427,6 +480,9 @@ def write_report(args, header: dict, rows: list[dict], with_plot: bool = False) 
         )
     )
     table = markdown(summary)
+    by_dtype = kv_dtype_markdown(summary)
+    if by_dtype:
+        table += f"\n### By KV dtype\n\n{by_dtype}"
     if args.repeats > 1:
         table = (
             f"Medians of {args.repeats} runs per (size, policy), interleaved; the verdict "

@@ -68,6 +68,12 @@ def arrivals_during_prefill(requests: Sequence[dict]) -> dict | None:
     }
 
 
+def table_name(row: dict) -> str:
+    """The table a row belongs to: its workload, and its KV dtype when not the model's."""
+    kv = row.get("kv_cache_dtype") or "auto"
+    return row["workload"] if kv == "auto" else f"{row['workload']}, KV {kv}"
+
+
 def verdict(rows: Sequence[dict]) -> dict:
     """For one (workload, size): does prefix beat every other policy on each figure, and does it
     serve >= ``ORACLE_BAR`` of the oracle's cached tokens? ``passed`` is all of them."""
@@ -108,7 +114,7 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     whose runs all errored keeps the first error row."""
     cells: dict = {}
     for r in rows:
-        cells.setdefault((r["workload"], r["replicas"], r["policy"]), []).append(r)
+        cells.setdefault((table_name(r), r["replicas"], r["policy"]), []).append(r)
     out = []
     for runs in cells.values():
         ok = [r for r in runs if "error" not in r]
@@ -140,7 +146,7 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
 def groups(rows: Sequence[dict]) -> dict:
     out: dict = {}
     for r in rows:
-        out.setdefault((r["workload"], r["replicas"]), []).append(r)
+        out.setdefault((table_name(r), r["replicas"]), []).append(r)
     return out
 
 
@@ -158,9 +164,10 @@ def _verdict_cell(row: dict, v: dict) -> str:
 
 
 def markdown(rows: Sequence[dict]) -> str:
-    """One table per workload: a row per (size, policy) with the verdict on prefix's row."""
+    """One table per workload (and KV dtype): a row per (size, policy) with the verdict on
+    prefix's row."""
     out = []
-    for workload in dict.fromkeys(r["workload"] for r in rows):
+    for workload in dict.fromkeys(table_name(r) for r in rows):
         out += [
             f"### {workload}",
             "",
@@ -194,6 +201,34 @@ def markdown(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
+def kv_dtype_markdown(rows: Sequence[dict]) -> str:
+    """Each (workload, size, policy) across KV dtypes: blocks per replica, served/oracle,
+    TTFT p50/p90 and tok/s side by side; empty when the rows have one KV dtype."""
+    dtypes = list(dict.fromkeys(r.get("kv_cache_dtype") or "auto" for r in rows))
+    if len(dtypes) < 2:
+        return ""
+    out = [
+        "| workload | replicas | policy | KV dtype | KV blocks per replica | served/oracle | "
+        "TTFT p50 / p90 ms | out tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ok = [r for r in rows if "error" not in r]
+    keys = dict.fromkeys((r["workload"], r["replicas"], r["policy"]) for r in ok)
+    for workload, size, policy in keys:
+        for r in ok:
+            if (r["workload"], r["replicas"], r["policy"]) != (workload, size, policy):
+                continue
+            share = r.get("served_of_oracle")
+            out.append(
+                f"| {workload} | {size} | {policy} | {r.get('kv_cache_dtype') or 'auto'} | "
+                f"{r.get('kv_blocks_per_replica', 'n/a')} | "
+                f"{'n/a' if share is None else f'{share:.1%}'} | "
+                f"{r['median_ttft_ms']:.0f} / {r['p90_ttft_ms']:.0f} | "
+                f"{r['output_throughput']:.1f} |"
+            )
+    return "\n".join(out) + "\n"
+
+
 def _per_replica(row: dict) -> str:
     counts = row.get("replica_request_counts")
     if counts is None and row.get("runs", 1) > 1:
@@ -210,7 +245,7 @@ def runs_markdown(rows: Sequence[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['workload']} | {r['replicas']} | {r['policy']} | {r.get('repeat', 1)} |"
+        head = f"| {table_name(r)} | {r['replicas']} | {r['policy']} | {r.get('repeat', 1)} |"
         if "error" in r:
             out.append(f"{head} error: {r['error']} | | | | | |")
             continue
@@ -244,7 +279,7 @@ def plot(rows: Sequence[dict], path: Path, subtitle: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if "error" not in r]
-    names = list(dict.fromkeys(r["workload"] for r in ok))
+    names = list(dict.fromkeys(table_name(r) for r in ok))
     policies = list(dict.fromkeys(r["policy"] for r in ok))
     panels = (
         ("output_throughput", "output tok/s (higher is better)", 1.0),
@@ -256,13 +291,13 @@ def plot(rows: Sequence[dict], path: Path, subtitle: str) -> None:
     fig, axes = plt.subplots(len(names), len(panels), figsize=(18, 3.6 * len(names)), squeeze=False)
     colors = {"prefix": "#d95f02", "round_robin": "#7570b3", "least_loaded": "#1b9e77"}
     for i, name in enumerate(names):
-        sizes = sorted({r["replicas"] for r in ok if r["workload"] == name})
+        sizes = sorted({r["replicas"] for r in ok if table_name(r) == name})
         width = 0.8 / max(len(policies), 1)
         for j, (key, title, scale) in enumerate(panels):
             ax = axes[i][j]
             for k, policy in enumerate(policies):
                 cell = {
-                    r["replicas"]: r for r in ok if r["workload"] == name and r["policy"] == policy
+                    r["replicas"]: r for r in ok if table_name(r) == name and r["policy"] == policy
                 }
                 xs = [s + (k - (len(policies) - 1) / 2) * width for s in range(len(sizes))]
                 ys = [(cell[s].get(key) or 0) * scale if s in cell else 0 for s in sizes]

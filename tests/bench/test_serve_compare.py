@@ -259,3 +259,38 @@ def test_arrivals_during_prefill_counts_requests_that_met_another_before_its_fir
         "arrivals_during_prefill": {"share": 0.25, "ttft_ms_met": 300.0, "ttft_ms_clear": None},
     }
     assert "| 25% (300 / -) |" in report.runs_markdown([row])
+
+
+def test_kv_dtypes_share_the_bytes_and_get_their_own_tables_and_a_side_by_side_one():
+    args = sc.parse_args(
+        ["--workload", "overflow", "--kv-cache-dtypes", "auto", "int8"]
+        + ["--kv-cache-bytes", str(320 * 737280)]
+    )
+    assert args.num_kv_blocks is None  # the bytes, not a block count, are held equal
+    assert sc.engine_flags(args, "int8").endswith(
+        "--kv-cache-bytes 235929600 --kv-cache-dtype int8"
+    )
+    assert "--kv-cache-dtype" not in sc.engine_flags(args, "auto")
+    # SmolLM2: 30 layers x 3 KV heads x 16 tokens x K and V; float32 rows of 64 x 4 bytes,
+    # int8 rows of 64 values and a 2-byte scale.
+    assert sc.kv_blocks_per_replica(args, "auto") == 320
+    assert sc.kv_blocks_per_replica(args, "int8") == 320 * 737280 // (2 * 30 * 3 * 66 * 16)
+    with pytest.raises(SystemExit):
+        sc.parse_args(["--kv-cache-bytes", "1000", "--num-kv-blocks", "4"])
+
+    rows = [
+        {**_row("prefix", 60.0, 100, 200, 300, served=0.7), "kv_cache_dtype": "auto"},
+        {**_row("round_robin", 50.0, 150, 250, 350, served=0.5), "kv_cache_dtype": "auto"},
+        {**_row("prefix", 65.0, 90, 150, 300, served=0.95), "kv_cache_dtype": "int8"},
+        {**_row("round_robin", 55.0, 95, 180, 350, served=0.9), "kv_cache_dtype": "int8"},
+    ]
+    for r in rows:
+        r["kv_blocks_per_replica"] = 320 if r["kv_cache_dtype"] == "auto" else 1241
+    text = report.markdown(rows)
+    assert "### engine\n" in text and "### engine, KV int8\n" in text
+    assert set(report.groups(rows)) == {("engine", 2), ("engine, KV int8", 2)}
+    side = report.kv_dtype_markdown(rows)
+    lines = side.splitlines()[2:]
+    assert lines[0].startswith("| engine | 2 | prefix | auto | 320 | 70.0% | 100 / 200 |")
+    assert lines[1].startswith("| engine | 2 | prefix | int8 | 1241 | 95.0% | 90 / 150 |")
+    assert report.kv_dtype_markdown(rows[:2]) == ""  # one dtype: no side-by-side table
