@@ -8,8 +8,8 @@ request (a chunked prefill, then decode). Every ``--interval-s`` it is asked for
 (``AsyncEngine.export_prefix``: 496 tokens of SmolLM2, 23 MB); each answer's latency is
 recorded with the phase the busy request was in (prefill until its first token, then decode).
 
-    python -m bench.kv_export_busy              # SmolLM2, 1 thread, 496-token prefix
-    python -m bench.kv_export_busy --quick      # smoke: a short busy request
+    python -m bench.experiments.kv_export_busy          # SmolLM2, 1 thread, 496-token prefix
+    python -m bench.experiments.kv_export_busy --quick  # smoke: a short busy request
 
 Writes ``bench/results/kv_export_busy_cpu_<date>.json`` with the load average at the start and
 the end: on a shared machine the numbers are indicative only.
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = asyncio.run(measure(args))
     out = {
-        **result_header("kv_export_busy", "bench.kv_export_busy", argv, "cpu"),
+        **result_header("kv_export_busy", "bench.experiments.kv_export_busy", argv, "cpu"),
         "load_average_1_5_15_start": list(load_start),
         "load_average_1_5_15_end": list(os.getloadavg()),
         "args": vars(args),
