@@ -76,8 +76,8 @@ from bench.cache_accounting import (
     oracle_cached_tokens,
 )
 from bench.cluster_process import stop_server, wait_healthy
+from bench.common import free_port
 from bench.loadgen import cli as loadgen_cli
-from bench.serve.processes import free_port
 from bench.serve_compare_report import (
     arrivals_during_prefill,
     busy_fractions,

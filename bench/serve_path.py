@@ -95,10 +95,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.cluster_process import ROUTERS_SETTLE_S
-from bench.loadgen.metrics import percentile
+from bench.common import free_port, percentile
 from bench.result_files import RESULTS, result_header
 from bench.serve.http_load import _cpu_used, _model_name, record_of
-from bench.serve.processes import Server, free_port, server_env
+from bench.serve.processes import Server, server_env
 from bench.serve.report import cpu_model, git_commit
 from bench.serve.stats import summarize
 from bench.serve.systems import replicas_in_metrics

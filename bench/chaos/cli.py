@@ -33,7 +33,8 @@ from bench.chaos.faults import (
 from bench.chaos.load import MAX_TOKENS, NUM_KV_BLOCKS, Load, Target
 from bench.chaos.report import FaultResult, markdown
 from bench.chaos.run import probe_ok, run_baseline, run_fault
-from bench.serve.processes import REPO, Server, free_port, server_env
+from bench.common import free_port
+from bench.serve.processes import REPO, Server, server_env
 from bench.serve.report import cpu_model, git_commit
 
 DESCRIPTION = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bench.chaos.load import Outcome
+from bench.common import percentile
 
 DURING_WINDOW_S = 20.0
 
@@ -37,10 +38,8 @@ class FaultResult:
 
 
 def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(0.99 * len(values)))], 3)
+    """The p99 rounded to the millisecond; None for no values (no request behind it)."""
+    return round(percentile(values, 99), 3) if values else None
 
 
 def summarize(

@@ -34,10 +34,10 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import time
 
+from bench.common import free_port
 from bench.result_files import result_header, result_stem
 
 # One application name per phase: this process's handle keeps the request router (and its
@@ -242,9 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray import serve
 
     load_start = os.getloadavg()
-    with socket.socket() as sock:  # a free loopback port for Serve's proxy
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # for Serve's proxy
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     phases, pulls = {}, {}
     try:

@@ -61,13 +61,11 @@ the header records the load average at start and end.
 from .cli import DEFAULT_LLAMA_SERVER, RESULTS, build_parser, main, parse_args
 from .http_load import run_http_system, warm_up
 from .offline import ROW_PREFIX, WARMUP, run_offline, run_offline_child
-from .processes import REPO, Server, free_port, server_env
+from .processes import REPO, Server, server_env
 from .report import cpu_model, git_commit, markdown, plot, write_results
-from .stats import percentile, same_as_offline, summarize
+from .stats import same_as_offline, summarize
 from .systems import SYSTEMS, Run, has_sglang_router, plan, start_servers
 from .workload import ChatRequest, chat_body, load_workload, make_chat_workload, requests_for
-
-_same_as_offline = same_as_offline  # the name before the split (tests use it)
 
 __all__ = [
     "DEFAULT_LLAMA_SERVER",
@@ -82,7 +80,6 @@ __all__ = [
     "build_parser",
     "chat_body",
     "cpu_model",
-    "free_port",
     "git_commit",
     "has_sglang_router",
     "load_workload",
@@ -90,7 +87,6 @@ __all__ = [
     "make_chat_workload",
     "markdown",
     "parse_args",
-    "percentile",
     "plan",
     "plot",
     "requests_for",

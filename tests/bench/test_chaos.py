@@ -33,7 +33,8 @@ def test_outcomes_are_lost_errored_or_mismatched_against_the_fault_free_run():
     )
     assert (res.requests, res.lost, res.errored, res.mismatched) == (6, 1, 1, 1)
     assert res.in_flight_at_fault == 1  # started before the fault, ended after it
-    assert res.ttft_p99_during_s == 3.0 and res.ttft_p99_after_s == 0.2
+    assert res.ttft_p99_during_s == 2.99  # bench.common.percentile: 2.0 + 0.99 x (3.0 - 2.0)
+    assert res.ttft_p99_after_s == 0.2
     assert res.errors == ["HTTP 503"]
     table = markdown(
         {"date": "d", "cpu": "c", "cpus": 2, "load": "l", "command": "x"}, [res.__dict__]

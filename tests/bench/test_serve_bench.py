@@ -10,6 +10,7 @@ import time
 import pytest
 
 from bench import serve
+from bench.common import percentile
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,10 @@ def _record(ttft, out_tokens=4, latency=None, cached=0, prompt=100, ok=True, tex
 
 
 def test_summary_math():
-    assert serve.percentile([], 50) == 0.0
-    assert serve.percentile([3.0], 99) == 3.0
-    assert serve.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
-    assert serve.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
     records = [
         _record(0.1, cached=50),
         _record(0.2),
@@ -121,7 +122,7 @@ def test_result_files_and_table(tmp_path):
         "error": "RuntimeError: llama-server not ready within 300 s",
     }
     rows = [offline, ok, failed]
-    serve._same_as_offline(rows)
+    serve.same_as_offline(rows)
     assert ok["same_as_offline"] == 1.0
     header = {"cpu": "Test CPU", "date": "2026-01-02T03:04:05+00:00", "title": "t"}
     json_path, png_path = serve.write_results(tmp_path / "out", "serve_2026-01-02", header, rows)
