@@ -78,6 +78,7 @@ from bench.cache_accounting import (
 from bench.cluster_process import stop_server, wait_healthy
 from bench.common import free_port
 from bench.loadgen import cli as loadgen_cli
+from bench.result_files import result_header
 from bench.serve_compare_report import (
     arrivals_during_prefill,
     busy_fractions,
@@ -88,7 +89,6 @@ from bench.serve_compare_report import (
     summarize,
     verdict,
 )
-from bench.sim.report import machine_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_LAUNCH = (
@@ -383,8 +383,7 @@ def main(argv=None) -> int:
         if warning:
             print(f"warning: {name}: {warning}")
     header = {
-        "machine": machine_name(),
-        "command": "python " + shlex.join(["bench/serve_compare.py", *argv]),
+        **result_header("serve_compare", "bench/serve_compare.py", argv),
         "replicas": args.replicas,
         "policies": args.policies,
         "concurrency": args.concurrency,
@@ -415,11 +414,7 @@ def write_report(args, header: dict, rows: list[dict], with_plot: bool = False) 
     verdicts = [
         {"workload": w, "replicas": n, **verdict(g)} for (w, n), g in groups(summary).items()
     ]
-    header = {
-        **header,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-    }
+    header = {**header, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     path = args.out_dir / f"serve_compare_{args.tag}.json"
     path.write_text(
         json.dumps(

@@ -99,7 +99,6 @@ from bench.common import free_port, percentile
 from bench.result_files import RESULTS, result_header
 from bench.serve.http_load import _cpu_used, _model_name, record_of
 from bench.serve.processes import Server, server_env
-from bench.serve.report import cpu_model, git_commit
 from bench.serve.stats import summarize
 from bench.serve.systems import replicas_in_metrics
 from bench.serve_path_report import SYSTEMS, markdown, write_results
@@ -485,12 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     header = {
         **result_header("serve_path", "bench.serve_path", argv, "cpu"),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "git_commit": git_commit(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "title": f"{args.prompt_tokens}-token prompts, {args.output_tokens} streamed tokens, "
         f"{args.requests_per_concurrency} x c requests",

@@ -62,7 +62,7 @@ from .cli import DEFAULT_LLAMA_SERVER, RESULTS, build_parser, main, parse_args
 from .http_load import run_http_system, warm_up
 from .offline import ROW_PREFIX, WARMUP, run_offline, run_offline_child
 from .processes import REPO, Server, server_env
-from .report import cpu_model, git_commit, markdown, plot, write_results
+from .report import markdown, plot, write_results
 from .stats import same_as_offline, summarize
 from .systems import SYSTEMS, Run, has_sglang_router, plan, start_servers
 from .workload import ChatRequest, chat_body, load_workload, make_chat_workload, requests_for
@@ -79,8 +79,6 @@ __all__ = [
     "Server",
     "build_parser",
     "chat_body",
-    "cpu_model",
-    "git_commit",
     "has_sglang_router",
     "load_workload",
     "main",
