@@ -182,7 +182,7 @@ def cold_share_warning(info: dict) -> str | None:
 
 def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -> dict:
     """One workload against a running cluster: the load generator's result dict."""
-    from bench.loadgen.client import RequestSettings, run_benchmark
+    from bench.loadgen.client import RequestSettings, first_model, run_benchmark
     from bench.loadgen.metrics import compute_result
     from bench.loadgen.workloads import Conversation, Turn
 
@@ -191,7 +191,7 @@ def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -
             ["--base-url", base_url, "--disable-tqdm", *loadgen_argv]
         )
         return loadgen_cli.run(ns)
-    model = loadgen_cli._first_model(base_url, None)
+    model = first_model(base_url)
     settings = RequestSettings(base_url, model, "/v1/chat/completions", 0.0, True, 600.0)
     convs = [
         Conversation(i, r.system_text, (Turn(r.user_text, workload.max_tokens),))
