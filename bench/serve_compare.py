@@ -11,7 +11,7 @@ filled in), waits for ``GET /health``, runs every workload of ``--workload`` on 
 
 Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurrency``):
 
-- ``engine``: ``bench/engine.py``'s workload (``bench.serve.workload``): 64 requests over 4
+- ``engine``: ``bench/engine.py``'s workload (``bench.loadgen.workloads``): 64 requests over 4
   system prompts of 300-500 tokens, 64 output tokens each.
 - ``overflow``: prefixes that do not fit in one replica's KV cache but do fit in the cluster's.
   16 groups x 12 requests (shuffled), each group a system prompt of ~440 words (~460 tokens with
@@ -121,13 +121,13 @@ OVERFLOW_NUM_KV_BLOCKS = 320
 @dataclass(frozen=True)
 class Workload:
     name: str
-    requests: tuple  # bench.serve.workload.ChatRequest (system, user, chat-template ids)
+    requests: tuple  # bench.loadgen.workloads.ChatRequest (system, user, chat-template ids)
     max_tokens: int
     description: str
 
 
 def engine_workload(num_requests: int, max_tokens: int) -> Workload:
-    from bench.serve.workload import load_workload
+    from bench.loadgen.workloads import load_workload
 
     reqs = tuple(load_workload(num_requests))
     desc = f"bench/engine.py: {num_requests} requests, 4 system prompts, {max_tokens} tokens"
@@ -137,8 +137,7 @@ def engine_workload(num_requests: int, max_tokens: int) -> Workload:
 def overflow_workload(
     num_groups: int, prompts_per_group: int, system_words: int, max_tokens: int, seed: int = 0
 ) -> Workload:
-    from bench.loadgen.workloads import generated_shared_prefix
-    from bench.serve.workload import ChatRequest
+    from bench.loadgen.workloads import ChatRequest, generated_shared_prefix
     from worker.loader import resolve_model
     from worker.tokenizer import Tokenizer
 
@@ -184,7 +183,6 @@ def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -
     """One workload against a running cluster: the load generator's result dict."""
     from bench.loadgen.client import RequestSettings, first_model, run_benchmark
     from bench.loadgen.metrics import compute_result
-    from bench.loadgen.workloads import Conversation, Turn
 
     if workload is None:  # the load generator's own dataset and flags
         ns = loadgen_cli.build_parser().parse_args(
@@ -193,10 +191,7 @@ def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -
         return loadgen_cli.run(ns)
     model = first_model(base_url)
     settings = RequestSettings(base_url, model, "/v1/chat/completions", 0.0, True, 600.0)
-    convs = [
-        Conversation(i, r.system_text, (Turn(r.user_text, workload.max_tokens),))
-        for i, r in enumerate(workload.requests)
-    ]
+    convs = [r.conversation(workload.max_tokens) for r in workload.requests]
     outputs, stats = asyncio.run(
         run_benchmark(settings, convs, max_concurrency=args.concurrency, seed=args.seed)
     )

@@ -356,32 +356,25 @@ async def _load(
     len(bases)]``; per-request records."""
     import httpx
 
-    from bench.loadgen.client import RequestOutput, RequestSettings, send_request
+    from bench.loadgen.client import RequestOutput, RequestSettings, request_body, send_request
 
     doors = [
         RequestSettings(base_url=base, model=model_id, ignore_eos=True, timeout_s=timeout_s)
         for base in bases
     ]
-    settings = doors[0]
     limiter = asyncio.Semaphore(c)
     limits = httpx.Limits(max_connections=c + 8, max_keepalive_connections=c + 8)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
 
         async def one(i: int, ids: list[int]) -> dict:
-            body = {
-                "model": settings.model,
-                "prompt": ids,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            door = doors[i % len(doors)]
             out = RequestOutput(i, 0)
             async with limiter:
-                await send_request(client, doors[i % len(doors)], body, out, t0)
-            return record_of(out, i)
+                await send_request(
+                    client, door, request_body(door, max_tokens, prompt=ids), out, t0
+                )
+            return record_of(out)
 
         records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         duration = time.perf_counter() - t0

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"unknown faults (or Redis faults without --redis): {', '.join(sorted(unknown))}"
         )
-    from bench.serve.workload import load_workload
+    from bench.loadgen.workloads import load_workload
 
     prompts = [request.messages for request in load_workload(16)]
     date = datetime.date.today().isoformat()

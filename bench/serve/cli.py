@@ -24,6 +24,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.loadgen.workloads import load_workload, requests_for
 from bench.result_files import RESULTS, result_header
 
 from .http_load import run_http_system
@@ -32,7 +33,6 @@ from .processes import REPO
 from .report import markdown, write_results
 from .stats import same_as_offline
 from .systems import SYSTEMS, has_sglang_router, plan
-from .workload import load_workload, requests_for
 
 DEFAULT_LLAMA_SERVER = REPO / ".tools" / "llama.cpp" / "build" / "bin" / "llama-server"
 

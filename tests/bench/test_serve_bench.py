@@ -1,5 +1,6 @@
-"""bench/serve/ without any server: the chat workload is the engine benchmark's and gives the
-server's chat-template ids, the summary math, the result files, and stopping a process tree."""
+"""bench/serve/ without any server: the chat workload (``bench.loadgen.workloads``) is the engine
+benchmark's and gives the server's chat-template ids, the summary math, the result files, and
+stopping a process tree."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 from bench import serve
 from bench.common import percentile
+from bench.loadgen.client import RequestSettings, request_body
+from bench.loadgen.workloads import make_chat_workload, requests_for
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +25,7 @@ def tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def workload(tokenizer):
-    return serve.make_chat_workload(tokenizer, 12)
+    return make_chat_workload(tokenizer, 12)
 
 
 def test_offline_ids_are_what_the_server_template_makes(tokenizer, workload):
@@ -30,7 +33,9 @@ def test_offline_ids_are_what_the_server_template_makes(tokenizer, workload):
 
     for req in workload:
         # The body the HTTP client sends, parsed the way the server's ingress parses it.
-        body = json.loads(json.dumps(serve.chat_body("m", req.messages, 64)))
+        settings = RequestSettings("http://x", "m", "/v1/chat/completions", ignore_eos=True)
+        assert req.conversation(64).system_text == req.messages[0]["content"]
+        body = json.loads(json.dumps(request_body(settings, 64, messages=req.messages)))
         parsed = ChatCompletionRequest.model_validate(body)
         assert parsed.ignore_eos and parsed.stream and parsed.temperature == 0
         server_ids = tokenizer.apply_chat_template(
@@ -59,8 +64,8 @@ def test_workload_keeps_the_engine_benchmarks_prompts(tokenizer, workload):
     a, b = workload[0].token_ids, workload[4].token_ids
     shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert shared >= len(tokenizer.encode(workload[0].system_text))
-    assert len(serve.requests_for(workload, 1, 5)) == 5
-    assert len(serve.requests_for(workload, 8, 5)) == len(workload)
+    assert len(requests_for(workload, 1, 5)) == 5
+    assert len(requests_for(workload, 8, 5)) == len(workload)
 
 
 def _record(ttft, out_tokens=4, latency=None, cached=0, prompt=100, ok=True, text="x"):
