@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import percentile
 from kernels.kv_quant import KV_CACHE_DTYPES
 
 RESULTS = Path(__file__).parent / "results"
@@ -166,19 +167,14 @@ def _run_isolated(system: str, argv: list[str]) -> dict:
 
 
 def _summary(name: str, total_s: float, tokens: int, ttft_s: list[float], **extra) -> dict:
-    ttft_s = sorted(ttft_s)
-
-    def pct(q: float) -> float:
-        return ttft_s[min(len(ttft_s) - 1, int(q * len(ttft_s)))]
-
     row = {
         "system": name,
         "total_s": round(total_s, 2),
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / total_s, 2),
         "ttft_mean_s": round(sum(ttft_s) / len(ttft_s), 3),
-        "ttft_p50_s": round(pct(0.5), 3),
-        "ttft_p99_s": round(pct(0.99), 3),
+        "ttft_p50_s": round(percentile(ttft_s, 50), 3),
+        "ttft_p99_s": round(percentile(ttft_s, 99), 3),
         **extra,
     }
     print(

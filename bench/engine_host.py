@@ -26,7 +26,6 @@ import sys
 import time
 
 from bench.result_files import result_header, result_stem
-from bench.serve.report import cpu_model
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.sampling_params import SamplingParams
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows.append(row)
     header = result_header("engine_host", "bench.engine_host", argv, "cpu")
-    result = {**header, "cpu": cpu_model(), "profile": args.profile, "rows": rows}
+    result = {**header, "profile": args.profile, "rows": rows}
     stem = result_stem("engine_host", "cpu", args.tag)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, args.profile, result["cpu"], stem.with_suffix(".png"))

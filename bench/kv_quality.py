@@ -37,7 +37,6 @@ import argparse
 import gc
 import json
 import math
-import platform
 import random
 import time
 from pathlib import Path
@@ -450,7 +449,6 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         **result_header("kv_quality", "bench.kv_quality", argv, device),
         "engine_device": device,
-        "cpu": cpu_model(),
         "torch_threads": torch_threads,
         "model": args.model,
         "baseline": f"{BASELINE} ({caps[BASELINE]['cache_dtype']})",
@@ -477,27 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cpu_model() -> str:
-    """The CPU's model name and logical CPU count (``lscpu``'s), e.g. ``AMD EPYC (2 CPUs)``."""
-    import os
-
-    name = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                name,
-            )
-    except OSError:
-        pass
-    return f"{name} ({os.cpu_count()} CPUs)"
-
-
 def machine(result: dict) -> str:
     """The GPU's name, or the CPU's with the torch threads the engines ran."""
     if result["engine_device"].startswith("cuda"):
         return result["device"]
-    return f"{result['cpu']}, {result['torch_threads']} torch threads"
+    return f"{result['machine']}, {result['torch_threads']} torch threads"
 
 
 def markdown(result: dict) -> str:

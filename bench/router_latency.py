@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from bench.serve.processes import free_port
+from bench.common import free_port
 from router.config import RouterConfig
 from router.index import make_index
 from router.policy import ReplicaView

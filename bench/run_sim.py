@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ if __package__ in (None, ""):
 
 from tqdm import tqdm
 
+from bench.result_files import result_header
 from bench.sim import baselines, report
 from bench.sim.calibration import load_pull_rates, load_rates
 from bench.sim.simulator import SimConfig, Simulator
@@ -166,26 +166,24 @@ def run(args) -> tuple[list[dict], dict]:
                     row = dataclasses.asdict(result)
                     row["workload_description"] = workload.description
                     rows.append(row)
-    header = report.make_header(
-        "python " + shlex.join(["bench/run_sim.py", *sys.argv[1:]]),
-        rates,
-        {
-            "capacity_blocks": args.capacity_blocks,
-            "host_capacity_blocks": args.host_capacity_blocks,
-            "block_size": args.block_size,
-            "requests_per_replica": args.requests_per_replica,
-            "offered_load": args.offered_load,
-            "seed": args.seed,
-            "prefill_order": args.prefill_order,
-            "speculative": not args.no_speculative,
-            "kv_pull": None if pull is None else dataclasses.asdict(pull),
-            "prefix_pull_price_factor": None if pull is None else _pull_price_factor(args),
-            "prefix_overrides": {
-                "max_load_ratio": args.max_load_ratio,
-                "miss_cost_factor": args.miss_cost_factor,
-            },
+    header = {
+        **result_header("sim", "bench/run_sim.py", sys.argv[1:]),
+        "rates": dataclasses.asdict(rates),
+        "capacity_blocks": args.capacity_blocks,
+        "host_capacity_blocks": args.host_capacity_blocks,
+        "block_size": args.block_size,
+        "requests_per_replica": args.requests_per_replica,
+        "offered_load": args.offered_load,
+        "seed": args.seed,
+        "prefill_order": args.prefill_order,
+        "speculative": not args.no_speculative,
+        "kv_pull": None if pull is None else dataclasses.asdict(pull),
+        "prefix_pull_price_factor": None if pull is None else _pull_price_factor(args),
+        "prefix_overrides": {
+            "max_load_ratio": args.max_load_ratio,
+            "miss_cost_factor": args.miss_cost_factor,
         },
-    )
+    }
     return rows, header
 
 

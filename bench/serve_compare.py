@@ -11,7 +11,7 @@ filled in), waits for ``GET /health``, runs every workload of ``--workload`` on 
 
 Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurrency``):
 
-- ``engine``: ``bench/engine.py``'s workload (``bench.serve.workload``): 64 requests over 4
+- ``engine``: ``bench/engine.py``'s workload (``bench.loadgen.workloads``): 64 requests over 4
   system prompts of 300-500 tokens, 64 output tokens each.
 - ``overflow``: prefixes that do not fit in one replica's KV cache but do fit in the cluster's.
   16 groups x 12 requests (shuffled), each group a system prompt of ~440 words (~460 tokens with
@@ -76,8 +76,9 @@ from bench.cache_accounting import (
     oracle_cached_tokens,
 )
 from bench.cluster_process import stop_server, wait_healthy
+from bench.common import free_port
 from bench.loadgen import cli as loadgen_cli
-from bench.serve.processes import free_port
+from bench.result_files import result_header
 from bench.serve_compare_report import (
     arrivals_during_prefill,
     busy_fractions,
@@ -89,7 +90,6 @@ from bench.serve_compare_report import (
     summarize,
     verdict,
 )
-from bench.sim.report import machine_name
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_LAUNCH = (
@@ -122,13 +122,13 @@ OVERFLOW_NUM_KV_BLOCKS = 320
 @dataclass(frozen=True)
 class Workload:
     name: str
-    requests: tuple  # bench.serve.workload.ChatRequest (system, user, chat-template ids)
+    requests: tuple  # bench.loadgen.workloads.ChatRequest (system, user, chat-template ids)
     max_tokens: int
     description: str
 
 
 def engine_workload(num_requests: int, max_tokens: int) -> Workload:
-    from bench.serve.workload import load_workload
+    from bench.loadgen.workloads import load_workload
 
     reqs = tuple(load_workload(num_requests))
     desc = f"bench/engine.py: {num_requests} requests, 4 system prompts, {max_tokens} tokens"
@@ -138,8 +138,7 @@ def engine_workload(num_requests: int, max_tokens: int) -> Workload:
 def overflow_workload(
     num_groups: int, prompts_per_group: int, system_words: int, max_tokens: int, seed: int = 0
 ) -> Workload:
-    from bench.loadgen.workloads import generated_shared_prefix
-    from bench.serve.workload import ChatRequest
+    from bench.loadgen.workloads import ChatRequest, generated_shared_prefix
     from worker.loader import resolve_model
     from worker.tokenizer import Tokenizer
 
@@ -183,21 +182,17 @@ def cold_share_warning(info: dict) -> str | None:
 
 def run_workload(args, base_url: str, workload: Workload | None, loadgen_argv) -> dict:
     """One workload against a running cluster: the load generator's result dict."""
-    from bench.loadgen.client import RequestSettings, run_benchmark
+    from bench.loadgen.client import RequestSettings, first_model, run_benchmark
     from bench.loadgen.metrics import compute_result
-    from bench.loadgen.workloads import Conversation, Turn
 
     if workload is None:  # the load generator's own dataset and flags
         ns = loadgen_cli.build_parser().parse_args(
             ["--base-url", base_url, "--disable-tqdm", *loadgen_argv]
         )
         return loadgen_cli.run(ns)
-    model = loadgen_cli._first_model(base_url, None)
+    model = first_model(base_url)
     settings = RequestSettings(base_url, model, "/v1/chat/completions", 0.0, True, 600.0)
-    convs = [
-        Conversation(i, r.system_text, (Turn(r.user_text, workload.max_tokens),))
-        for i, r in enumerate(workload.requests)
-    ]
+    convs = [r.conversation(workload.max_tokens) for r in workload.requests]
     outputs, stats = asyncio.run(
         run_benchmark(settings, convs, max_concurrency=args.concurrency, seed=args.seed)
     )
@@ -432,8 +427,7 @@ def main(argv=None) -> int:
         if warning:
             print(f"warning: {name}: {warning}")
     header = {
-        "machine": machine_name(),
-        "command": "python " + shlex.join(["bench/serve_compare.py", *argv]),
+        **result_header("serve_compare", "bench/serve_compare.py", argv),
         "replicas": args.replicas,
         "policies": args.policies,
         "concurrency": args.concurrency,
@@ -468,11 +462,7 @@ def write_report(args, header: dict, rows: list[dict], with_plot: bool = False) 
     verdicts = [
         {"workload": w, "replicas": n, **verdict(g)} for (w, n), g in groups(summary).items()
     ]
-    header = {
-        **header,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-    }
+    header = {**header, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     path = args.out_dir / f"serve_compare_{args.tag}.json"
     path.write_text(
         json.dumps(

@@ -95,11 +95,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.cluster_process import ROUTERS_SETTLE_S
-from bench.loadgen.metrics import percentile
+from bench.common import free_port, percentile
 from bench.result_files import RESULTS, result_header
 from bench.serve.http_load import _cpu_used, _model_name, record_of
-from bench.serve.processes import Server, free_port, server_env
-from bench.serve.report import cpu_model, git_commit
+from bench.serve.processes import Server, server_env
 from bench.serve.stats import summarize
 from bench.serve.systems import replicas_in_metrics
 from bench.serve_path_report import SYSTEMS, markdown, write_results
@@ -357,32 +356,25 @@ async def _load(
     len(bases)]``; per-request records."""
     import httpx
 
-    from bench.loadgen.client import RequestOutput, RequestSettings, send_request
+    from bench.loadgen.client import RequestOutput, RequestSettings, request_body, send_request
 
     doors = [
         RequestSettings(base_url=base, model=model_id, ignore_eos=True, timeout_s=timeout_s)
         for base in bases
     ]
-    settings = doors[0]
     limiter = asyncio.Semaphore(c)
     limits = httpx.Limits(max_connections=c + 8, max_keepalive_connections=c + 8)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
 
         async def one(i: int, ids: list[int]) -> dict:
-            body = {
-                "model": settings.model,
-                "prompt": ids,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            door = doors[i % len(doors)]
             out = RequestOutput(i, 0)
             async with limiter:
-                await send_request(client, doors[i % len(doors)], body, out, t0)
-            return record_of(out, i)
+                await send_request(
+                    client, door, request_body(door, max_tokens, prompt=ids), out, t0
+                )
+            return record_of(out)
 
         records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         duration = time.perf_counter() - t0
@@ -485,12 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     header = {
         **result_header("serve_path", "bench.serve_path", argv, "cpu"),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "git_commit": git_commit(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "title": f"{args.prompt_tokens}-token prompts, {args.output_tokens} streamed tokens, "
         f"{args.requests_per_concurrency} x c requests",

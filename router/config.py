@@ -81,8 +81,8 @@ class RouterConfig:
     makes copies dearer (each takes cache space that evicts other prefixes); the simulator uses
     1/40 of it (bench/sim/ours.py PULL_PRICE_FACTOR). Off by default: a served pull costs
     several times what the engine-side rate (``python -m bench.kv_pull``) predicts, by an
-    amount that depends on the machine (``python -m bench.kv_pull_served`` measures it; the
-    figures are in bench/README.md), so no one rate fits as a default."""
+    amount that depends on the machine (``python -m bench.experiments.kv_pull_served``
+    measures it; the figures are in bench/README.md), so no one rate fits as a default."""
     seed: int = 0
     """Seed of the ``pow2`` baseline's sampling, for reproducible comparisons."""
 

@@ -5,10 +5,10 @@ replicas, the bundled model) once, runs a fault-free load to record every reques
 text, then for each fault runs the same load again and injects the fault a third of the way
 in. Per fault it reports:
 
-- ``lost``: requests that neither finished nor got an error (hung, or cut without a word);
-  must be 0;
-- ``errored``: requests that got an HTTP error or an ``error`` event (target 0 for replica
-  and index faults: the ingress fails streams over);
+- ``lost``: requests cut after some text without ``[DONE]`` and without an error; must be 0;
+- ``errored``: requests that got an HTTP error or an ``error`` event, lost their connection
+  or ended before any text (target 0 for replica and index faults: the ingress fails streams
+  over);
 - ``mismatched``: finished requests whose text differs from the fault-free run;
 - TTFT p99 during the fault (requests started in the ``DURING_WINDOW_S`` after it) and after
   recovery;
@@ -27,7 +27,8 @@ query and 3 KV heads split in 3) after the others, with its own fault-free run (
 differ between TP degrees). Writes
 ``bench/results/chaos_<date>.{json,md}``.
 
-The parts are importable: ``load`` (``Target``, ``Load``, the streaming clients), ``faults``
+The parts are importable: ``load`` (``Target``, ``Load``, the closed loop and the storms,
+sent through ``bench.loadgen.client``), ``faults``
 (what is killed or slowed, and how), ``run`` (``run_baseline``, ``run_fault``: one load with
 one fault, its recovery and leak checks), ``report`` (``summarize``, ``markdown``) and ``cli``
 (the servers and the result files). The CI-sized suite in ``tests/chaos/`` runs them against a

@@ -33,13 +33,13 @@ from bench.chaos.faults import (
 from bench.chaos.load import MAX_TOKENS, NUM_KV_BLOCKS, Load, Target
 from bench.chaos.report import FaultResult, markdown
 from bench.chaos.run import probe_ok, run_baseline, run_fault
-from bench.serve.processes import REPO, Server, free_port, server_env
-from bench.serve.report import cpu_model, git_commit
+from bench.common import free_port
+from bench.result_files import RESULTS, result_header
+from bench.serve.processes import Server, server_env
 
 DESCRIPTION = (
     "Chaos benchmark: faults injected under a steady load of streaming requests, with figures."
 )
-RESULTS = REPO / "bench" / "results"
 TP_SIZE = 3
 """Tensor-parallel ranks per replica on the server that runs ``TP_FAULTS``."""
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"unknown faults (or Redis faults without --redis): {', '.join(sorted(unknown))}"
         )
-    from bench.serve.workload import load_workload
+    from bench.loadgen.workloads import load_workload
 
     prompts = [request.messages for request in load_workload(16)]
     date = datetime.date.today().isoformat()
@@ -138,12 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if tp_faults:
         load += f" ({', '.join(tp_faults)}: engines at --tensor-parallel-size {TP_SIZE})"
     header = {
-        "benchmark": "chaos",
-        "date": date,
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "git_commit": git_commit(),
-        "command": "python -m bench.chaos " + " ".join(argv or sys.argv[1:]),
+        **result_header("chaos", "bench.chaos", argv),
         "load": load,
         "loadavg_start": os.getloadavg(),
     }

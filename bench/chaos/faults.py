@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.serve.processes import free_port
+from bench.common import free_port
 
 REDIS_SLOW_DELAY_S = 0.05
 """Latency the slow-Redis proxy adds to each chunk, each way."""

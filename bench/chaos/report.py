@@ -1,10 +1,11 @@
 """The chaos benchmark's figures: one load's outcomes classified into a ``FaultResult`` row,
 and the rows as a markdown table.
 
-``summarize`` counts each request once: errored (an HTTP error or ``error`` event), else lost
-(neither finished nor failed), else mismatched (finished with a text other than the fault-free
-run's); TTFT p99 is taken over requests started in the ``DURING_WINDOW_S`` after the fault and
-over those started after recovery.
+``summarize`` counts each request (a ``bench.loadgen.client.RequestOutput``) once: errored
+(an HTTP error, an ``error`` event, a broken connection or no text at all), else lost (cut
+without ``[DONE]``), else mismatched (finished with a text other than the fault-free run's);
+TTFT p99 is taken over requests started in the ``DURING_WINDOW_S`` after the fault and over
+those started after recovery. Times are seconds since the load began.
 
 How it fails: it never raises on odd outcomes; a figure with no requests behind it is
 ``None`` (``-`` in the table), never 0.
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.chaos.load import Outcome
+from bench.common import percentile
+from bench.loadgen.client import RequestOutput
 
 DURING_WINDOW_S = 20.0
 
@@ -37,41 +39,40 @@ class FaultResult:
 
 
 def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(0.99 * len(values)))], 3)
+    """The p99 rounded to the millisecond; None for no values (no request behind it)."""
+    return round(percentile(values, 99), 3) if values else None
 
 
 def summarize(
     name: str,
-    outcomes: list[Outcome],
+    outcomes: list[RequestOutput],
     baseline: dict[int, str],
     fault_at_s: float | None,
     recovered_at_s: float | None,
-    t0: float,
 ) -> FaultResult:
+    """One load's row; ``baseline`` maps a prompt's index (``conversation_id``) to its
+    fault-free text."""
     res = FaultResult(fault=name, requests=len(outcomes))
     during, after = [], []
     for o in outcomes:
+        expected = baseline.get(o.conversation_id)
         if o.error:
             res.errored += 1
             if len(res.errors) < 5:
                 res.errors.append(o.error)
         elif not o.done:
             res.lost += 1
-        elif o.index in baseline and baseline[o.index] != o.text:
+        elif expected is not None and expected != o.generated_text:
             res.mismatched += 1
         if fault_at_s is None:
             continue
-        started = o.start_s - t0
-        if started < fault_at_s and (o.end_s is None or o.end_s - t0 > fault_at_s):
+        if o.start_s < fault_at_s < o.start_s + o.latency_s:
             res.in_flight_at_fault += 1
-        if o.ttft_s is None:
+        if not o.token_times_s:
             continue
-        if fault_at_s <= started < fault_at_s + DURING_WINDOW_S:
+        if fault_at_s <= o.start_s < fault_at_s + DURING_WINDOW_S:
             during.append(o.ttft_s)
-        elif recovered_at_s is not None and started >= recovered_at_s:
+        elif recovered_at_s is not None and o.start_s >= recovered_at_s:
             after.append(o.ttft_s)
     res.ttft_p99_during_s, res.ttft_p99_after_s = p99(during), p99(after)
     return res

@@ -27,8 +27,9 @@ from bench.chaos.faults import (
     sigkill_one,
     start_redis,
 )
-from bench.chaos.load import Load, Outcome, Target, run_load, storm
+from bench.chaos.load import Load, Target, run_load, storm
 from bench.chaos.report import DURING_WINDOW_S, FaultResult, summarize
+from bench.loadgen.client import RequestOutput
 
 RECOVERY_TIMEOUT_S = 180.0
 IDLE_TIMEOUT_S = 60.0
@@ -77,8 +78,8 @@ def run_baseline(
 ) -> tuple[FaultResult, dict[int, str]]:
     """The fault-free load: its row and each prompt's text (the reference for the faults)."""
     outcomes = asyncio.run(run_load(target, prompts, load))
-    baseline = {o.index: o.text for o in outcomes if o.done and not o.error}
-    res = summarize(name, outcomes, baseline, None, None, 0.0)
+    baseline = {o.conversation_id: o.generated_text for o in outcomes if o.done and not o.error}
+    res = summarize(name, outcomes, baseline, None, None)
     res.leaked_blocks = wait_idle_blocks(target)
     return res, baseline
 
@@ -143,7 +144,7 @@ def run_fault(
             raise ValueError(f"unknown fault {fault!r}")
         asyncio.get_running_loop().run_in_executor(None, wait_recovery, target, probe, state)
 
-    async def loaded() -> list[Outcome]:
+    async def loaded() -> list[RequestOutput]:
         outcomes = await run_load(target, prompts, load, on_time=inject)
         for task in extra_tasks:
             task.cancel()
@@ -151,19 +152,11 @@ def run_fault(
             redis.proxy.slow(False)
         return outcomes
 
-    t0 = time.monotonic()
     outcomes = asyncio.run(loaded())
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     while state["recovered_at_s"] is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    res = summarize(
-        fault,
-        outcomes,
-        baseline,
-        state["fault_at_s"],
-        state["recovered_at_s"],
-        outcomes[0].start_s if outcomes else t0,
-    )
+    res = summarize(fault, outcomes, baseline, state["fault_at_s"], state["recovered_at_s"])
     if state["recovered_at_s"] is not None and state["fault_at_s"] is not None:
         res.recovery_s = round(state["recovered_at_s"] - state["fault_at_s"], 2)
     res.note = state["note"]

@@ -22,11 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 from tqdm import tqdm
 
 from bench.loadgen import workloads
-from bench.loadgen.client import RequestSettings, run_benchmark
+from bench.loadgen.client import RequestSettings, first_model, run_benchmark
 from bench.loadgen.metrics import compute_result, format_result
 
 
@@ -129,13 +128,6 @@ def make_conversations(args) -> list[workloads.Conversation]:
     return workloads.random_prompts(seed, a.num_prompts, a.random_input_len, a.random_output_len)
 
 
-def _first_model(base_url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
-
-
 def run(args) -> dict:
     """Run the benchmark ``args`` describe; return the result dict (vLLM keys + ours)."""
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
@@ -143,7 +135,7 @@ def run(args) -> dict:
         raise ValueError(
             f"metric_percentiles must lie in (0, 100], got {args.metric_percentiles!r}"
         )
-    model = args.model or _first_model(args.base_url, args.api_key)
+    model = args.model or first_model(args.base_url, args.api_key)
     settings = RequestSettings(
         args.base_url,
         model,

@@ -17,6 +17,7 @@ import collections
 import statistics
 from collections.abc import Sequence
 
+from bench.common import percentile
 from bench.loadgen.client import RequestOutput, RunStats
 
 METRICS = (
@@ -25,17 +26,6 @@ METRICS = (
     ("itl", "ITL", "Inter-token Latency"),
     ("e2el", "E2EL", "End-to-end Latency"),
 )
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _stats_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict:

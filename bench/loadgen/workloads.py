@@ -1,18 +1,33 @@
-"""Seeded prompt streams for the serving load generator.
+"""The HTTP request workloads of every serving benchmark: what is sent, as ``Conversation``s.
 
-Lengths are in *words* drawn from a small vocabulary of common English words, so one word is
-about one token for any BPE tokenizer; the exact counts the benchmark reports come from the
-server's ``usage``. Every stream is a list of ``Conversation``s: a single-turn request is a
-conversation of one turn; multi-turn chat conversations grow turn by turn, each turn sending
-the whole history (with the server's own earlier answers) plus a new user message.
+Two kinds, one shape (the client, ``bench.loadgen.client.run_benchmark``, sends
+``Conversation``s):
+
+- Seeded synthetic streams for ``prefixserve bench serve`` (``WORKLOADS``: shared prefix,
+  multi-turn chat, prefix repetition, Zipf prefixes, random). Lengths are in *words* drawn
+  from a small vocabulary of common English words, so one word is about one token for any
+  BPE tokenizer; the exact counts the benchmark reports come from the server's ``usage``. A
+  single-turn request is a conversation of one turn; multi-turn chat conversations grow turn
+  by turn, each turn sending the whole history (with the server's own earlier answers) plus a
+  new user message.
+- The engine benchmark's workload as chat requests (``make_chat_workload``, ``load_workload``:
+  ``bench.engine.make_workload``'s 4 system prompts and questions), for ``bench.serve``,
+  ``bench.serve_compare`` and ``bench.chaos``. Each ``ChatRequest`` also holds the token ids
+  the server's chat template makes of its messages, which the offline run feeds to the engine
+  and the cache oracle counts; ``ChatRequest.conversation`` is what goes over HTTP. These need
+  a checkout (``bench/engine.py`` and the bundled model), not only the installed CLI.
 
 Failure modes: a size below its minimum raises ``ValueError`` naming the field; the same
 ``seed`` always yields the same prompts (only ``random.Random(seed)`` is used).
+``make_chat_workload`` raises ``AssertionError`` when ``make_workload`` stops encoding exactly
+one question per request (the recorder would pair the wrong texts); ``load_workload`` lets the
+tokenizer's errors through when the bundled model cannot be found.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _VOCABULARY = (  # noqa: SIM905 (one word list, kept readable as prose)
@@ -152,3 +167,83 @@ WORKLOADS = {
     "zipf": zipf_prefixes,
     "random": random_prompts,
 }
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat request of the engine benchmark's workload."""
+
+    index: int
+    system_index: int
+    system_text: str
+    user_text: str
+    token_ids: tuple[int, ...]
+    """What the server's chat template makes of ``messages`` (the offline run's prompt)."""
+
+    @property
+    def messages(self) -> list[dict]:
+        return [
+            {"role": "system", "content": self.system_text},
+            {"role": "user", "content": self.user_text},
+        ]
+
+    def conversation(self, max_tokens: int) -> Conversation:
+        """The request as the client sends it: one turn of ``max_tokens`` after the system."""
+        return Conversation(self.index, self.system_text, (Turn(self.user_text, max_tokens),))
+
+
+class _Recorder:
+    """A tokenizer stand-in that records the texts ``make_workload`` encodes, in order."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.texts = tokenizer, []
+
+    def encode(self, text: str) -> list[int]:
+        self.texts.append(text)
+        return self.tokenizer.encode(text)
+
+
+def make_chat_workload(tokenizer, num_requests: int, seed: int = 0) -> list[ChatRequest]:
+    """``bench.engine.make_workload``'s requests as chat messages, with their template ids.
+
+    make_workload encodes the 4 system prompts (then cuts each to 300-500 tokens) and one
+    question per request (``"\\nUser r asks: ...?\\nAssistant:"``). The system text here is the
+    decoded cut; the user message is the question without the completion-style framing.
+    """
+    from bench.engine import TOPICS, make_workload
+
+    rec = _Recorder(tokenizer)
+    prompts = make_workload(rec, num_requests, seed)
+    questions = rec.texts[len(TOPICS) :]
+    assert len(questions) == num_requests, "make_workload encodes one question per request"
+    system_texts: dict[int, str] = {}
+    out = []
+    for r, (prompt, question) in enumerate(zip(prompts, questions, strict=True)):
+        s = r % len(TOPICS)
+        if s not in system_texts:
+            system_ids = prompt[: len(prompt) - len(tokenizer.encode(question))]
+            system_texts[s] = tokenizer.decode(system_ids)
+        user = question.strip().removesuffix("Assistant:").strip()
+        messages = [
+            {"role": "system", "content": system_texts[s]},
+            {"role": "user", "content": user},
+        ]
+        out.append(
+            ChatRequest(r, s, system_texts[s], user, tuple(tokenizer.apply_chat_template(messages)))
+        )
+    return out
+
+
+def load_workload(num_requests: int) -> list[ChatRequest]:
+    """``make_chat_workload`` with the bundled model's (SmolLM2's) tokenizer."""
+    from worker.loader import resolve_model
+    from worker.tokenizer import Tokenizer
+
+    return make_chat_workload(Tokenizer(resolve_model("smollm2").path), num_requests)
+
+
+def requests_for(
+    workload: Sequence[ChatRequest], concurrency: int, c1_requests: int
+) -> list[ChatRequest]:
+    """All requests, except at concurrency 1: the first ``c1_requests`` (a shorter run)."""
+    return list(workload[:c1_requests]) if concurrency == 1 else list(workload)

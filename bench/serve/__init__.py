@@ -4,12 +4,13 @@
     python -m bench.serve --llama-server PATH --cluster-replicas 2
     python -m bench.serve --quick --out-dir /tmp/serve_quick   # smoke: 8 requests, 16 tokens, c=1,4
 
-Workload: ``bench.engine.make_workload``'s (64 requests over 4 system prompts of 300-500
-tokens, a distinct question each), sent as chat messages (system prompt text + user
-question); 64 greedy output tokens per request with EOS ignored, so every system does the same
-work. ``make_chat_workload`` keeps make_workload's system-prompt tokens and questions and adds
-the token ids the server's chat template gives for those messages
-(``Tokenizer.apply_chat_template``); the offline run feeds exactly those ids to the engine.
+Workload (``bench.loadgen.workloads.load_workload``): ``bench.engine.make_workload``'s (64
+requests over 4 system prompts of 300-500 tokens, a distinct question each), sent as chat
+messages (system prompt text + user question); 64 greedy output tokens per request with EOS
+ignored, so every system does the same work. ``make_chat_workload`` keeps make_workload's
+system-prompt tokens and questions and adds the token ids the server's chat template gives
+for those messages (``Tokenizer.apply_chat_template``); the offline run feeds exactly those
+ids to the engine.
 
 Systems, each (system, concurrency) in a fresh process, so each run starts with a cold prefix
 cache and no state from another run:
@@ -30,9 +31,9 @@ cache and no state from another run:
   available, N llama-servers (``-t 1 -np c/N``) behind ``sglang_router.launch_router --policy
   cache_aware`` at the same concurrency.
 
-Every HTTP system gets the same streaming OpenAI client (``bench.loadgen.client.send_request``:
+Every HTTP system gets the same streaming OpenAI client (``bench.loadgen.client.run_benchmark``:
 ``/v1/chat/completions``, stream, temperature 0, ``ignore_eos``, ``stream_options.include_usage``)
-with ``c`` requests in flight (a semaphore). Concurrency 1 runs the first ``--c1-requests`` (16)
+with ``c`` requests in flight. Concurrency 1 runs the first ``--c1-requests`` (16)
 requests only, to keep it short. One warm-up request per server precedes the measured run.
 
 Per (system, concurrency): output tok/s (output tokens / wall time from first send to last
@@ -53,21 +54,19 @@ SIGTERM. Server logs go to ``--log-dir``. Timings on a shared machine are only s
 the header records the load average at start and end.
 """
 
-# Each module's docstring says what it owns and how it fails: workload (the chat requests),
-# stats (row metrics), processes (child processes and stopping them), systems (the plan and
-# starting servers), offline and http_load (one run each), report (table, plot, files), cli.
+# Each module's docstring says what it owns and how it fails: stats (row metrics), processes
+# (child processes and stopping them), systems (the plan and starting servers), offline and
+# http_load (one run each), report (table, plot, files), cli. The chat workload is
+# bench.loadgen.workloads's, sent through bench.loadgen.client.
 # The docstring above is the --help text. Patch STOP_GRACE_S / KILL_GRACE_S in .processes.
 
 from .cli import DEFAULT_LLAMA_SERVER, RESULTS, build_parser, main, parse_args
 from .http_load import run_http_system, warm_up
 from .offline import ROW_PREFIX, WARMUP, run_offline, run_offline_child
-from .processes import REPO, Server, free_port, server_env
-from .report import cpu_model, git_commit, markdown, plot, write_results
-from .stats import percentile, same_as_offline, summarize
+from .processes import REPO, Server, server_env
+from .report import markdown, plot, write_results
+from .stats import same_as_offline, summarize
 from .systems import SYSTEMS, Run, has_sglang_router, plan, start_servers
-from .workload import ChatRequest, chat_body, load_workload, make_chat_workload, requests_for
-
-_same_as_offline = same_as_offline  # the name before the split (tests use it)
 
 __all__ = [
     "DEFAULT_LLAMA_SERVER",
@@ -76,24 +75,15 @@ __all__ = [
     "ROW_PREFIX",
     "SYSTEMS",
     "WARMUP",
-    "ChatRequest",
     "Run",
     "Server",
     "build_parser",
-    "chat_body",
-    "cpu_model",
-    "free_port",
-    "git_commit",
     "has_sglang_router",
-    "load_workload",
     "main",
-    "make_chat_workload",
     "markdown",
     "parse_args",
-    "percentile",
     "plan",
     "plot",
-    "requests_for",
     "run_http_system",
     "run_offline",
     "run_offline_child",

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import signal
 import sys
 import tempfile
@@ -25,15 +24,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.loadgen.workloads import load_workload, requests_for
+from bench.result_files import RESULTS, result_header
+
 from .http_load import run_http_system
 from .offline import ROW_PREFIX, run_offline, run_offline_child
 from .processes import REPO
-from .report import cpu_model, git_commit, markdown, write_results
+from .report import markdown, write_results
 from .stats import same_as_offline
 from .systems import SYSTEMS, has_sglang_router, plan
-from .workload import load_workload, requests_for
 
-RESULTS = Path(__file__).parent.parent / "results"
 DEFAULT_LLAMA_SERVER = REPO / ".tools" / "llama.cpp" / "build" / "bin" / "llama-server"
 
 
@@ -167,14 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir = args.log_dir or Path(tempfile.gettempdir()) / f"bench_{stem}_logs"
     args.log_dir.mkdir(parents=True, exist_ok=True)
     header = {
-        "benchmark": "serve",
-        "date": now.isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
+        **result_header("serve", "bench.serve", argv),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "command": " ".join(["python -m bench.serve", shlex.join(argv)]).strip(),
-        "git_commit": git_commit(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "title": f"{args.num_requests} chat requests, 4 system prompts, "
         f"{args.max_tokens} greedy tokens "

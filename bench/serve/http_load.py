@@ -1,8 +1,10 @@
 """One HTTP system's run: start its server(s), warm up, drive the workload, stop everything.
 
-Owns ``run_http_system`` and the asyncio driver: ``bench.loadgen.client.send_request`` for every
-request, ``concurrency`` in flight under a semaphore, records timed from one shared start; and
-``warm_up`` (one short non-streaming request per replica before the measured run).
+Owns ``run_http_system`` (the workload through ``bench.loadgen.client.run_benchmark``:
+``concurrency`` in flight, chat, greedy, ``ignore_eos``; each request's ``RequestOutput``
+turned into the record ``stats.summarize`` reads), ``warm_up`` (one short non-streaming
+request per replica before the measured run) and the CPU accounting of the server processes
+(``cpu_breakdown``, ``measure_idle``).
 
 Failure modes: any exception while starting, warming up or loading becomes the row's
 ``error`` (the other systems still run) and the servers are stopped in ``finally``; a request
@@ -17,20 +19,34 @@ import sys
 import time
 from collections.abc import Sequence
 
+from bench.loadgen.client import (
+    RequestOutput,
+    RequestSettings,
+    first_model,
+    request_body,
+    run_benchmark,
+)
+from bench.loadgen.workloads import ChatRequest
+
 from .processes import Server
 from .stats import summarize
 from .systems import Run, start_servers
-from .workload import ChatRequest, chat_body
 
 
 def _model_name(base_url: str) -> str | None:
+    """The server's first model, or None when it lists none (the body then names no model)."""
     import httpx
 
     try:
-        data = httpx.get(base_url + "/v1/models", timeout=10.0).json().get("data") or []
-        return data[0].get("id") if data else None
-    except (httpx.HTTPError, ValueError, AttributeError):
+        return first_model(base_url)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         return None
+
+
+def _settings(base_url: str, model: str | None, timeout_s: float = 300.0) -> RequestSettings:
+    return RequestSettings(
+        base_url, model or "", "/v1/chat/completions", ignore_eos=True, timeout_s=timeout_s
+    )
 
 
 async def _run_http(
@@ -42,46 +58,24 @@ async def _run_http(
     timeout_s: float,
     label: str,
 ) -> tuple[list[dict], float]:
-    import httpx
     from tqdm import tqdm
 
-    from bench.loadgen.client import RequestOutput, RequestSettings, send_request
-
-    settings = RequestSettings(
-        base_url=base_url,
-        model=model or "",
-        endpoint="/v1/chat/completions",
-        ignore_eos=True,
-        timeout_s=timeout_s,
-    )
-    limiter = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(workload), desc=label, unit="req", file=sys.stderr)
-    limits = httpx.Limits(
-        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    outputs, stats = await run_benchmark(
+        _settings(base_url, model, timeout_s),
+        [r.conversation(max_tokens) for r in workload],
+        max_concurrency=concurrency,
+        on_done=lambda _: bar.update(),
     )
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        t0 = time.perf_counter()
-
-        async def one(req: ChatRequest) -> dict:
-            out = RequestOutput(req.index, 0)
-            async with limiter:
-                await send_request(
-                    client, settings, chat_body(model, req.messages, max_tokens), out, t0
-                )
-            bar.update()
-            return record_of(out, req.index)
-
-        records = await asyncio.gather(*(one(r) for r in workload))
-        duration = time.perf_counter() - t0
     bar.close()
-    return list(records), duration
+    return [record_of(o) for o in outputs], stats.duration_s
 
 
-def record_of(out, index: int) -> dict:
+def record_of(out: RequestOutput) -> dict:
     """One request's record (what ``stats.summarize`` reads) from the client's
-    ``bench.loadgen.client.RequestOutput``."""
+    ``RequestOutput``; ``index`` is its conversation's (the request's index)."""
     return {
-        "index": index,
+        "index": out.conversation_id,
         "success": out.success,
         "error": out.error,
         "prompt_tokens": out.prompt_len,
@@ -102,9 +96,10 @@ def warm_up(base_url: str, model: str | None, n: int = 1, patience_s: float = 12
     """
     import httpx
 
+    settings = _settings(base_url, model)
     for i in range(n):
-        body = chat_body(model, [{"role": "user", "content": f"Say hi to {i}."}], 4)
-        body["stream"] = False
+        messages = [{"role": "user", "content": f"Say hi to {i}."}]
+        body = {**request_body(settings, 4, messages=messages), "stream": False}
         body.pop("stream_options")
         deadline = time.monotonic() + patience_s
         while True:

@@ -19,10 +19,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+from bench.loadgen.workloads import ChatRequest
+
 from .processes import REPO, server_env
 from .stats import summarize
 from .systems import Run
-from .workload import ChatRequest
 
 ROW_PREFIX = "ROW "
 WARMUP = [{"role": "user", "content": "Say hi."}]

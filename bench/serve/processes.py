@@ -1,7 +1,7 @@
 """Child processes: a server in its own session, its log file, its CPU time, and stopping it.
 
 Owns ``Server`` (start, wait for ``/health``, CPU seconds of the process tree, stop),
-``free_port``, ``server_env`` (thread counts and ``PYTHONPATH`` for a child) and the repository
+``server_env`` (thread counts and ``PYTHONPATH`` for a child) and the repository
 root every child runs in.
 
 Failure modes: ``Server.wait_ready`` raises ``RuntimeError`` when the process exits first or
@@ -17,7 +17,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,12 +24,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 30.0  # Serve and Ray drain and shut down in a few seconds
 KILL_GRACE_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -1,23 +1,19 @@
-"""Results: the markdown table, the two-panel plot, the JSON + PNG files, and the header facts.
+"""Results: the markdown table, the two-panel plot, and the JSON + PNG files.
 
 Owns ``markdown`` (one line per row; a failed row shows its error), ``plot`` (output tok/s and
-TTFT p50 per concurrency, one bar per system; rows with an error are left out),
-``write_results`` (``<out_dir>/<stem>.json`` and ``.png``), ``cpu_model`` and ``git_commit``.
+TTFT p50 per concurrency, one bar per system; rows with an error are left out) and
+``write_results`` (``<out_dir>/<stem>.json`` and ``.png``; the header is
+``bench.result_files.result_header``'s with the run's own keys).
 
-Failure modes: ``cpu_model`` and ``git_commit`` never raise (they fall back to ``platform`` and
-``"unknown"``); ``write_results`` creates ``out_dir`` and lets ``OSError`` from writing it
+Failure modes: ``write_results`` creates ``out_dir`` and lets ``OSError`` from writing it
 through.
 """
 
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-
-from .processes import REPO
 
 
 def _fmt(x, digits=0) -> str:
@@ -83,34 +79,6 @@ def plot(rows: Sequence[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=10,
-        ).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def write_results(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from bench.loadgen.metrics import percentile
+from bench.common import percentile
 
 
 def _digest(text: str) -> str:

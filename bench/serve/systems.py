@@ -21,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .processes import Server, free_port, server_env
+from bench.common import free_port
+
+from .processes import Server, server_env
 
 SYSTEMS = ("offline", "served", "llama")
 

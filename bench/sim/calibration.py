@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.result_files import machine_name
 
 CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "results" / "calibration.json"
 
@@ -115,7 +116,7 @@ def record_rates(rates: EngineRates, path: Path = CALIBRATION_PATH, *, note: str
     """Write ``rates`` with the machine and date they were measured on."""
     payload = {
         "rates": dataclasses.asdict(rates),
-        "machine": f"{platform.node()} ({platform.machine()}, {platform.processor() or 'cpu'})",
+        "machine": machine_name(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "note": note,
     }

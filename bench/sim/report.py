@@ -1,7 +1,8 @@
 """Simulator results: the JSON file (header + one row per run), the PNG plots, the verdicts.
 
-The JSON is ``{"header": {...}, "rows": [...]}``; the header names the machine, the date, the
-command line and the cost rates used; every row holds at least ``workload``, ``policy``,
+The JSON is ``{"header": {...}, "rows": [...]}``; the header is
+``bench.result_files.result_header``'s (machine, date, command, git commit) with the cost rates
+used and the run's sizes; every row holds at least ``workload``, ``policy``,
 ``replicas``, ``hit_rate``, ``oracle_hit_rate``, ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``,
 ``throughput_tok_s`` and ``max_mean_load`` (our policy's rows say ``policy: "prefix"``), and
 newer files ``pooled_hit_rate`` (the oracle with the cluster's capacity: one LRU cache of all
@@ -14,11 +15,7 @@ backend (no display needed); a missing matplotlib raises ``ImportError`` at plot
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import platform
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,20 +23,6 @@ OURS = "prefix"
 HIT_RATE_BAR = 0.95  # ours must reach 95% of the oracle's hit rate
 LOAD_BAR = 1.2  # ours must keep max/mean replica load at most 1.2
 P90_TIE_REL = 0.01  # p90 TTFTs within 1% are a tie (often the same prefill time), not a loss
-
-
-def machine_name() -> str:
-    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, {platform.system()})"
-
-
-def make_header(command: str, rates, extra: dict) -> dict:
-    return {
-        "machine": machine_name(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": command,
-        "rates": dataclasses.asdict(rates),
-        **extra,
-    }
 
 
 def write_results(rows: Sequence[dict], header: dict, path: Path) -> Path:

@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from bench.common import percentile
 from bench.sim.cache import BlockId, BlockPool, LRUBlockCache, OracleCache
 from bench.sim.calibration import DEFAULT_RATES, EngineRates, PullRates
 from bench.sim.workloads import Request, Workload
@@ -149,17 +150,6 @@ class SimResult:
     """Mean, over arrivals, of the share of the device blocks stored cluster-wide that are
     copies (a block held by k replicas counts k - 1 times): the capacity copies take from
     distinct prefixes, the part of the gap to ``pooled_hit_rate`` that routing decides."""
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 _ARRIVAL, _PREFILL_DONE, _DECODE_DONE, _PULL_DONE = 0, 1, 2, 3

@@ -1,8 +1,13 @@
 """Seeded, reproducible request streams for the routing simulator.
 
 Every generator returns a ``Workload``: requests as prefix-chained block ids (see ``cache``) with
-token counts and Poisson arrival times. Sizes scale with the number of replicas so that each
-replica sees the same load whatever the cluster size. Workloads:
+token counts and Poisson arrival times. These are not HTTP requests and have no text: the
+discrete-event simulator only needs which blocks a request shares and when it arrives, at
+scales (thousands of requests over 256 replicas) no server run reaches. The serving
+benchmarks' HTTP request workloads are ``bench/loadgen/workloads.py``; some shapes share a
+name (SGLang's generated-shared-prefix, Zipf prefixes) but not a representation. Sizes scale
+with the number of replicas so that each replica sees the same load whatever the cluster
+size. Workloads:
 
 - ``generated_shared_prefix``: SGLang's ``generated-shared-prefix`` dataset shape (num_groups,
   prompts_per_group, system_prompt_len, question_len, output_len), requests shuffled.

@@ -1,5 +1,6 @@
-"""bench/serve/ without any server: the chat workload is the engine benchmark's and gives the
-server's chat-template ids, the summary math, the result files, and stopping a process tree."""
+"""bench/serve/ without any server: the chat workload (``bench.loadgen.workloads``) is the engine
+benchmark's and gives the server's chat-template ids, the summary math, the result files, and
+stopping a process tree."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import time
 import pytest
 
 from bench import serve
+from bench.common import percentile
+from bench.loadgen.client import RequestSettings, request_body
+from bench.loadgen.workloads import make_chat_workload, requests_for
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +25,7 @@ def tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def workload(tokenizer):
-    return serve.make_chat_workload(tokenizer, 12)
+    return make_chat_workload(tokenizer, 12)
 
 
 def test_offline_ids_are_what_the_server_template_makes(tokenizer, workload):
@@ -29,7 +33,9 @@ def test_offline_ids_are_what_the_server_template_makes(tokenizer, workload):
 
     for req in workload:
         # The body the HTTP client sends, parsed the way the server's ingress parses it.
-        body = json.loads(json.dumps(serve.chat_body("m", req.messages, 64)))
+        settings = RequestSettings("http://x", "m", "/v1/chat/completions", ignore_eos=True)
+        assert req.conversation(64).system_text == req.messages[0]["content"]
+        body = json.loads(json.dumps(request_body(settings, 64, messages=req.messages)))
         parsed = ChatCompletionRequest.model_validate(body)
         assert parsed.ignore_eos and parsed.stream and parsed.temperature == 0
         server_ids = tokenizer.apply_chat_template(
@@ -58,8 +64,8 @@ def test_workload_keeps_the_engine_benchmarks_prompts(tokenizer, workload):
     a, b = workload[0].token_ids, workload[4].token_ids
     shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert shared >= len(tokenizer.encode(workload[0].system_text))
-    assert len(serve.requests_for(workload, 1, 5)) == 5
-    assert len(serve.requests_for(workload, 8, 5)) == len(workload)
+    assert len(requests_for(workload, 1, 5)) == 5
+    assert len(requests_for(workload, 8, 5)) == len(workload)
 
 
 def _record(ttft, out_tokens=4, latency=None, cached=0, prompt=100, ok=True, text="x"):
@@ -77,10 +83,10 @@ def _record(ttft, out_tokens=4, latency=None, cached=0, prompt=100, ok=True, tex
 
 
 def test_summary_math():
-    assert serve.percentile([], 50) == 0.0
-    assert serve.percentile([3.0], 99) == 3.0
-    assert serve.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
-    assert serve.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
     records = [
         _record(0.1, cached=50),
         _record(0.2),
@@ -121,7 +127,7 @@ def test_result_files_and_table(tmp_path):
         "error": "RuntimeError: llama-server not ready within 300 s",
     }
     rows = [offline, ok, failed]
-    serve._same_as_offline(rows)
+    serve.same_as_offline(rows)
     assert ok["same_as_offline"] == 1.0
     header = {"cpu": "Test CPU", "date": "2026-01-02T03:04:05+00:00", "title": "t"}
     json_path, png_path = serve.write_results(tmp_path / "out", "serve_2026-01-02", header, rows)

@@ -3,9 +3,10 @@ index against a brute-force scan, and workload reproducibility."""
 
 import pytest
 
+from bench.common import percentile
 from bench.sim.baselines import RandomPolicy, RoundRobinPolicy
 from bench.sim.calibration import EngineRates, rates_from_samples
-from bench.sim.simulator import SimConfig, Simulator, percentile
+from bench.sim.simulator import SimConfig, Simulator
 from bench.sim.workloads import WORKLOADS, Request, Workload, WorkloadScale, llmd_shared_prefix
 
 # Round numbers so every time below can be checked by hand.

@@ -8,8 +8,8 @@ request (a chunked prefill, then decode). Every ``--interval-s`` it is asked for
 (``AsyncEngine.export_prefix``: 496 tokens of SmolLM2, 23 MB); each answer's latency is
 recorded with the phase the busy request was in (prefill until its first token, then decode).
 
-    python -m bench.kv_export_busy              # SmolLM2, 1 thread, 496-token prefix
-    python -m bench.kv_export_busy --quick      # smoke: a short busy request
+    python -m bench.experiments.kv_export_busy          # SmolLM2, 1 thread, 496-token prefix
+    python -m bench.experiments.kv_export_busy --quick  # smoke: a short busy request
 
 Writes ``bench/results/kv_export_busy_cpu_<date>.json`` with the load average at the start and
 the end: on a shared machine the numbers are indicative only.
@@ -25,6 +25,7 @@ import random
 import statistics
 import time
 
+from bench.common import percentile
 from bench.result_files import result_header, result_stem
 
 TOKEN_RANGE = (1000, 40000)  # ordinary SmolLM2 words, clear of the special tokens
@@ -33,12 +34,11 @@ TOKEN_RANGE = (1000, 40000)  # ordinary SmolLM2 words, clear of the special toke
 def _summary(latencies_s: list[float]) -> dict:
     if not latencies_s:
         return {"count": 0}
-    ordered = sorted(latencies_s)
     return {
-        "count": len(ordered),
-        "median_s": statistics.median(ordered),
-        "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-        "max_s": ordered[-1],
+        "count": len(latencies_s),
+        "median_s": statistics.median(latencies_s),
+        "p90_s": percentile(latencies_s, 90),
+        "max_s": max(latencies_s),
     }
 
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = asyncio.run(measure(args))
     out = {
-        **result_header("kv_export_busy", "bench.kv_export_busy", argv, "cpu"),
+        **result_header("kv_export_busy", "bench.experiments.kv_export_busy", argv, "cpu"),
         "load_average_1_5_15_start": list(load_start),
         "load_average_1_5_15_end": list(os.getloadavg()),
         "args": vars(args),

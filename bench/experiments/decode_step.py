@@ -9,7 +9,8 @@ disturbed by other processes); ``--breakdown`` adds each kernel's share (linear,
 norms, rotary, KV store), ``--profile`` torch.profiler's table of the ops that dominate. On a
 shared machine the minimum is the number to compare; run A and B back to back.
 
-    python -m bench.decode_step --max-num-seqs 8 --threads 2 --repeats 20 [--breakdown] [--profile]
+    python -m bench.experiments.decode_step --max-num-seqs 8 --threads 2 --repeats 20
+    python -m bench.experiments.decode_step --max-num-seqs 8 --threads 2 --breakdown --profile
 """
 
 from __future__ import annotations

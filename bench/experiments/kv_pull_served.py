@@ -20,8 +20,8 @@ any, the engine). Every request's greedy tokens must be equal in both phases. Th
 pull counters and seconds come from the ``MetricsHub``; ``--log-level debug`` logs each pull
 with its peer lookup and the peer's answer timed.
 
-    python -m bench.kv_pull_served                 # SmolLM2, 496-token prefix, 3 repeats
-    python -m bench.kv_pull_served --quick         # smoke: 1 repeat, 128-token prefix
+    python -m bench.experiments.kv_pull_served          # SmolLM2, 496-token prefix, 3 repeats
+    python -m bench.experiments.kv_pull_served --quick  # smoke: 1 repeat, 128-token prefix
 
 Writes ``bench/results/kv_pull_served_cpu_<date>.json`` with the load average at the start
 and the end: on a shared machine the numbers are indicative only.
@@ -34,10 +34,10 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import time
 
+from bench.common import free_port
 from bench.result_files import result_header, result_stem
 
 # One application name per phase: this process's handle keeps the request router (and its
@@ -242,9 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray import serve
 
     load_start = os.getloadavg()
-    with socket.socket() as sock:  # a free loopback port for Serve's proxy
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # for Serve's proxy
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     phases, pulls = {}, {}
     try:
@@ -256,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         ray.shutdown()
     on, off = phases["pulls_on"], phases["pulls_off"]
     result = {
-        **result_header("kv_pull_served", "bench.kv_pull_served", argv, "cpu"),
+        **result_header("kv_pull_served", "bench.experiments.kv_pull_served", argv, "cpu"),
         "note": "machine shared with other work; load averages below; numbers indicative only",
         "load_average_1_5_15_start": list(load_start),
         "load_average_1_5_15_end": list(os.getloadavg()),
