@@ -10,8 +10,8 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
    traffic (each ingress replica routes with its own), and a replica no busier than the
    others is not being piled on, whatever this router sent it lately. A hot prefix whose
    holder is at the bound and busier goes to the cheapest other replica, which then holds a
-   copy and shares it. None turns this
-   off. When the bound excluded a cheaper replica the reason is ``LOAD_BOUND``.
+   copy and shares it. None turns this off. When the bound excluded a cheaper replica the
+   reason is ``LOAD_BOUND``.
 2. Price. Every candidate costs ``TTFTModel.predicted_ttft_s`` with ``miss_cost_factor``;
    with ``kv_pull_tokens_per_s`` set, the part of the prompt a peer holds on its device and
    the candidate lacks is priced as a pull from that peer instead of a prefill, and the
@@ -44,7 +44,6 @@ from router.policy import (
     peer_device_blocks,
     pull_source,
     rendezvous_pick,
-    replica_load,
 )
 from router.protocol import BlockHash
 
@@ -85,7 +84,7 @@ class RecentCounts:
 
 class PrefixPolicy:
     """Minimum predicted TTFT among the replicas under the load bound; ties by longest match,
-    then fewest requests in flight, then fewest recently sent, then rendezvous."""
+    then fewest requests, then fewest recently sent, then rendezvous."""
 
     name = "prefix"
 
@@ -111,9 +110,11 @@ class PrefixPolicy:
             return list(replicas)
         # The counts see only this router's traffic: a replica over the bound stays a candidate
         # while it is no more loaded right now than the least loaded replica under it.
-        least_under = min(replica_load(v) for v, ok in zip(replicas, under, strict=True) if ok)
+        least_under = min(v.load.num_requests for v, ok in zip(replicas, under, strict=True) if ok)
         return [
-            v for v, ok in zip(replicas, under, strict=True) if ok or replica_load(v) <= least_under
+            v
+            for v, ok in zip(replicas, under, strict=True)
+            if ok or v.load.num_requests <= least_under
         ]
 
     def choose(
@@ -181,8 +182,8 @@ class PrefixPolicy:
         # Equal cost and equal match: the least loaded, then the least recently used (spreads
         # new prefixes like SGLang's smallest tree), then rendezvous on the first block, so
         # a cold prefix lands where every router with the same history agrees.
-        least = min(replica_load(v) for v in tied)
-        tied = [v for v in tied if replica_load(v) == least]
+        least = min(v.load.num_requests for v in tied)
+        tied = [v for v in tied if v.load.num_requests == least]
         fewest = min(round(self._recent.get(v.replica_id)) for v in tied)
         tied = [v for v in tied if round(self._recent.get(v.replica_id)) == fewest]
         key = block_hashes[0] if block_hashes else b""
