@@ -4,11 +4,10 @@ Owns ``RoundRobinPolicy``, ``LeastLoadedPolicy`` and ``Pow2Policy`` behind ``rou
 interface; the simulator (``bench/sim/baselines.py``) runs these same classes, so simulated
 and deployed baselines break ties the same way. They ignore matches for the choice but report
 the chosen replica's matched blocks and its predicted TTFT; every decision's reason is
-``RoutingReason.BASELINE``. "Loaded" is ``load_key``: the replica's requests, then its
-queued prefill tokens (``router.load.ReplicaLoad``). Tie-breaks: round robin walks the
-replicas sorted by id; least loaded takes the highest rendezvous weight of the first block
-among the least loaded; pow2 keeps the first of its two seeded draws unless the second is
-strictly less loaded.
+``RoutingReason.BASELINE``. "Loaded" is ``router.policy.load_rank``: the replica's queued
+prefill tokens, then its requests. Tie-breaks: round robin walks the replicas sorted by id;
+least loaded takes the highest rendezvous weight of the first block among the least loaded;
+pow2 keeps the first of its two seeded draws unless the second is strictly less loaded.
 ``choose`` raises ``ValueError`` on an empty candidate list.
 """
 
@@ -27,6 +26,7 @@ from router.policy import (
     RoutingReason,
     TTFTModel,
     check_request,
+    load_rank,
     num_matched,
     rendezvous_weight,
 )
@@ -79,13 +79,8 @@ class RoundRobinPolicy(_Baseline):
         return sorted(replicas, key=lambda v: v.replica_id)[turn % len(replicas)]
 
 
-def load_key(view: ReplicaView) -> tuple[int, int]:
-    """How loaded a replica is, for the baselines: its requests, then its queued prefill."""
-    return view.load.num_requests, view.load.queued_prefill_tokens
-
-
 class LeastLoadedPolicy(_Baseline):
-    """Fewest requests, then fewest queued prefill tokens; ties by rendezvous on the first
+    """Fewest queued prefill tokens, then fewest requests; ties by rendezvous on the first
     block."""
 
     name = "least_loaded"
@@ -94,7 +89,7 @@ class LeastLoadedPolicy(_Baseline):
         self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]
     ) -> ReplicaView:
         key = block_hashes[0] if block_hashes else b""
-        return min(replicas, key=lambda v: (load_key(v), -rendezvous_weight(key, v.replica_id)))
+        return min(replicas, key=lambda v: (load_rank(v), -rendezvous_weight(key, v.replica_id)))
 
 
 class Pow2Policy(_Baseline):
@@ -114,4 +109,4 @@ class Pow2Policy(_Baseline):
             return replicas[0]
         with self._lock:
             first, second = self._rng.sample(list(replicas), 2)
-        return second if load_key(second) < load_key(first) else first
+        return second if load_rank(second) < load_rank(first) else first

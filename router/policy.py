@@ -181,6 +181,16 @@ class TTFTModel:
         )
 
 
+def load_rank(view: ReplicaView) -> tuple[int, int]:
+    """How loaded a replica is where a policy chooses by load, lightest first: the prefill
+    tokens queued there (what a new request's first token waits behind), then its requests
+    (a running one only lengthens each step a little). By request count alone, a closed loop
+    of equal requests locks into cohorts: the requests that finish together on one replica
+    leave it the fewest, their successors all go there, prefill in one step and finish
+    together again, each paying the whole cohort's prefill."""
+    return view.load.queued_prefill_tokens, view.load.num_requests
+
+
 def check_request(replicas: Sequence[ReplicaView], num_prompt_tokens: int) -> None:
     """Raise ``ValueError`` on an empty candidate list or a negative prompt length."""
     if not replicas:

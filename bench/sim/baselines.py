@@ -7,7 +7,7 @@ Each policy has a ``name`` and ``choose(sim, request) -> replica index``; it may
 - ``round_robin``, ``least_loaded``, ``pow2``: ``router.baselines``' own classes, run
   unchanged on the same ``ReplicaView``s ``bench/sim/ours.py`` builds, so simulated and
   deployed baselines break ties the same way: round robin walks the replicas in replica-id
-  order, least loaded (requests, then queued prefill tokens: ``router.baselines.load_key``)
+  order, least loaded (``router.policy.load_rank``: queued prefill tokens, then requests)
   ties by rendezvous on the first block, pow2 draws from its own rng seeded with the run's
   seed and keeps the first draw unless the second is strictly less loaded. Matches are not
   computed for them.

@@ -237,6 +237,22 @@ def test_least_loaded_reads_the_load_not_the_stats():
     assert model.decode_step_s(b) == pytest.approx(4 / 40.0)
 
 
+def test_the_baselines_prefer_the_replica_with_less_prefill_queued_over_fewer_requests():
+    """A new request's first token waits behind the prefills queued on its replica; running
+    requests only lengthen each step: least loaded and pow2 put the queue first."""
+    busy_decoding = ReplicaView("decoding", ReplicaStats(), ReplicaLoad(num_running=4))
+    prefilling = ReplicaView(
+        "prefilling", ReplicaStats(), ReplicaLoad(num_queued=1, queued_prefill_tokens=100)
+    )
+    replicas = [prefilling, busy_decoding]
+    least = make_policy(RouterConfig(policy="least_loaded"))
+    assert least.choose(prompt_blocks(5), 128, replicas, {}).replica_id == "decoding"
+    pow2 = make_policy(RouterConfig(policy="pow2"))
+    assert {pow2.choose(prompt_blocks(5), 128, replicas, {}).replica_id for _ in range(10)} == {
+        "decoding"
+    }
+
+
 def test_baselines_behind_the_same_interface():
     replicas = [idle("a", num_running=2), idle("b"), idle("c", num_waiting=1)]
     blocks = prompt_blocks(5)
