@@ -76,7 +76,10 @@ class ReplicaLoad:
 
 
 class TrackedRequest(NamedTuple):
-    """One request a router sent a replica, as snapshots carry it (wall-clock times)."""
+    """One request a router sent a replica, as snapshots carry it. Times are wall clock
+    (``time.time``), compared with the stats' ``as_of_s``: across a cluster's hosts they agree
+    to within the hosts' clock skew, which shifts which requests count as shown by the
+    stats by that much."""
 
     decided_at_s: float
     prefill_tokens: int
@@ -206,7 +209,7 @@ class LoadTracker:
             self._listeners.remove(listener)
 
     def _changed(self) -> None:
-        for listener in self._listeners:
+        for listener in list(self._listeners):  # a router may come or go meanwhile
             listener()
 
     # ------------------------------------------------------------------------- events

@@ -115,7 +115,7 @@ def test_a_router_sharing_a_board_sends_to_the_replica_the_other_left_idle(polic
 
 def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
     """The actor cannot be found (``ray.get_actor``'s ``ValueError``): the router decides on
-    its own ledger, warns once, and asks for the actor again on the next call."""
+    its own requests, warns once, and asks for the actor again on the next call."""
     from cluster.inflight_board import ActorBoardClient
 
     attempts = []
