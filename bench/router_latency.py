@@ -39,6 +39,7 @@ import redis
 from bench.common import free_port
 from router.config import RouterConfig
 from router.index import make_index
+from router.load import replica_load
 from router.policy import ReplicaView
 from router.protocol import EventKind, KVEvent, KVEventBatch, ReplicaStats, hash_blocks
 from router.routing import Router
@@ -110,21 +111,16 @@ def _view_stream(rng: random.Random, num_replicas: int, num_views: int) -> list[
             min(MAX_QUEUED_TOKENS, max(0, q + rng.randrange(-QUEUE_STEP_TOKENS, QUEUE_STEP_TOKENS)))
             for q in queued
         ]
-        views.append(
-            [
-                ReplicaView(
-                    f"replica-{i}",
-                    ReplicaStats(
-                        num_waiting=q // 2048,
-                        num_running=16,
-                        num_queued_prefill_tokens=q,
-                        prefill_tokens_per_s=8000.0,
-                    ),
-                    num_inflight=rng.randrange(3),
-                )
-                for i, q in enumerate(queued)
-            ]
-        )
+        stats = [
+            ReplicaStats(
+                num_waiting=q // 2048,
+                num_running=16,
+                num_queued_prefill_tokens=q,
+                prefill_tokens_per_s=8000.0,
+            )
+            for q in queued
+        ]
+        views.append([ReplicaView(f"replica-{i}", s, replica_load(s)) for i, s in enumerate(stats)])
     return views
 
 

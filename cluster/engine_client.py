@@ -5,8 +5,9 @@ starts one engine request per prompt (block hashes attached for the request rout
 awaits each first output, so refusals surface as ``APIError`` before the HTTP response
 starts: Serve's full queue (``BackPressureError``) -> 429, the replica's own refusals
 (``cluster.stream_items.Rejected``) -> 400/429/503/500, an unreachable replica -> 503. Each
-first output is also reported to the request router that routed the call (``cluster.inflight``): the
-request is no longer in its replica's prefill queue. With ``push_to`` the replica pushes the
+first output is also reported to the ``router.load.LoadTracker`` the client was handed (the
+one the request router of this process feeds): the request is past its prefill, no longer
+in its replica's queue. With ``push_to`` the replica pushes the
 outputs between a call's first and its last to this ingress replica (``deliver``, one call
 per engine step for every request: ``cluster/ingress_channel.py``); each call's inbox gets
 them and, behind them, what its handle stream carries (``_Call``), in the replica's order.
@@ -39,9 +40,9 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster import errors
 from cluster.errors import APIError
-from cluster.inflight import first_output_arrived
 from cluster.serve_compat import own_internal_request_id
 from cluster.stream_items import Rejected, RejectKind
+from router.load import LoadTracker
 from router.protocol import hash_blocks
 from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
@@ -183,15 +184,19 @@ class EngineClient:
         block_size: int,
         cache_namespace: str,
         push_to: dict | None = None,
+        load: LoadTracker | None = None,
     ) -> None:
         """``push_to``: this ingress replica's address (``serve_compat.own_address``): the
         replicas push a call's outputs between its first and its last to ``deliver`` here
         (``cluster/ingress_channel.py``); None: every output comes through the handle call.
-        ``cache_namespace``: what the replicas seed block hashes with (their ``describe``)."""
+        ``cache_namespace``: what the replicas seed block hashes with (their ``describe``).
+        ``load``: the tracker the handle's request router feeds (``cluster.load_tracking``),
+        told each call's first output; None: nobody to tell."""
         self._stream_handle = stream_handle
         self.block_size = block_size
         self.cache_namespace = cache_namespace
         self.push_to = push_to
+        self.load = load
         self._inboxes: dict[str, asyncio.Queue] = {}
 
     def deliver(self, batch: list[OutputDelta]) -> None:
@@ -218,7 +223,9 @@ class EngineClient:
         """Starts one engine request; returns (first output, its ``_Call``) or raises
         APIError."""
         hashes = hash_blocks(prompt_ids, self.block_size, self.cache_namespace, salt)
-        # This task's calls only (prompts of one request go in parallel); the router's key.
+        # This task's calls only (prompts of one request go in parallel). Serve's request
+        # router sees the call only as a pending request keyed by this id, so the load
+        # tracker knows it by this key too.
         routing_key = own_internal_request_id()
         response = None
         inbox: asyncio.Queue = asyncio.Queue()
@@ -235,7 +242,8 @@ class EngineClient:
                 push_to=self.push_to,
             )
             first = await response.__anext__()
-            first_output_arrived(routing_key)  # not queued or prefilling any more
+            if self.load is not None:
+                self.load.first_output(routing_key)  # not queued or prefilling any more
         except BaseException as exc:
             if self._inboxes.get(request_id) is inbox:
                 del self._inboxes[request_id]

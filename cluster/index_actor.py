@@ -33,12 +33,13 @@ from collections.abc import Sequence
 
 import ray
 
-from cluster.inflight_board import InflightBoard, InflightSnapshot
+from cluster.inflight_board import InflightBoard
 from cluster.serve_compat import check_serve_internals, register_shutdown_cleanup, serve_namespace
 from router.config import RouterConfig
 from router.embedded_index import EmbeddedIndex
 from router.index_types import IndexUnavailableError, Match, ReplicaId
 from router.liveness import ApplyOutcome
+from router.load import LoadSnapshot
 from router.protocol import BlockHash, KVEventBatch
 
 log = logging.getLogger("ray.serve")
@@ -119,14 +120,14 @@ class IndexActor:
         return self._index.sweep(now)
 
     def report_inflight(
-        self, router_id: str, seq: int, snapshot: InflightSnapshot, ttl_s: float
+        self, router_id: str, seq: int, snapshot: LoadSnapshot, ttl_s: float
     ) -> bool:
         return self._board.report(router_id, seq, snapshot, ttl_s)
 
-    def peer_inflight(self, router_id: str) -> InflightSnapshot:
+    def peer_inflight(self, router_id: str) -> LoadSnapshot:
         return self._board.peers(router_id)
 
-    def peer_view(self, router_id: str) -> tuple[InflightSnapshot, int]:
+    def peer_view(self, router_id: str) -> tuple[LoadSnapshot, int]:
         """``peer_inflight`` and how many other routers report (``InflightBoard.view``)."""
         return self._board.view(router_id)
 

@@ -1,16 +1,15 @@
 """What every request router of an application has in flight on each replica, shared.
 
 Owns the cross-router view of in-flight requests. Each ingress replica runs its own request
-router (``cluster.request_router``), and each counts only the requests *it* sent that the
-replicas' routing stats (reported about once a second) do not show yet
-(``cluster.inflight``). Two routers deciding within that second each see a replica as idle
-and both send to it: with two ingress replicas and three engine replicas, least-loaded
-routing left one replica idle 14-32% of a run while another queued. Here each
-router publishes its ledger, and reads the others' beside every index lookup, so a decision
-sees what every router sent, a round trip old instead of a stats period old.
+router (``cluster.request_router``), and each tracks only the requests *it* sent
+(``router.load.LoadTracker``); the replicas' routing stats show the others only about once a
+second. Two routers deciding within that second each see a replica as idle and both send to
+it: with two ingress replicas and three engine replicas, least-loaded routing left one
+replica idle 14-32% of a run while another queued. Here each router publishes its tracker's
+``LoadSnapshot``, and reads the others' beside every index lookup, so a decision sees what
+every router sent, a round trip old instead of a stats period old.
 
-- ``InflightBoard``: the shared state, plain Python. One snapshot per router (replica id ->
-  ``(decided_at_s, prefill_tokens, awaiting_first_output)`` per request, oldest first),
+- ``InflightBoard``: the shared state, plain Python. One ``LoadSnapshot`` per router,
   replaced by each report with a newer sequence number (reports of a router may arrive out of
   order: the actor is threaded) and dropped ``ttl_s`` after it arrived unless refreshed, so a
   router that died stops counting. ``peers(router_id)`` merges the other routers' snapshots.
@@ -23,15 +22,16 @@ sees what every router sent, a round trip old instead of a stats period old.
 
 A router alone on its board (one ingress replica, the default) has nobody to tell and
 nothing to read: when the board's answer says no other router reports, the client stops
-sending per change (only the refreshes go) and answers ``peers`` with ``{}`` without a round
-trip for ``ALONE_RECHECK_S``, after which it asks again. So a second router is seen within
-that long, and sees the first one's in-flight requests as of its last refresh (at most
+sending per change (only the refreshes go) and answers ``peers`` with an empty snapshot
+without a round trip for ``ALONE_RECHECK_S``, after which it asks again. So a second router
+is seen within that long, and sees the first one's requests as of its last refresh (at most
 ``REFRESH_S`` old, like the replicas' stats) until the first one notices it too.
 
 How it fails: an unreachable actor (dead, slow, not yet created) makes ``peers`` return
-None after at most the lookup timeout (the router then decides on its own ledger beside the
-replicas' stats, as before this module existed), logged once per outage; a failed publish is
-dropped, and the next change or refresh sends the whole snapshot again.
+None after at most the lookup timeout (the router then decides on its own requests beside
+the replicas' stats: ``router.load.replica_load`` prices the others from the stats), logged
+once per outage; a failed publish is dropped, and the next change or refresh sends the
+whole snapshot again.
 """
 
 from __future__ import annotations
@@ -42,18 +42,13 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import ray
 
-log = logging.getLogger("ray.serve")
+from router.load import LoadSnapshot
 
-InflightSnapshot = dict[str, tuple[tuple[float, int, bool], ...]]
-"""Replica id -> ``(decided_at_s, prefill_tokens, awaiting_first_output)`` of each in-flight
-request, oldest first. ``decided_at_s`` is wall-clock time (``time.time``), comparable across
-a cluster's hosts to within their clock skew: it only orders requests, to price the newest
-ones. ``awaiting_first_output``: no token of it has reached its caller yet
-(``cluster.inflight``)."""
+log = logging.getLogger("ray.serve")
 
 BOARD_TTL_S = 10.0
 """A router's snapshot stops counting this long after it arrived unless refreshed."""
@@ -75,12 +70,12 @@ class InflightBoard:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._reports: dict[str, tuple[int, float, InflightSnapshot]] = {}
+        self._reports: dict[str, tuple[int, float, LoadSnapshot]] = {}
         """Router id -> (sequence number, expiry, snapshot)."""
         self.last_report_s: float | None = None
         """When (``clock``) the last report arrived; None before the first."""
 
-    def report(self, router_id: str, seq: int, snapshot: InflightSnapshot, ttl_s: float) -> bool:
+    def report(self, router_id: str, seq: int, snapshot: LoadSnapshot, ttl_s: float) -> bool:
         """Replace ``router_id``'s snapshot unless a newer one (higher ``seq``) is already
         here. True when applied. An empty snapshot is kept like any other (with its sequence
         number, so a late older report stays out) until it expires."""
@@ -90,48 +85,36 @@ class InflightBoard:
             held = self._reports.get(router_id)
             if held is not None and held[0] >= seq:
                 return False
-            self._reports[router_id] = (seq, now_s + ttl_s, dict(snapshot))
+            self._reports[router_id] = (seq, now_s + ttl_s, snapshot)
             return True
 
-    def peers(self, router_id: str) -> InflightSnapshot:
-        """The other routers' in-flight requests per replica, merged oldest first; expired
-        snapshots are dropped."""
+    def peers(self, router_id: str) -> LoadSnapshot:
+        """The other routers' requests per replica, merged oldest first; expired snapshots
+        are dropped."""
         return self.view(router_id)[0]
 
-    def view(self, router_id: str) -> tuple[InflightSnapshot, int]:
+    def view(self, router_id: str) -> tuple[LoadSnapshot, int]:
         """``peers(router_id)`` and how many other routers report here (an empty snapshot
         counts: that router is alive and reads the board)."""
         now_s = self._clock()
-        merged: dict[str, list[tuple]] = {}
         with self._lock:
             for other in [r for r, (_, expiry_s, _) in self._reports.items() if expiry_s <= now_s]:
                 del self._reports[other]
-            num_others = 0
-            for other, (_, _, snapshot) in self._reports.items():
-                if other == router_id:
-                    continue
-                num_others += 1
-                for replica_id, entries in snapshot.items():
-                    merged.setdefault(replica_id, []).extend(entries)
-        peers = {replica_id: tuple(sorted(entries)) for replica_id, entries in merged.items()}
-        return peers, num_others
-
-
-def merge_inflight(own: InflightSnapshot, peers: Mapping[str, tuple]) -> InflightSnapshot:
-    """Replica id -> ``(decided_at_s, prefill_tokens, awaiting_first_output)`` of every
-    in-flight request (this router's and its peers'), oldest decision first."""
-    return {
-        replica_id: tuple(sorted(own.get(replica_id, ()) + tuple(peers.get(replica_id, ()))))
-        for replica_id in own.keys() | peers.keys()
-    }
+            others = [snap for r, (_, _, snap) in self._reports.items() if r != router_id]
+        return LoadSnapshot().merged(*others), len(others)
 
 
 class LocalBoardClient:
     """One router's client of an ``InflightBoard`` in this process: each change is reported
     at once (there is no round trip to save)."""
 
-    def __init__(self, board: InflightBoard, snapshot: Callable[[], InflightSnapshot]) -> None:
-        self.router_id = uuid.uuid4().hex
+    def __init__(
+        self,
+        board: InflightBoard,
+        snapshot: Callable[[], LoadSnapshot],
+        router_id: str | None = None,
+    ) -> None:
+        self.router_id = router_id or uuid.uuid4().hex
         self._board = board
         self._snapshot = snapshot
         self._seq = itertools.count(1)
@@ -139,29 +122,32 @@ class LocalBoardClient:
     def changed(self) -> None:
         self._board.report(self.router_id, next(self._seq), self._snapshot(), BOARD_TTL_S)
 
-    def peers(self) -> InflightSnapshot:
+    def peers(self) -> LoadSnapshot:
         return self._board.peers(self.router_id)
 
-    async def peers_async(self) -> InflightSnapshot:
+    async def peers_async(self) -> LoadSnapshot:
         return self.peers()
 
     def close(self) -> None:
-        self._board.report(self.router_id, next(self._seq), {}, BOARD_TTL_S)
+        self._board.report(self.router_id, next(self._seq), LoadSnapshot(), BOARD_TTL_S)
 
 
 class ActorBoardClient:
     """One router's client of the board in the application's index actor.
 
     ``get_actor`` returns the actor handle (created if needed); ``lookup_timeout_s`` bounds
-    ``peers``. Thread-safe."""
+    ``peers``; ``router_id`` names what it publishes (the tracker's id: two routers of one
+    process publishing one tracker count once, and never as each other's peer).
+    Thread-safe."""
 
     def __init__(
         self,
         get_actor: Callable[[], object],
-        snapshot: Callable[[], InflightSnapshot],
+        snapshot: Callable[[], LoadSnapshot],
         lookup_timeout_s: float,
+        router_id: str | None = None,
     ) -> None:
-        self.router_id = uuid.uuid4().hex
+        self.router_id = router_id or uuid.uuid4().hex
         self._get_actor = get_actor
         self._snapshot = snapshot
         self._lookup_timeout_s = lookup_timeout_s
@@ -195,16 +181,16 @@ class ActorBoardClient:
             log.warning("in-flight board %s failed, routing on this router's own: %r", what, exc)
 
     def changed(self) -> None:
-        """The ledger changed: the publisher thread sends the newest snapshot soon, unless
+        """The tracker changed: the publisher thread sends the newest snapshot soon, unless
         no other router reads the board (then its next refresh carries it)."""
         if not self._alone:
             self._changed.set()
 
-    def peers(self) -> InflightSnapshot | None:
-        """The other routers' in-flight requests (None when the board does not answer);
-        ``{}`` without a round trip while this router is alone (module docstring)."""
+    def peers(self) -> LoadSnapshot | None:
+        """The other routers' requests (None when the board does not answer); an empty
+        snapshot without a round trip while this router is alone (module docstring)."""
         if self._still_alone():
-            return {}
+            return LoadSnapshot()
         try:
             ref = self._handle().peer_view.remote(self.router_id)
             answer, num_others = ray.get(ref, timeout=self._lookup_timeout_s)
@@ -213,11 +199,11 @@ class ActorBoardClient:
             return None
         return self._answered(answer, num_others)
 
-    async def peers_async(self) -> InflightSnapshot | None:
+    async def peers_async(self) -> LoadSnapshot | None:
         """``peers`` awaited on the caller's event loop (no thread, no blocking ``ray.get``);
         a worker thread only while the actor is unresolved (resolving it blocks)."""
         if self._still_alone():
-            return {}
+            return LoadSnapshot()
         actor = self._actor
         if actor is None:
             return await asyncio.to_thread(self.peers)
@@ -233,7 +219,7 @@ class ActorBoardClient:
         """No other router reported at the last answer, and it is not time to ask again."""
         return self._alone and time.monotonic() < self._recheck_at_s
 
-    def _answered(self, answer: InflightSnapshot, num_others: int) -> InflightSnapshot:
+    def _answered(self, answer: LoadSnapshot, num_others: int) -> LoadSnapshot:
         """Notes that the board answered and whether other routers read it (module
         docstring); returns ``answer``."""
         if self._down:
@@ -247,7 +233,7 @@ class ActorBoardClient:
             self._changed.set()
         return answer
 
-    def _send(self, snapshot: InflightSnapshot) -> None:
+    def _send(self, snapshot: LoadSnapshot) -> None:
         if not ray.is_initialized():  # this process left its cluster: nobody to tell, and a
             return  # call now would start a Ray instance of its own (Ray's auto-init)
         try:  # fire and forget: the sequence number orders what arrives
@@ -271,4 +257,4 @@ class ActorBoardClient:
         self._stop.set()
         self._changed.set()
         self._thread.join(timeout=1.0)
-        self._send({})
+        self._send(LoadSnapshot())

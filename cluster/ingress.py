@@ -39,7 +39,12 @@ from cluster.anthropic_messages import MessageEvents, MessagesRequest, message_o
 from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.engine_client import EngineClient
 from cluster.errors import APIError
-from cluster.metrics import METRICS_PUSH_PERIOD_S, any_replica_serving
+from cluster.load_tracking import load_tracker
+from cluster.metrics import (
+    METRICS_PUSH_PERIOD_S,
+    any_replica_serving,
+    router_metrics_snapshot,
+)
 from cluster.metrics_render import render_prometheus
 from cluster.metrics_snapshots import IngressMetrics, sum_ingress_snapshots
 from cluster.openai_protocol import (
@@ -59,7 +64,6 @@ from cluster.openai_responses import (
     output_of_chat,
     response_object,
 )
-from cluster.request_router import router_metrics_snapshot
 from cluster.response_store import store_actor, tenant_of
 from cluster.responses import ResponseBuilder
 from cluster.serve_compat import own_address
@@ -128,11 +132,14 @@ class Ingress:
         self.max_model_len: int = info["max_model_len"]
         self.block_size: int = info["block_size"]
         self.vocab_size: int = info["vocab_size"]
+        # The request router of this process's handle feeds the same tracker (its decisions);
+        # the client reports each call's first output to it.
         self.engines = EngineClient(
             engine.options(stream=True),
             block_size=self.block_size,
             cache_namespace=info["cache_namespace"],
             push_to=own_address() if self.cluster.push_outputs else None,
+            load=load_tracker(serve.get_replica_context().app_name),
         )
         self.served_name = self.cluster.served_model_name or self.model_id
         self.accepted_names = {self.served_name}

@@ -22,7 +22,8 @@ labelled by ``model_name`` only. A hub that is down costs metrics and health, ne
 the ingress then renders its own counts alone. docs/metrics.md maps every series to vLLM's.
 
 This module owns the ``MetricsHub`` deployment (``cluster.metrics.MetricsHub``, bound by
-``cluster/app.py``), the push period and staleness, and this process's request-router registry;
+``cluster/app.py``), the push period and staleness, and this process's request-router registry
+with the sum of their router metrics (``router_metrics_snapshot``);
 the series live in ``cluster/metrics_series.py``, the snapshots in
 ``cluster/metrics_snapshots.py`` and the rendering in ``cluster/metrics_render.py``: import
 them from there.
@@ -36,6 +37,7 @@ import weakref
 from ray import serve
 
 from cluster.priority import lower_own_priority
+from router.metrics import merge_snapshots
 
 # The request routers (``cluster.request_router``) alive in this process, for /metrics. Kept
 # here because Serve ships the router class to a handle's process pickled by value, with
@@ -50,6 +52,15 @@ def register_request_router(request_router) -> None:
 def request_routers() -> list:
     """The request routers alive in this process (one per handle's deployment)."""
     return list(_REQUEST_ROUTERS)
+
+
+def router_metrics_snapshot() -> dict | None:
+    """``RouterMetrics.snapshot()`` summed over this process's request routers; None without
+    one."""
+    total: dict = {}
+    for request_router in request_routers():
+        total = merge_snapshots(total, request_router.metrics.snapshot())
+    return total or None
 
 
 # Often enough that /health notices a dead engine within seconds, rarely enough to cost nothing.

@@ -3,14 +3,14 @@
 Owns the per-request decision of every ``DeploymentHandle`` to ``EngineReplica`` (the
 ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (hashed once at
 the ingress) and prompt length from the call's arguments, builds one
-``router.policy.ReplicaView`` per candidate from the replica's Serve routing stats
-(``EngineReplica.record_routing_stats``) plus the requests sent it that have not finished,
-counted from the decision on, with the prompt tokens each will prefill there: this router's
-own (``cluster.inflight``) and the other ingress replicas' routers' (``cluster.inflight_board``,
-read beside the index lookup), and lets ``Router.route`` decide: one
-index lookup, the configured policy (``prefix`` by default, or
-``round_robin``/``least_loaded``/``pow2``), a speculative entry for the chosen replica. Other
-calls (``describe``) carry no blocks and go by load.
+``router.policy.ReplicaView`` per candidate (its Serve routing stats,
+``EngineReplica.record_routing_stats``, and its load from ``router.load``: the process's
+``LoadTracker``, shared with the ingress's client through ``cluster.load_tracking``, merged
+with what the other ingress replicas' routers track, read from ``cluster.inflight_board``
+beside the index lookup) and lets ``Router`` decide: one index lookup, the configured policy
+(``prefix`` by default, or ``round_robin``/``least_loaded``/``pow2``), a speculative entry
+for the chosen replica. Then it tells the tracker (``decided``, and Serve's ``routed`` and
+``completed`` callbacks). Other calls (``describe``) carry no blocks and go by load.
 
 The chosen replica is returned as the first rank and every other candidate as the second,
 so Serve falls through to the least loaded of the others when the chosen one is full.
@@ -26,9 +26,8 @@ decision by load alone, logged once and counted (reason ``fallback``) until the 
 answers again. With the Redis backend the Redis keys are namespaced by model, which this
 router learns from the replicas' routing stats; until a replica has reported, the policy
 decides without matches (by load; the ``prefix`` policy then settles ties by rendezvous on
-the first block). An unreachable in-flight board leaves each router counting only its own
-in-flight requests (logged once).
-``router_metrics_snapshot`` returns this process's router metrics for ``/metrics``.
+the first block). An unreachable in-flight board leaves the other routers' requests to the
+replicas' stats (logged once).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,9 +47,9 @@ from cluster.index_actor import (
     get_or_create_index_actor,
     make_cluster_index,
 )
-from cluster.inflight import InflightLedger
-from cluster.inflight_board import ActorBoardClient, merge_inflight
-from cluster.metrics import register_request_router, request_routers
+from cluster.inflight_board import ActorBoardClient, LocalBoardClient
+from cluster.load_tracking import load_tracker
+from cluster.metrics import register_request_router
 from cluster.serve_compat import (
     ask_to_back_off,
     check_serve_internals,
@@ -59,7 +57,8 @@ from cluster.serve_compat import (
     set_request_kwarg,
 )
 from router.config import RouterConfig
-from router.metrics import RouterMetrics, merge_snapshots
+from router.load import LoadSnapshot, LoadTracker
+from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Decision, ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
@@ -72,9 +71,6 @@ ROUTER_CLASS_PATH = "cluster.request_router:PrefixAwareRequestRouter"
 # A one-line summary of the router metrics in the replica log this often, for clusters that
 # scrape no /metrics; rare enough to be noise-free.
 METRICS_LOG_PERIOD_S = 60.0
-# A decision never confirmed by Serve (the caller gave up before it was sent) stops counting
-# as in flight on its replica after this long (``cluster.inflight``).
-UNCONFIRMED_DECISION_TTL_S = 5.0
 KV_PULL_KWARG = "kv_pull"
 """The ``generate`` keyword that carries a pull order to the replica (``kv_pull_order``)."""
 
@@ -116,44 +112,38 @@ def live_replicas(replicas: list[RunningReplica]) -> list[RunningReplica]:
     return live or replicas
 
 
-def pooled_prefill_rate(all_stats: list[ReplicaStats]) -> list[ReplicaStats]:
-    """The replicas' stats with one prefill rate for those that measured one: the median.
-
-    One deployment's replicas run one engine configuration on one kind of hardware; what
-    their measured prefill rates differ by is the load and contention while they measured
-    (on a shared CPU a busy replica measured 190 tokens/s, an idle one 80). Priced per
-    replica, a replica that measured slow looked dear for every cold prompt, got none and
-    never measured again (a 3-replica run sent 40, 20 and 4 of 64 requests). A replica that
-    has measured nothing keeps 0, the model's configured default: it is idle, so it gets
-    requests and measures."""
-    rates = [s.prefill_tokens_per_s for s in all_stats if s.prefill_tokens_per_s > 0]
-    if not rates:
-        return all_stats
-    rate = statistics.median(rates)
-    return [
-        dataclasses.replace(s, prefill_tokens_per_s=rate) if s.prefill_tokens_per_s > 0 else s
-        for s in all_stats
-    ]
-
-
 class PrefixAwareRequestRouter(RequestRouter):
     """Routes each request where the configured policy says (predicted TTFT by default)."""
 
-    def initialize_state(self, router_config: dict | None = None) -> None:
+    def initialize_state(
+        self,
+        router_config: dict | None = None,
+        *,
+        load: LoadTracker | None = None,
+        router: Router | None = None,
+        board: LocalBoardClient | None = None,
+    ) -> None:
+        """Serve passes ``router_config`` (``RouterConfig``'s fields). The others stand in for
+        what a Serve process finds itself, for a router driven without Ray: ``load``, the
+        tracker (default: this process's for the application, ``cluster.load_tracking``);
+        ``router``, the decision path (default: one over the application's index, made on
+        first use); ``board``, a client of an in-flight board in this process (default: the
+        index actor's, in Ray)."""
         self.config = RouterConfig(**(router_config or {}))
-        self.metrics = RouterMetrics()
-        self._router: Router | None = None
+        self._router = router
+        self.metrics = RouterMetrics() if router is None else router.metrics
         self._load_policy = make_policy(self.config)
         """Decides, with no index, until the Redis namespace (the model) is known."""
         self._router_lock = threading.Lock()
-        self._inflight = InflightLedger(UNCONFIRMED_DECISION_TTL_S, self._ledger_changed)
-        self._board = None
-        """Shares ``_inflight`` with the other ingress replicas' routers (``_get_board``)."""
+        self.load = load if load is not None else load_tracker(self.app_name)
+        self.load.add_listener(self._load_changed)
+        self._board = board
+        """Shares ``load``'s snapshots with the other ingress replicas' routers."""
         self._board_lock = threading.Lock()
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
         """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
-        register_request_router(self)  # for router_metrics_snapshot
+        register_request_router(self)  # for cluster.metrics.router_metrics_snapshot
 
     # ---------------------------------------------------------------------- the decision
     def _get_router(self, replicas: list[RunningReplica]) -> Router | None:
@@ -173,67 +163,40 @@ class PrefixAwareRequestRouter(RequestRouter):
         return self._router
 
     def _get_board(self):
-        """This router's client of the application's in-flight board, created on first use;
-        None for a router outside a Serve deployment (nobody to share with). Tests set
-        ``_board`` themselves (``cluster.inflight_board.LocalBoardClient``)."""
+        """This router's client of the application's in-flight board, created on first use
+        in Ray; None outside a Ray cluster (nobody to share with)."""
         if self._board is not None or not ray.is_initialized():
             return self._board
-        try:
-            app_name = self.app_name
-        except AttributeError:  # built without Serve's __init__ (a test): no application
-            return None
+        app_name = self.app_name
         with self._board_lock:
             if self._board is None:
                 self._board = ActorBoardClient(
                     lambda: get_or_create_index_actor(app_name, self.config),
-                    self._inflight.timed_snapshot,
+                    self.load.snapshot,
                     max(self.config.redis_socket_timeout_s, MIN_ACTOR_LOOKUP_TIMEOUT_S),
+                    router_id=self.load.tracker_id,
                 )
         return self._board
 
-    def _ledger_changed(self) -> None:
+    def _load_changed(self) -> None:
         if self._board is not None:
             self._board.changed()
 
-    async def _peer_inflight(self) -> dict | None:
-        """The other routers' in-flight requests; ``{}`` for a router outside a Serve
-        deployment (it has no peers), None when the board does not answer."""
+    async def _peer_load(self) -> LoadSnapshot | None:
+        """The other routers' requests; empty for a router outside a Serve deployment (it
+        has no peers), None when the board does not answer."""
         board = self._get_board()
-        return {} if board is None else await board.peers_async()
+        return LoadSnapshot() if board is None else await board.peers_async()
 
     def _views(
-        self, replicas: list[RunningReplica], peers: dict | None = None
+        self, replicas: list[RunningReplica], peers: LoadSnapshot | None = None
     ) -> list[ReplicaView]:
-        inflight = merge_inflight(self._inflight.timed_snapshot(), peers or {})
-        complete = peers is not None  # every router's requests: the load now (ReplicaView)
-        all_stats = pooled_prefill_rate(
-            [ReplicaStats.from_dict(r.routing_stats or {}) for r in replicas]
-        )
-        # The requests awaiting their first output are the prefill queue now, once this
-        # router's callers are seen reporting first outputs (``cluster.inflight``).
-        pending_known = complete and self._inflight.marks_first_outputs
-        views = []
-        for r, stats in zip(replicas, all_stats, strict=True):
-            entries = inflight.get(r.replica_id.unique_id, ())
-            num_unreported = None  # stats without a time: the policy estimates
-            if stats.as_of_s > 0:
-                num_unreported = sum(1 for at_s, _, _ in entries if at_s > stats.as_of_s)
-            prefill_tokens = tuple(tokens for _, tokens, _ in entries)
-            pending = None
-            if pending_known:
-                pending = tuple(tokens for _, tokens, awaiting in entries if awaiting)
-            views.append(
-                ReplicaView(
-                    r.replica_id.unique_id,
-                    stats,
-                    len(entries),
-                    prefill_tokens,
-                    num_unreported,
-                    inflight_complete=complete,
-                    pending_prefill_tokens=pending,
-                )
-            )
-        return views
+        """One view per replica: its routing stats and its load (``router.load``)."""
+        stats = {
+            r.replica_id.unique_id: ReplicaStats.from_dict(r.routing_stats or {}) for r in replicas
+        }
+        loads = self.load.loads(stats, peers)
+        return [ReplicaView(replica_id, s, loads[replica_id]) for replica_id, s in stats.items()]
 
     async def choose_replicas(
         self,
@@ -249,10 +212,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         router = self._get_router(candidate_replicas)
         lookup = Lookup({})
         if router is not None and hashes:  # index and board round trips, together
-            lookup, peers = await asyncio.gather(router.lookup_async(hashes), self._peer_inflight())
+            lookup, peers = await asyncio.gather(router.lookup_async(hashes), self._peer_load())
         else:
-            peers = await self._peer_inflight()
-        # From here to the ledger entry nothing awaits: concurrent decisions (a burst) each
+            peers = await self._peer_load()
+        # From here to the tracker's entry nothing awaits: concurrent decisions (a burst) each
         # see the ones before them, in the views and in the router's recent decisions.
         views = self._views(candidate_replicas, peers)
         if router is None:
@@ -265,10 +228,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None:
             matched_tokens = decision.matched_blocks * self.config.block_size
             prefill_tokens = max(0, num_prompt_tokens - matched_tokens)
-            self._inflight.decided(
-                request_key(pending_request), decision.replica_id, prefill_tokens
-            )
-            self._ledger_changed()
+            self.load.decided(request_key(pending_request), decision.replica_id, prefill_tokens)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "routed %d blocks to %s (%s, matched %d, predicted TTFT %.3f s); saw %s",
@@ -299,14 +259,12 @@ class PrefixAwareRequestRouter(RequestRouter):
             snap["num_index_errors"],
         )
 
-    # ------------------------------------------------------------ in-flight bookkeeping
+    # ------------------------------------------------------------------ load events
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
-        self._inflight.routed(request_key(pending_request), replica_id.unique_id)
-        self._ledger_changed()
+        self.load.routed(request_key(pending_request), replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.completed(internal_request_id, replica_id.unique_id)
-        self._ledger_changed()
+        self.load.completed(internal_request_id, replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {rid.unique_id for rid in self.curr_replicas}
@@ -318,6 +276,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._removals.submit(router.index.remove_replica, unique_id)
 
     def close(self) -> None:
+        self.load.remove_listener(self._load_changed)
         self._removals.shutdown(wait=False)
         if self._board is not None:
             self._board.close()
@@ -326,25 +285,17 @@ class PrefixAwareRequestRouter(RequestRouter):
 
 
 def _describe(views: list[ReplicaView], matches: dict) -> str:
-    """What a decision saw, per replica (the debug log): waiting + running requests, the
-    router's in-flight count, queued prefill tokens, the index's device + host blocks."""
+    """What a decision saw, per replica (the debug log): its load (queued requests and their
+    prefill tokens, running requests) and the index's device + host blocks."""
     parts = []
     for view in views:
-        stats, match = view.stats, matches.get(view.replica_id)
+        load, match = view.load, matches.get(view.replica_id)
         held = "-" if match is None else f"{match.device_blocks}+{match.host_blocks}"
         parts.append(
-            f"{view.replica_id}: {stats.num_waiting}w+{stats.num_running}r inflight "
-            f"{view.num_inflight} queued {stats.num_queued_prefill_tokens} held {held}"
+            f"{view.replica_id}: {load.num_queued}q ({load.queued_prefill_tokens} tokens) "
+            f"+{load.num_running}r held {held}"
         )
     return "; ".join(parts)
-
-
-def router_metrics_snapshot() -> dict | None:
-    """``RouterMetrics.snapshot()`` summed over this process's routers; None without one."""
-    total: dict = {}
-    for request_router in request_routers():
-        total = merge_snapshots(total, request_router.metrics.snapshot())
-    return total or None
 
 
 def request_router_config(config: RouterConfig, stats_period_s: float) -> dict:

@@ -283,7 +283,7 @@ def direct_ingress_targets(app_name: str) -> list[tuple[str, int]]:
 def own_internal_request_id() -> str:
     """Gives the handle calls made from the current asyncio task (and its context copy) an
     internal request id of their own (see the module docstring for why) and returns it: the
-    key the request router's ledger holds the next call under (``request_key``)."""
+    key the load tracker holds the next call under (``request_key``, ``router.load``)."""
     from ray.serve._private.utils import generate_request_id
     from ray.serve.context import _set_request_context
 

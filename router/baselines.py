@@ -4,7 +4,8 @@ Owns ``RoundRobinPolicy``, ``LeastLoadedPolicy`` and ``Pow2Policy`` behind ``rou
 interface; the simulator (``bench/sim/baselines.py``) runs these same classes, so simulated
 and deployed baselines break ties the same way. They ignore matches for the choice but report
 the chosen replica's matched blocks and its predicted TTFT; every decision's reason is
-``RoutingReason.BASELINE``. Tie-breaks: round robin walks the replicas sorted by id;
+``RoutingReason.BASELINE``. "Loaded" is ``router.policy.load_rank``: the replica's queued
+prefill tokens, then its requests. Tie-breaks: round robin walks the replicas sorted by id;
 least loaded takes the highest rendezvous weight of the first block among the least loaded;
 pow2 keeps the first of its two seeded draws unless the second is strictly less loaded.
 ``choose`` raises ``ValueError`` on an empty candidate list.
@@ -25,9 +26,9 @@ from router.policy import (
     RoutingReason,
     TTFTModel,
     check_request,
+    load_rank,
     num_matched,
     rendezvous_weight,
-    replica_load,
 )
 from router.protocol import BlockHash
 
@@ -79,7 +80,8 @@ class RoundRobinPolicy(_Baseline):
 
 
 class LeastLoadedPolicy(_Baseline):
-    """Fewest waiting + running + in-flight requests; ties by rendezvous on the first block."""
+    """Fewest queued prefill tokens, then fewest requests; ties by rendezvous on the first
+    block."""
 
     name = "least_loaded"
 
@@ -87,7 +89,7 @@ class LeastLoadedPolicy(_Baseline):
         self, block_hashes: Sequence[BlockHash], replicas: Sequence[ReplicaView]
     ) -> ReplicaView:
         key = block_hashes[0] if block_hashes else b""
-        return min(replicas, key=lambda v: (replica_load(v), -rendezvous_weight(key, v.replica_id)))
+        return min(replicas, key=lambda v: (load_rank(v), -rendezvous_weight(key, v.replica_id)))
 
 
 class Pow2Policy(_Baseline):
@@ -107,4 +109,4 @@ class Pow2Policy(_Baseline):
             return replicas[0]
         with self._lock:
             first, second = self._rng.sample(list(replicas), 2)
-        return second if replica_load(second) < replica_load(first) else first
+        return second if load_rank(second) < load_rank(first) else first

@@ -11,18 +11,19 @@ The TTFT model: ``queue_s + miss_cost_factor * miss_tokens / prefill_rate + host
 host_rate + remote_tokens / pull_rate + (one decode step if the replica is busy)``, where
 ``remote_tokens`` are prompt tokens past the replica's own match that a peer holds and it
 would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses),
-and ``queue_s = (queued_prefill_tokens + unreported in-flight prefill tokens) /
-prefill_rate + (waiting + unreported in-flight) * step_s``: chunked
-prefill shares each step with the running decodes. When the view knows which in-flight
-requests have produced no output yet (``pending_prefill_tokens``), they are the queue:
-``queue_s = their prefill tokens / prefill_rate + their count * step_s``. Unmeasured rates
-fall back to the configured defaults. Every policy's ``choose`` raises ``ValueError`` on an
+and ``queue_s = queued_prefill_tokens / prefill_rate + num_queued * step_s``: the replica's
+``ReplicaLoad`` (``router.load``), each queued request sharing a decode step with the running
+batch (chunked prefill), one step costing ``num_running / decode_rate``. Unmeasured rates
+fall back to the configured defaults; ``pooled_prefill_rate`` gives the replicas of one
+deployment one measured prefill rate. Every policy's ``choose`` raises ``ValueError`` on an
 empty candidate list or a negative prompt length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +32,7 @@ import xxhash
 
 from router.config import RouterConfig
 from router.index_types import Match
+from router.load import ReplicaLoad
 from router.protocol import BlockHash, ReplicaStats
 
 
@@ -62,30 +64,12 @@ class RoutingReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ReplicaView:
-    """One routing candidate: its last reported stats plus the router's own in-flight count."""
+    """One routing candidate: its last reported stats (rates, liveness, KV format) and its
+    load now (``router.load.replica_load``: the stats merged with the routers' requests)."""
 
     replica_id: str
     stats: ReplicaStats
-    num_inflight: int = 0
-    inflight_prefill_tokens: tuple[int, ...] = ()
-    """Prompt tokens each of the router's in-flight requests on the replica will prefill
-    there, oldest decision first (empty when the caller does not track them): the newest
-    ``unreported(view)`` of them are priced as queued prefill the stats do not show yet."""
-    num_unreported: int | None = None
-    """In-flight requests decided after the stats' ``as_of_s`` (the newest of them), when the
-    caller knows; None: estimated as in-flight less the stats' waiting and running, which
-    misses a request that replaced a finished one within the stats period."""
-    inflight_complete: bool = False
-    """``num_inflight`` counts every router's requests on the replica, a round trip old (the
-    routers share them: ``cluster.inflight_board``), and drops each as it finishes: it is then
-    the replica's load now, where the stats are up to a period old and still count the
-    requests that finished since (a least-loaded router reading them sends the next request
-    away from the replica that just freed a slot)."""
-    pending_prefill_tokens: tuple[int, ...] | None = None
-    """Prefill tokens of the in-flight requests on the replica that have produced no output
-    yet (every router's, oldest first), when the callers report first outputs
-    (``cluster.inflight``): the replica's prefill queue now, which replaces the stats' queue
-    and the unreported-request estimate in ``TTFTModel.queue_s``. None: not known."""
+    load: ReplicaLoad
 
 
 @dataclass(frozen=True)
@@ -140,21 +124,21 @@ class TTFTModel:
         return stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s
 
     def decode_step_s(self, view: ReplicaView) -> float:
-        """One decode step of the replica's running batch now (``running_now``), at the decode
-        rate it reported."""
-        num_running = running_now(view)
+        """One decode step of the replica's running batch now, at the decode rate it
+        reported."""
+        num_running = view.load.num_running
         if view.stats.decode_tokens_per_s > 0 and num_running > 0:
             return num_running / view.stats.decode_tokens_per_s
         return self.default_decode_step_s
 
     def queue_s(self, view: ReplicaView) -> float:
         """Wait before this replica starts a new prefill: the prompt tokens queued ahead, plus
-        one decode step per request ahead (chunked prefill shares each step with the running
-        decodes); what is ahead is ``queued_now``."""
-        num_ahead, num_queued_tokens = queued_now(view)
-        return num_queued_tokens / self.prefill_tokens_per_s(
+        one decode step per queued request (chunked prefill shares each step with the running
+        decodes)."""
+        load = view.load
+        return load.queued_prefill_tokens / self.prefill_tokens_per_s(
             view.stats
-        ) + num_ahead * self.decode_step_s(view)
+        ) + load.num_queued * self.decode_step_s(view)
 
     def predicted_ttft_s(
         self,
@@ -187,7 +171,7 @@ class TTFTModel:
             num_miss_tokens -= num_remote_tokens
             pull_s = num_remote_tokens / self.kv_pull_tokens_per_s
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
-        busy = running_now(view) + queued_now(view)[0] > 0
+        busy = view.load.num_requests > 0
         return (
             self.queue_s(view)
             + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
@@ -195,6 +179,16 @@ class TTFTModel:
             + pull_s
             + (self.decode_step_s(view) if busy else 0.0)
         )
+
+
+def load_rank(view: ReplicaView) -> tuple[int, int]:
+    """How loaded a replica is where a policy chooses by load, lightest first: the prefill
+    tokens queued there (what a new request's first token waits behind), then its requests
+    (a running one only lengthens each step a little). By request count alone, a closed loop
+    of equal requests locks into cohorts: the requests that finish together on one replica
+    leave it the fewest, their successors all go there, prefill in one step and finish
+    together again, each paying the whole cohort's prefill."""
+    return view.load.queued_prefill_tokens, view.load.num_requests
 
 
 def check_request(replicas: Sequence[ReplicaView], num_prompt_tokens: int) -> None:
@@ -241,52 +235,23 @@ def pull_source(matches: Mapping[str, Match], replica_id: str) -> tuple[str, int
     return best
 
 
-def replica_load(view: ReplicaView) -> int:
-    """Requests on the replica now: every router's in-flight count when the view has it
-    (``inflight_complete``); else its reported waiting + running, or the router's own
-    in-flight count when that is larger (decisions the stats do not show yet)."""
-    if view.inflight_complete:
-        return view.num_inflight
-    return max(view.stats.num_waiting + view.stats.num_running, view.num_inflight)
+def pooled_prefill_rate(views: Sequence[ReplicaView]) -> list[ReplicaView]:
+    """The views with one prefill rate for the replicas that measured one: the median.
 
-
-def running_now(view: ReplicaView) -> int:
-    """Requests decoding on the replica now. With every router's in-flight requests and which
-    of them produced output (``pending_prefill_tokens``): those that did. With every router's
-    requests and the stats' time (``num_unreported`` known): those decided before the stats
-    and still in flight, less the stats' waiting ones. Else the stats' running count."""
-    if view.inflight_complete and view.pending_prefill_tokens is not None:
-        return max(0, view.num_inflight - len(view.pending_prefill_tokens))
-    if view.inflight_complete and view.num_unreported is not None:
-        return max(0, view.num_inflight - view.num_unreported - view.stats.num_waiting)
-    return view.stats.num_running
-
-
-def queued_now(view: ReplicaView) -> tuple[int, int]:
-    """(requests ahead of a new prefill on the replica, the prompt tokens they have still to
-    prefill): its requests with no output yet when the view knows them
-    (``pending_prefill_tokens``); else the stats' waiting requests and queued tokens plus the
-    requests the stats do not show yet, with the prefill they queued."""
-    pending = view.pending_prefill_tokens
-    if pending is not None:
-        return len(pending), sum(pending)
-    return (
-        view.stats.num_waiting + unreported(view),
-        view.stats.num_queued_prefill_tokens + unreported_prefill_tokens(view),
-    )
-
-
-def unreported(view: ReplicaView) -> int:
-    """Requests the router sent that the replica's stats do not show yet."""
-    if view.num_unreported is not None:
-        return view.num_unreported
-    return max(0, view.num_inflight - view.stats.num_waiting - view.stats.num_running)
-
-
-def unreported_prefill_tokens(view: ReplicaView) -> int:
-    """Prompt tokens the router's newest ``unreported(view)`` in-flight requests will prefill
-    on the replica (0 when the view carries none)."""
-    num_unreported = unreported(view)
-    if not num_unreported:
-        return 0
-    return sum(view.inflight_prefill_tokens[-num_unreported:])
+    One deployment's replicas run one engine configuration on one kind of hardware; what
+    their measured prefill rates differ by is the load and contention while they measured
+    (on a shared CPU a busy replica measured 190 tokens/s, an idle one 80). Priced per
+    replica, a replica that measured slow looked dear for every cold prompt, got none and
+    never measured again (a 3-replica run sent 40, 20 and 4 of 64 requests). A replica that
+    has measured nothing keeps 0, the model's configured default: it is idle, so it gets
+    requests and measures."""
+    rates = [v.stats.prefill_tokens_per_s for v in views if v.stats.prefill_tokens_per_s > 0]
+    if not rates:
+        return list(views)
+    rate = statistics.median(rates)
+    return [
+        dataclasses.replace(v, stats=dataclasses.replace(v.stats, prefill_tokens_per_s=rate))
+        if v.stats.prefill_tokens_per_s > 0
+        else v
+        for v in views
+    ]

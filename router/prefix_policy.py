@@ -5,13 +5,13 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
 1. Load bound. Candidates are the replicas whose count of requests this router recently
    sent them (``RecentCounts``, a decayed window of ``load_window_per_replica`` decisions
    per replica) stays within ``max_load_ratio`` x the mean + ``LOAD_BOUND_SLACK_REQUESTS``
-   after this one (bounded-load hashing), or that hold no more requests right now than the
-   least loaded replica under the bound: the counts see only this router's share of the
-   traffic (each ingress replica routes with its own), and a replica no busier than the
-   others is not being piled on, whatever this router sent it lately. A hot prefix whose
-   holder is at the bound and busier goes to the cheapest other replica, which then holds a
-   copy and shares it. None turns this
-   off. When the bound excluded a cheaper replica the reason is ``LOAD_BOUND``.
+   after this one (bounded-load hashing), or that are no more loaded right now
+   (``router.policy.load_rank``) than the least loaded replica under the bound: the counts
+   see only this router's share of the traffic (each ingress replica routes with its own),
+   and a replica no busier than the others is not being piled on, whatever this router sent
+   it lately. A hot prefix whose holder is at the bound and busier goes to the cheapest
+   other replica, which then holds a copy and shares it. None turns this off. When the
+   bound excluded a cheaper replica the reason is ``LOAD_BOUND``.
 2. Price. Every candidate costs ``TTFTModel.predicted_ttft_s`` with ``miss_cost_factor``;
    with ``kv_pull_tokens_per_s`` set, the part of the prompt a peer holds on its device and
    the candidate lacks is priced as a pull from that peer instead of a prefill, and the
@@ -19,9 +19,13 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
    ``pull_blocks``): the replica performs the pull it was priced with.
    Candidates within ``tie_tolerance_s`` of the minimum tie; a unique winner is ``PREFIX``
    (it holds a prefix) or ``SHORTEST_QUEUE`` (it holds none). Ties prefer the longest match,
-   then the fewest requests on the replica, then the fewest recently sent (spreads new
-   prefixes, like SGLang's smallest tree), then rendezvous (highest random weight) hashing of
-   the first block: ``TIE``, or ``COLD`` when no candidate holds anything.
+   then the least loaded replica (``router.policy.load_rank``: the fewest prefill tokens
+   queued, then the fewest requests), then the fewest recently sent (spreads new prefixes,
+   like SGLang's smallest tree), then rendezvous (highest random weight) hashing of the
+   first block: ``TIE``, or ``COLD`` when no candidate holds anything. With equal caches
+   every candidate ties on the match, and the price's decode-step terms (a rate measured at
+   another batch size) can bring replicas with unequal queues within the tolerance: the
+   queue, not the request count, then decides.
 How it fails: the bound trades hits for balance. A prefix popular enough to exceed the
 bound on one replica is re-prefilled on another (its hit rate drops by one prefill per
 copy), and routers that share no history balance only their own traffic.
@@ -40,11 +44,11 @@ from router.policy import (
     RoutingReason,
     TTFTModel,
     check_request,
+    load_rank,
     num_matched,
     peer_device_blocks,
     pull_source,
     rendezvous_pick,
-    replica_load,
 )
 from router.protocol import BlockHash
 
@@ -85,7 +89,7 @@ class RecentCounts:
 
 class PrefixPolicy:
     """Minimum predicted TTFT among the replicas under the load bound; ties by longest match,
-    then fewest requests in flight, then fewest recently sent, then rendezvous."""
+    then least loaded, then fewest recently sent, then rendezvous."""
 
     name = "prefix"
 
@@ -111,9 +115,9 @@ class PrefixPolicy:
             return list(replicas)
         # The counts see only this router's traffic: a replica over the bound stays a candidate
         # while it is no more loaded right now than the least loaded replica under it.
-        least_under = min(replica_load(v) for v, ok in zip(replicas, under, strict=True) if ok)
+        least_under = min(load_rank(v) for v, ok in zip(replicas, under, strict=True) if ok)
         return [
-            v for v, ok in zip(replicas, under, strict=True) if ok or replica_load(v) <= least_under
+            v for v, ok in zip(replicas, under, strict=True) if ok or load_rank(v) <= least_under
         ]
 
     def choose(
@@ -178,11 +182,12 @@ class PrefixPolicy:
         if len(tied) == 1:
             reason = RoutingReason.PREFIX if longest > 0 else RoutingReason.SHORTEST_QUEUE
             return tied[0], longest, reason
-        # Equal cost and equal match: the least loaded, then the least recently used (spreads
-        # new prefixes like SGLang's smallest tree), then rendezvous on the first block, so
-        # a cold prefix lands where every router with the same history agrees.
-        least = min(replica_load(v) for v in tied)
-        tied = [v for v in tied if replica_load(v) == least]
+        # Equal cost and equal match: the least loaded (``load_rank``: queued prefill first),
+        # then the least recently used (spreads new prefixes like SGLang's smallest tree),
+        # then rendezvous on the first block, so a cold prefix lands where every router with
+        # the same history agrees.
+        least = min(load_rank(v) for v in tied)
+        tied = [v for v in tied if load_rank(v) == least]
         fewest = min(round(self._recent.get(v.replica_id)) for v in tied)
         tied = [v for v in tied if round(self._recent.get(v.replica_id)) == fewest]
         key = block_hashes[0] if block_hashes else b""

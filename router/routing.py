@@ -1,7 +1,8 @@
 """Router: one router process's decision path (index lookup + policy + speculation + metrics).
 
 Owns what happens per request: hash the prompt (block hash v1), one index lookup
-(``lookup``), then the decision (``decide``): the configured policy and, for the ``prefix``
+(``lookup``), then the decision (``decide``): one measured prefill rate for the replicas
+(``policy.pooled_prefill_rate``), the configured policy and, for the ``prefix``
 policy, a speculative entry of the request's blocks on the chosen replica, so siblings that
 arrive before its KV events still find it. ``route`` is both. The speculative write happens
 off the request path by default, in one daemon thread; until it lands (and for its TTL) the
@@ -31,7 +32,7 @@ from router.config import RouterConfig
 from router.index import FallbackIndex, PrefixIndex, make_index
 from router.metrics import RouterMetrics
 from router.policies import make_policy
-from router.policy import Decision, ReplicaView, RoutingReason
+from router.policy import Decision, ReplicaView, RoutingReason, pooled_prefill_rate
 from router.protocol import BlockHash, hash_blocks
 from router.recent_decisions import RecentDecisions, merge_matches
 
@@ -204,8 +205,10 @@ class Router:
         lookup: Lookup,
     ) -> Decision:
         """The policy's choice given ``lookup``'s answer (no index: by load, reason
-        ``fallback``), with this router's decisions the lookup could not see merged in; no
-        I/O but the speculative write when not in the background."""
+        ``fallback``), with this router's decisions the lookup could not see merged in and
+        the replicas priced at one prefill rate (``pooled_prefill_rate``); no I/O but the
+        speculative write when not in the background."""
+        replicas = pooled_prefill_rate(replicas)
         matches = lookup.matches
         if self._recent is not None and lookup.recent_mark is not None:
             # Also when the index was unreachable: matching releases the lookup's mark.

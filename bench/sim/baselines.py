@@ -7,9 +7,10 @@ Each policy has a ``name`` and ``choose(sim, request) -> replica index``; it may
 - ``round_robin``, ``least_loaded``, ``pow2``: ``router.baselines``' own classes, run
   unchanged on the same ``ReplicaView``s ``bench/sim/ours.py`` builds, so simulated and
   deployed baselines break ties the same way: round robin walks the replicas in replica-id
-  order, least loaded (waiting + running, or in-flight if larger) ties by rendezvous on the
-  first block, pow2 draws from its own rng seeded with the run's seed and keeps the first
-  draw unless the second is strictly less loaded. Matches are not computed for them.
+  order, least loaded (``router.policy.load_rank``: queued prefill tokens, then requests)
+  ties by rendezvous on the first block, pow2 draws from its own rng seeded with the run's
+  seed and keeps the first draw unless the second is strictly less loaded. Matches are not
+  computed for them.
 - ``sglang_cache_aware``: SGLang router's cache-aware policy, re-implemented from its docs.
   An *approximate* tree per replica of what the router itself sent there (never told about
   evictions), kept here at block granularity (block ids are prefix-chained, so a set of ids is

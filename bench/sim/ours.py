@@ -12,8 +12,10 @@ what the cluster would:
   included) first, then host blocks. ``speculative=False`` turns that off.
 - ``ReplicaView``: ``ReplicaStats`` from the replica's simulated state (waiting and running
   requests, KV usage, the calibrated prefill/decode/host rates, prompt tokens queued for
-  prefill) and the router's in-flight count. Views are rebuilt only when a replica changed
-  (``SimViews``; ``bench/sim/baselines.py`` runs ``router.baselines`` on the same views).
+  prefill) and its ``ReplicaLoad``, exact: the simulator knows every request's state when it
+  decides, as a router whose tracker hears every event at once would. Views are rebuilt only
+  when a replica changed (``SimViews``; ``bench/sim/baselines.py`` runs ``router.baselines``
+  on the same views).
 
 Block ids are handed to the policy as 16-byte big-endian values, the shape of real hashes.
 Failure modes: if ``router.policy`` is missing or its interface changed, construction raises
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from router.config import RouterConfig
 from router.index_types import Match
+from router.load import ReplicaLoad
 from router.policies import make_policy
 from router.policy import ReplicaView
 from router.protocol import HASH_NUM_BYTES, ReplicaStats
@@ -89,9 +92,13 @@ class SimViews:
                     rates.host_to_device_tokens_per_s if sim.config.host_capacity_blocks else 0.0
                 ),
             )
-            self._views[replica.index] = ReplicaView(
-                replica.replica_id, stats, num_inflight=replica.num_inflight
+            load = ReplicaLoad(
+                num_queued=stats.num_waiting + (1 if replica.prefilling else 0),
+                queued_prefill_tokens=replica.num_queued_prefill_tokens,
+                num_running=replica.num_running,
+                as_of_s=sim.now_s,
             )
+            self._views[replica.index] = ReplicaView(replica.replica_id, stats, load)
             self._versions[replica.index] = replica.version
         return self._views[replica.index]
 

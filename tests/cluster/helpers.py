@@ -1,17 +1,23 @@
 """Helpers of the cluster tests that run without Ray: replica objects over real engines, a
-stand-in for a peer replica's handle, and what Serve hands the request router (a pending
-call, a running replica)."""
+stand-in for a peer replica's handle, the request router as Serve builds it, and what Serve
+hands that router (a pending call, a running replica)."""
 
 from __future__ import annotations
 
 import pickle
 from types import SimpleNamespace
 
-from ray.serve._private.common import RequestMetadata
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
+from cluster.inflight_board import InflightBoard, LocalBoardClient
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.replica import EngineReplica
+from cluster.request_router import PrefixAwareRequestRouter
+from router.config import RouterConfig
+from router.index import PrefixIndex
+from router.load import LoadTracker
+from router.routing import Router
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.outputs import ChoiceDelta, FinishReason, OutputDelta
@@ -94,3 +100,32 @@ def pending(request_id: str, prompt: list[int], hashes: list[bytes]) -> PendingR
         kwargs={"cache_salt": None, "block_hashes": hashes},
         metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id),
     )
+
+
+def request_router(
+    router_config: dict,
+    index: PrefixIndex,
+    model_id: str = "",
+    load: LoadTracker | None = None,
+    board: InflightBoard | None = None,
+    board_client=None,
+) -> PrefixAwareRequestRouter:
+    """``PrefixAwareRequestRouter`` constructed and initialized as Serve does, over ``index``
+    (speculative entries written at once, so a test sees them), with a tracker of its own
+    (``load``, or a fresh one) and, with ``board``, a client of that in-flight board (or
+    ``board_client`` itself)."""
+    request_router_ = PrefixAwareRequestRouter(
+        deployment_id=DeploymentID(name="EngineReplica", app_name="test-app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+    )
+    load = load if load is not None else LoadTracker()
+    config = RouterConfig(**router_config)
+    request_router_.initialize_state(
+        router_config,
+        load=load,
+        router=Router(config, model_id, index=index, speculate_in_background=False),
+        board=board_client
+        if board is None
+        else LocalBoardClient(board, load.snapshot, load.tracker_id),
+    )
+    return request_router_

@@ -91,34 +91,34 @@ def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
         asyncio.run(collect())
 
 
-def test_an_engine_calls_first_output_is_reported_to_the_ledger_that_routed_it():
-    """The stand-in handle does what Serve's router does with the call: it records the
-    decision under the call's internal request id (the ingress sets one per call). When the
-    first output arrives the client reports it, and that ledger marks the request as past
-    its prefill (``cluster.inflight``)."""
+def test_an_engine_calls_first_output_is_reported_to_the_tracker_it_was_handed():
+    """The stand-in handle does what Serve's request router does with the call: it tells the
+    load tracker of the decision, under the call's internal request id (the client sets one
+    per call). When the first output arrives the client reports it to the tracker it was
+    handed, which then counts the request as running, no longer queued (``router.load``)."""
     from ray.serve.context import _get_serve_request_context
 
-    from cluster.inflight import InflightLedger
+    from router.load import LoadTracker
 
-    ledger = InflightLedger(ttl_s=60.0)
+    tracker = LoadTracker()
     seen = {}
 
     class _Method:
         def remote(self, request_id, prompt_ids, params, **kwargs):
             seen["key"] = _get_serve_request_context()._internal_request_id
-            ledger.decided(seen["key"], "a", len(prompt_ids))
-            seen["awaiting"] = ledger.timed_snapshot()["a"][0][2]
+            tracker.decided(seen["key"], "a", len(prompt_ids))
+            seen["queued"] = [r.queued for r in tracker.snapshot().on("a")]
             return _DyingCall([_item(7, False)])
 
     class _Handle:
         generate = _Method()
 
-    client = EngineClient(_Handle(), block_size=16, cache_namespace="m")
+    client = EngineClient(_Handle(), block_size=16, cache_namespace="m", load=tracker)
     first, _ = asyncio.run(client._open("r", [1, 2, 3], SamplingParams(max_tokens=3), None))
     assert first.new_token_ids == [7]
-    assert seen["key"] and seen["awaiting"]  # a fresh id, awaiting at the decision
-    assert ledger.timed_snapshot()["a"][0][2] is False
-    assert ledger.marks_first_outputs
+    assert seen["key"] and seen["queued"] == [True]  # a fresh id, queued at the decision
+    (request,) = tracker.snapshot().on("a")
+    assert request.first_output_at_s is not None and not request.queued
 
 
 def _pushed_run(

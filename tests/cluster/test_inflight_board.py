@@ -14,13 +14,12 @@ import time
 
 import pytest
 
-from cluster.inflight import first_output_arrived
-from cluster.inflight_board import InflightBoard, LocalBoardClient, merge_inflight
+from cluster.inflight_board import InflightBoard
 from cluster.request_router import PrefixAwareRequestRouter
 from router.embedded_index import EmbeddedIndex
-from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
-from router.routing import Router
-from tests.cluster.helpers import pending, running
+from router.load import LoadSnapshot, TrackedRequest
+from router.protocol import EventKind, KVEvent, KVEventBatch, ReplicaStats, Tier, hash_blocks
+from tests.cluster.helpers import pending, request_router, running
 
 BLOCK_SIZE = 16
 MODEL_ID = "board-model"
@@ -34,49 +33,45 @@ class FakeClock:
         return self.now_s
 
 
+def snapshot(**requests) -> LoadSnapshot:
+    """Replica id -> (decided_at_s, prefill_tokens) of requests still queued."""
+    return LoadSnapshot(
+        {rid: tuple(TrackedRequest(*row) for row in rows) for rid, rows in requests.items()}
+    )
+
+
 def test_each_router_sees_the_others_snapshots_merged_oldest_first_but_not_its_own():
     board = InflightBoard(FakeClock())
-    board.report("r1", 1, {"a": ((1.0, 500), (3.0, 20))}, ttl_s=10.0)
-    board.report("r2", 1, {"a": ((2.0, 300),), "b": ((4.0, 0),)}, ttl_s=10.0)
-    board.report("r3", 1, {"b": ((0.5, 64),)}, ttl_s=10.0)
-    assert board.peers("r3") == {"a": ((1.0, 500), (2.0, 300), (3.0, 20)), "b": ((4.0, 0),)}
-    assert board.peers("r1") == {"a": ((2.0, 300),), "b": ((0.5, 64), (4.0, 0))}
+    board.report("r1", 1, snapshot(a=[(1.0, 500), (3.0, 20)]), ttl_s=10.0)
+    board.report("r2", 1, snapshot(a=[(2.0, 300)], b=[(4.0, 0)]), ttl_s=10.0)
+    board.report("r3", 1, snapshot(b=[(0.5, 64)]), ttl_s=10.0)
+    assert board.peers("r3") == snapshot(a=[(1.0, 500), (2.0, 300), (3.0, 20)], b=[(4.0, 0)])
+    assert board.peers("r1") == snapshot(a=[(2.0, 300)], b=[(0.5, 64), (4.0, 0)])
 
 
 def test_a_late_older_report_does_not_undo_a_newer_one():
     board = InflightBoard(FakeClock())
-    assert board.report("r1", 2, {}, ttl_s=10.0)  # the request completed...
-    assert not board.report("r1", 1, {"a": ((1.0, 500),)}, ttl_s=10.0)  # ...its decision late
-    assert board.peers("r2") == {}
+    assert board.report("r1", 2, LoadSnapshot(), ttl_s=10.0)  # the request completed...
+    assert not board.report("r1", 1, snapshot(a=[(1.0, 500)]), ttl_s=10.0)  # ...decided late
+    assert board.peers("r2") == LoadSnapshot()
 
 
 def test_a_router_that_stops_reporting_stops_counting_after_the_ttl():
     clock = FakeClock()
     board = InflightBoard(clock)
-    board.report("gone", 1, {"a": ((1.0, 500),)}, ttl_s=10.0)
-    board.report("alive", 1, {"a": ((2.0, 40),)}, ttl_s=10.0)
+    board.report("gone", 1, snapshot(a=[(1.0, 500)]), ttl_s=10.0)
+    board.report("alive", 1, snapshot(a=[(2.0, 40)]), ttl_s=10.0)
     clock.now_s += 6.0
-    board.report("alive", 2, {"a": ((2.0, 40),)}, ttl_s=10.0)  # a refresh
+    board.report("alive", 2, snapshot(a=[(2.0, 40)]), ttl_s=10.0)  # a refresh
     clock.now_s += 6.0
-    assert board.peers("me") == {"a": ((2.0, 40),)}
+    assert board.peers("me") == snapshot(a=[(2.0, 40)])
     assert board.last_report_s == 106.0
 
 
-def test_merge_orders_own_and_peer_requests_by_decision_time():
-    own = {"a": ((2.0, 200),), "c": ((1.0, 16),)}
-    peers = {"a": ((1.0, 500), (3.0, 0)), "b": ((5.0, 80),)}
-    assert merge_inflight(own, peers) == {
-        "a": ((1.0, 500), (2.0, 200), (3.0, 0)),
-        "b": ((5.0, 80),),
-        "c": ((1.0, 16),),
-    }
-
-
-def request_router(policy: str, index: EmbeddedIndex) -> PrefixAwareRequestRouter:
-    router = object.__new__(PrefixAwareRequestRouter)  # Serve's own __init__ needs a cluster
-    router.initialize_state({"block_size": BLOCK_SIZE, "policy": policy})
-    router._router = Router(router.config, MODEL_ID, index=index, speculate_in_background=False)
-    return router
+def board_router(policy: str, index: EmbeddedIndex, board=None) -> PrefixAwareRequestRouter:
+    return request_router(
+        {"block_size": BLOCK_SIZE, "policy": policy}, index, MODEL_ID, board=board
+    )
 
 
 def route(routers, turns, candidates, first_token: int) -> list[str]:
@@ -108,11 +103,8 @@ def test_a_router_sharing_a_board_sends_to_the_replica_the_other_left_idle(polic
         for replica_id in replica_ids:
             index.heartbeat(replica_id, 0)
         candidates = [running(r, prefill_tokens_per_s=200.0) for r in replica_ids]
-        routers = [request_router(policy, index), request_router(policy, index)]
-        if shared:
-            board = InflightBoard()
-            for router in routers:
-                router._board = LocalBoardClient(board, router._inflight.timed_snapshot)
+        board = InflightBoard() if shared else None
+        routers = [board_router(policy, index, board), board_router(policy, index, board)]
         chosen = route(routers, [0, 0, 1], candidates, first_token=1000 * (trial + 1))
         num_spread += len(set(chosen)) == 3
     if shared:
@@ -123,7 +115,7 @@ def test_a_router_sharing_a_board_sends_to_the_replica_the_other_left_idle(polic
 
 def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
     """The actor cannot be found (``ray.get_actor``'s ``ValueError``): the router decides on
-    its own ledger, warns once, and asks for the actor again on the next call."""
+    its own requests, warns once, and asks for the actor again on the next call."""
     from cluster.inflight_board import ActorBoardClient
 
     attempts = []
@@ -143,7 +135,7 @@ def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
     records = Records()
     serve_log = logging.getLogger("ray.serve")  # Serve's logger does not propagate to root
     serve_log.addHandler(records)
-    client = ActorBoardClient(get_actor, lambda: {"a": ((1.0, 16),)}, lookup_timeout_s=0.1)
+    client = ActorBoardClient(get_actor, lambda: snapshot(a=[(1.0, 16)]), lookup_timeout_s=0.1)
     try:
         assert client.peers() is None  # not {}: the router must know it lacks the peers
         assert client.peers() is None
@@ -157,9 +149,9 @@ def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
 
 def test_the_board_view_counts_other_routers_even_with_empty_snapshots():
     board = InflightBoard(FakeClock())
-    board.report("r1", 1, {}, ttl_s=10.0)
-    assert board.view("r2") == ({}, 1)
-    assert board.view("r1") == ({}, 0)
+    board.report("r1", 1, LoadSnapshot(), ttl_s=10.0)
+    assert board.view("r2") == (LoadSnapshot(), 1)
+    assert board.view("r1") == (LoadSnapshot(), 0)
 
 
 class _BoardActor:
@@ -197,21 +189,21 @@ def test_a_router_alone_on_the_board_skips_round_trips_until_another_router_repo
     monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
     board = InflightBoard()
     actor = _BoardActor(board)
-    mine = {"x": ((1.0, 16, True),)}
+    mine, theirs = snapshot(x=[(1.0, 16)]), snapshot(y=[(2.0, 8)])
     client = ActorBoardClient(lambda: actor, lambda: mine, lookup_timeout_s=1.0)
     try:
-        assert client.peers() == {} and actor.num_views == 1
-        assert client.peers() == {} and actor.num_views == 1  # alone: no round trip
+        assert client.peers() == LoadSnapshot() and actor.num_views == 1
+        assert client.peers() == LoadSnapshot() and actor.num_views == 1  # alone: no round trip
         client.changed()
         time.sleep(0.1)
-        assert board.view("observer") == ({}, 0)  # nobody reads it: nothing published
-        board.report("other", 1, {"y": ((2.0, 8, True),)}, ttl_s=10.0)
-        assert client.peers() == {"y": ((2.0, 8, True),)} and actor.num_views == 2
+        assert board.view("observer") == (LoadSnapshot(), 0)  # nobody reads: nothing published
+        board.report("other", 1, theirs, ttl_s=10.0)
+        assert client.peers() == theirs and actor.num_views == 2
         deadline = time.monotonic() + 2.0
         while board.peers("other") != mine:
             assert time.monotonic() < deadline, "the router never published once seen"
             time.sleep(0.01)
-        assert client.peers() == {"y": ((2.0, 8, True),)} and actor.num_views == 3
+        assert client.peers() == theirs and actor.num_views == 3
     finally:
         client.close()
 
@@ -222,11 +214,10 @@ def test_a_board_client_outside_a_ray_cluster_sends_nothing(monkeypatch):
     from cluster.inflight_board import ActorBoardClient
 
     looked_up = []
-    client = ActorBoardClient(
-        lambda: looked_up.append(1), lambda: {"x": ((1.0, 16, True),)}, lookup_timeout_s=0.1
-    )
+    mine = snapshot(x=[(1.0, 16)])
+    client = ActorBoardClient(lambda: looked_up.append(1), lambda: mine, lookup_timeout_s=0.1)
     try:
-        client._send({"x": ((1.0, 16, True),)})
+        client._send(mine)
         assert looked_up == []
     finally:
         client.close()
@@ -261,15 +252,17 @@ def test_awaited_board_reads_skip_round_trips_while_alone_and_time_out_to_none(m
     monkeypatch.setattr(inflight_board.ray, "get", lambda ref, timeout=None: asyncio.run(ref))
     monkeypatch.setattr(inflight_board.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
-    client = ActorBoardClient(lambda: Actor, dict, lookup_timeout_s=0.2)
+    client = ActorBoardClient(lambda: Actor, LoadSnapshot, lookup_timeout_s=0.2)
+    theirs = snapshot(y=[(2.0, 8)])
 
     async def main():
         nonlocal stall
-        assert await client.peers_async() == {} and len(calls) == 1  # resolves the actor
-        assert await client.peers_async() == {} and len(calls) == 1  # alone: no call
-        board.report("other", 1, {"y": ((2.0, 8, True),)}, ttl_s=10.0)
+        empty = LoadSnapshot()
+        assert await client.peers_async() == empty and len(calls) == 1  # resolves the actor
+        assert await client.peers_async() == empty and len(calls) == 1  # alone: no call
+        board.report("other", 1, theirs, ttl_s=10.0)
         await asyncio.sleep(0.06)
-        assert await client.peers_async() == {"y": ((2.0, 8, True),)} and len(calls) == 2
+        assert await client.peers_async() == theirs and len(calls) == 2
         stall = True
         assert await client.peers_async() is None
 
@@ -279,58 +272,44 @@ def test_awaited_board_reads_skip_round_trips_while_alone_and_time_out_to_none(m
         client.close()
 
 
-def test_views_count_the_decisions_made_after_the_stats_as_unreported():
-    """A replica's stats carry the time they were taken (``as_of_s``): the in-flight requests
-    decided later are the ones they do not show, whatever the counts say; without a time the
-    policy estimates (``num_unreported`` None)."""
-    router = request_router("prefix", EmbeddedIndex())
-    router._inflight.decided("old", "a", 300)
-    time.sleep(0.01)
-    as_of_s = time.time()
-    time.sleep(0.01)
-    router._inflight.decided("new", "a", 120)
-    router._inflight.decided("other", "b", 40)
-    stamped = running("a", num_running=2, as_of_s=as_of_s)
-    unstamped = running("b", num_running=1)
-    views = {v.replica_id: v for v in router._views([stamped, unstamped])}
-    assert (views["a"].num_inflight, views["a"].num_unreported) == (2, 1)
-    assert views["a"].inflight_prefill_tokens == (300, 120)
-    assert views["b"].num_unreported is None
+class SilentBoard:
+    """A board client whose reads never answer (the index actor down or too slow)."""
+
+    def changed(self) -> None:
+        pass
+
+    async def peers_async(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
-def test_views_are_complete_only_with_the_peers_answer():
-    """With the board's answer (even an empty one: no other router has anything in flight)
-    the in-flight counts are every router's, the load now; without it (None: the board did
-    not answer) they are this router's alone and the stats stay in charge."""
-    router = request_router("least_loaded", EmbeddedIndex())
-    router._inflight.decided("mine", "a", 50)
-    peers = {"b": ((time.time(), 80, True), (time.time(), 0, False))}
-    replicas = [running("a", num_running=3), running("b", num_running=1)]
-    views = {v.replica_id: v for v in router._views(replicas, peers)}
-    assert [(views[r].num_inflight, views[r].inflight_complete) for r in "ab"] == [
-        (1, True),
-        (2, True),
-    ]
-    assert all(v.inflight_complete for v in router._views(replicas, {}))
-    assert not any(v.inflight_complete for v in router._views(replicas, None))
+def test_with_the_board_silent_the_other_routers_requests_count_through_the_stats():
+    """Replica x's stats show three requests this router did not send (another router's; the
+    board does not answer), y's show none; this router's own request on y, sent after those
+    stats, is running. Least loaded sends the next request to y (one request, not x's
+    three), and once y's stats show that request it still counts once."""
+    router = request_router(
+        {"block_size": BLOCK_SIZE, "policy": "least_loaded"},
+        EmbeddedIndex(),
+        MODEL_ID,
+        board_client=SilentBoard(),
+    )
+    as_of_s = time.time() - 0.5
+    router.load.decided("mine", "y", 64)
+    router.load.routed("mine", "y")
+    router.load.first_output("mine")
+    candidates = [running("x", num_running=3, as_of_s=as_of_s), running("y", as_of_s=as_of_s)]
+    ids = [9] * 96
 
+    async def main():
+        call = pending("next", ids, hash_blocks(ids, BLOCK_SIZE, MODEL_ID, None))
+        return (await router.choose_replicas(candidates, call))[0][0].replica_id.unique_id
 
-def test_views_price_the_requests_awaiting_their_first_output_once_first_outputs_are_reported():
-    """Every router's in-flight requests that have produced no output are the replica's
-    prefill queue now. Until this router has seen a first output reported (a caller that
-    never reports them) the view does not claim to know (None)."""
-    router = request_router("prefix", EmbeddedIndex())
-    router._inflight.decided("views-mine-done", "a", 50)
-    router._inflight.decided("views-mine-prefilling", "a", 70)
-    peers = {"a": ((time.time(), 300, True),), "b": ((time.time(), 80, False),)}
-    replicas = [running("a", num_running=3), running("b", num_running=1)]
-    views = {v.replica_id: v for v in router._views(replicas, peers)}
-    assert views["a"].pending_prefill_tokens is None  # no first output reported yet
-    first_output_arrived("views-mine-done")
-    views = {v.replica_id: v for v in router._views(replicas, peers)}
-    assert views["a"].pending_prefill_tokens == (70, 300)
-    assert views["b"].pending_prefill_tokens == ()
-    assert router._views(replicas, None)[0].pending_prefill_tokens is None  # board silent
+    assert asyncio.run(main()) == "y"
+    newer = ReplicaStats(num_running=1, as_of_s=time.time())
+    assert router.load.loads({"y": newer})["y"].num_requests == 2  # "mine" and "next"
 
 
 def test_a_replica_whose_prefill_finished_since_its_stats_is_priced_as_free_to_start_another():
@@ -347,22 +326,21 @@ def test_a_replica_whose_prefill_finished_since_its_stats_is_priced_as_free_to_s
         index.apply(KVEventBatch(replica_id, 0, (stored,)))
     chosen = {}
     for reported in (False, True):
-        router = request_router("prefix", index)
-        router._board = LocalBoardClient(InflightBoard(), router._inflight.timed_snapshot)
-        keys = {name: f"{name}-{reported}" for name in ("x1", "x2", "y1")}  # unique per process
+        router = board_router("prefix", index, InflightBoard())
+        keys = {name: f"{name}-{reported}" for name in ("x1", "x2", "y1")}
         for name, replica_id, tokens in (("x1", "x", 40), ("x2", "x", 40), ("y1", "y", 900)):
-            router._inflight.decided(keys[name], replica_id, tokens)
-            router._inflight.routed(keys[name], replica_id)
+            router.load.decided(keys[name], replica_id, tokens)
+            router.load.routed(keys[name], replica_id)
         rates = {"prefill_tokens_per_s": 300.0, "decode_tokens_per_s": 100.0}
         as_of_s = time.time() + 0.001
         candidates = [
             running("x", num_running=2, as_of_s=as_of_s, **rates),
             running("y", num_running=1, num_queued_prefill_tokens=900, as_of_s=as_of_s, **rates),
         ]
-        first_output_arrived(keys["x1"])
-        first_output_arrived(keys["x2"])
+        router.load.first_output(keys["x1"])
+        router.load.first_output(keys["x2"])
         if reported:
-            first_output_arrived(keys["y1"])
+            router.load.first_output(keys["y1"])
 
         async def main(router=router, candidates=candidates):
             ranks = await router.choose_replicas(candidates, pending("new", warm, hashes))

@@ -20,8 +20,7 @@ from cluster.kv_pull import ReplicaKVPuller
 from cluster.request_router import PrefixAwareRequestRouter
 from router.embedded_index import EmbeddedIndex
 from router.protocol import hash_blocks
-from router.routing import Router
-from tests.cluster.helpers import PARAMS, PeerHandle, pending, replica, running
+from tests.cluster.helpers import PARAMS, PeerHandle, pending, replica, request_router, running
 from worker.config import EngineConfig
 from worker.outputs import OutputDelta
 
@@ -70,11 +69,9 @@ def with_puller(r, peers: dict, timeout_s: float = 5.0):
     return r
 
 
-def request_router(model_id: str, index: EmbeddedIndex) -> PrefixAwareRequestRouter:
-    router = object.__new__(PrefixAwareRequestRouter)  # Serve's own __init__ needs a cluster
-    router.initialize_state({"kv_pull_tokens_per_s": PULL_RATE, "block_size": BLOCK_SIZE})
-    router._router = Router(router.config, model_id, index=index, speculate_in_background=False)
-    return router
+def pulling_router(model_id: str, index: EmbeddedIndex) -> PrefixAwareRequestRouter:
+    config = {"kv_pull_tokens_per_s": PULL_RATE, "block_size": BLOCK_SIZE}
+    return request_router(config, index, model_id)
 
 
 async def run(r, pending_request: PendingRequest) -> tuple[int, list[int], list]:
@@ -104,7 +101,7 @@ def test_routed_to_a_replica_without_the_prefix_it_pulls_once_and_answers_as_a_h
     index = EmbeddedIndex()
     publisher = ReplicaKVPublisher(a.engine.drain_kv_events, index, "a", 10.0, 1.0)
     index.heartbeat("b", 0)
-    router = request_router(a.engine.model_id, index)
+    router = pulling_router(a.engine.model_id, index)
     candidates = [running("a", **BUSY), running("b")]
 
     async def main():

@@ -317,6 +317,7 @@ def test_the_routers_share_their_in_flight_requests_through_the_index_actor(
     from ray.serve._private.constants import SERVE_NAMESPACE
 
     from cluster.index_actor import index_actor_name
+    from router.load import LoadSnapshot
 
     url = f"http://127.0.0.1:{ray_cluster[1]}"
     actor = ray.get_actor(index_actor_name("routing-prefix"), namespace=SERVE_NAMESPACE)
@@ -332,20 +333,20 @@ def test_the_routers_share_their_in_flight_requests_through_the_index_actor(
 
     # The observer reports too, as a router would: a router that sees no other one on the
     # board publishes only its refreshes (cluster.inflight_board).
-    ray.get(actor.report_inflight.remote("an-observer", 1, {}, 120.0))
+    ray.get(actor.report_inflight.remote("an-observer", 1, LoadSnapshot(), 120.0))
     most_seen = 0
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(generate, prompt) for prompt in prompts]
         while not all(f.done() for f in futures):
             board = ray.get(actor.peer_inflight.remote("an-observer"))
-            most_seen = max(most_seen, sum(len(entries) for entries in board.values()))
+            most_seen = max(most_seen, board.num_in_flight)
             time.sleep(0.02)
         for future in futures:
             future.result()
     assert most_seen >= 2, most_seen
     deadline = time.monotonic() + 10.0
-    while ray.get(actor.peer_inflight.remote("an-observer")):
-        assert time.monotonic() < deadline, "finished requests stayed on the board"
+    while ray.get(actor.peer_inflight.remote("an-observer")).num_in_flight:
+        assert time.monotonic() < deadline, "finished requests stayed in flight on the board"
         time.sleep(0.1)
 
 

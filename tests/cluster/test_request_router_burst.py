@@ -14,11 +14,12 @@ import asyncio
 import collections
 import time
 
-from cluster.request_router import PrefixAwareRequestRouter, pooled_prefill_rate
+from cluster.request_router import PrefixAwareRequestRouter
 from router.embedded_index import EmbeddedIndex
+from router.load import ReplicaLoad
+from router.policy import ReplicaView, pooled_prefill_rate
 from router.protocol import ReplicaStats, hash_blocks
-from router.routing import Router
-from tests.cluster.helpers import pending, running
+from tests.cluster.helpers import pending, request_router, running
 
 BLOCK_SIZE = 16
 MODEL_ID = "burst-model"
@@ -35,14 +36,11 @@ class SlowIndex(EmbeddedIndex):
         return answer
 
 
-def request_router(replica_ids) -> PrefixAwareRequestRouter:
-    router = object.__new__(PrefixAwareRequestRouter)  # Serve's own __init__ needs a cluster
-    router.initialize_state({"block_size": BLOCK_SIZE, "max_load_ratio": None})
+def slow_router(replica_ids) -> PrefixAwareRequestRouter:
     index = SlowIndex()
     for replica_id in replica_ids:  # live: the index counts their (speculative) entries
         index.heartbeat(replica_id, 0)
-    router._router = Router(router.config, MODEL_ID, index=index, speculate_in_background=False)
-    return router
+    return request_router({"block_size": BLOCK_SIZE, "max_load_ratio": None}, index, MODEL_ID)
 
 
 def prompt(first_token: int) -> tuple[list[int], list[bytes]]:
@@ -68,7 +66,7 @@ def test_a_burst_of_cold_prompts_spreads_by_the_prefill_each_decision_queued():
         running("slow-1", prefill_tokens_per_s=200.0),
         running("slow-2", prefill_tokens_per_s=200.0),
     ]
-    router = request_router(["fast", "slow-1", "slow-2"])
+    router = slow_router(["fast", "slow-1", "slow-2"])
     chosen = burst(router, candidates, [prompt(100 + i) for i in range(6)])
     counts = collections.Counter(chosen)
     # As one decode step each, all 6 went to "fast"; priced by their prefill, ~2.6 : 1.7 : 1.7.
@@ -78,7 +76,7 @@ def test_a_burst_of_cold_prompts_spreads_by_the_prefill_each_decision_queued():
 def test_siblings_in_one_burst_follow_the_first_one():
     candidates = [running(name, prefill_tokens_per_s=200.0) for name in ("a", "b", "c")]
     shared = prompt(5)
-    chosen = burst(request_router("abc"), candidates, [shared] * 3 + [prompt(6)])
+    chosen = burst(slow_router("abc"), candidates, [shared] * 3 + [prompt(6)])
     # The shared prompt's three copies go where the first went (they would prefill it once
     # there); the cold prompt goes elsewhere.
     assert len(set(chosen[:3])) == 1, chosen
@@ -86,17 +84,20 @@ def test_siblings_in_one_burst_follow_the_first_one():
 
 
 def test_replicas_that_measured_are_priced_at_one_rate_the_median():
-    stats = [
-        ReplicaStats(prefill_tokens_per_s=190.0, num_running=8),
-        ReplicaStats(prefill_tokens_per_s=80.0),
-        ReplicaStats(prefill_tokens_per_s=120.0),
-        ReplicaStats(),  # measured nothing yet
+    def view(**stats) -> ReplicaView:
+        return ReplicaView("r", ReplicaStats(**stats), ReplicaLoad(num_running=8))
+
+    views = [
+        view(prefill_tokens_per_s=190.0, num_running=8),
+        view(prefill_tokens_per_s=80.0),
+        view(prefill_tokens_per_s=120.0),
+        view(),  # measured nothing yet
     ]
-    pooled = pooled_prefill_rate(stats)
+    pooled = pooled_prefill_rate(views)
     # The median of 190, 80 and 120; the replica that measured nothing keeps the default.
-    assert [s.prefill_tokens_per_s for s in pooled] == [120.0, 120.0, 120.0, 0.0]
-    assert pooled[0].num_running == 8  # the rest is each replica's own
-    assert pooled_prefill_rate([ReplicaStats()]) == [ReplicaStats()]
+    assert [v.stats.prefill_tokens_per_s for v in pooled] == [120.0, 120.0, 120.0, 0.0]
+    assert pooled[0].stats.num_running == 8 and pooled[0].load == views[0].load  # the rest
+    assert pooled_prefill_rate([view()]) == [view()]
 
 
 def test_a_replica_that_measured_a_slow_prefill_still_gets_cold_prompts():
@@ -106,5 +107,5 @@ def test_a_replica_that_measured_a_slow_prefill_still_gets_cold_prompts():
         running("busy", prefill_tokens_per_s=190.0, num_running=3),
         running("idle", prefill_tokens_per_s=80.0),
     ]
-    chosen = burst(request_router(["busy", "idle"]), candidates, [prompt(200)])
+    chosen = burst(slow_router(["busy", "idle"]), candidates, [prompt(200)])
     assert chosen == ["idle"]

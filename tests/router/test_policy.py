@@ -9,6 +9,7 @@ import pytest
 
 from router.config import RouterConfig
 from router.index_types import Match
+from router.load import ReplicaLoad, replica_load
 from router.policies import make_policy
 from router.policy import (
     ReplicaView,
@@ -29,7 +30,9 @@ def prompt_blocks(first_token: int, num_blocks: int = 8) -> list[bytes]:
 
 
 def idle(replica_id: str, **stats) -> ReplicaView:
-    return ReplicaView(replica_id, ReplicaStats(**stats))
+    """A replica whose stats are its whole load (no tracked requests)."""
+    replica_stats = ReplicaStats(**stats)
+    return ReplicaView(replica_id, replica_stats, replica_load(replica_stats))
 
 
 def test_cold_start_spreads_by_rendezvous_and_independent_routers_agree():
@@ -66,11 +69,15 @@ def test_hot_prefix_spills_exactly_when_that_lowers_the_priced_ttft(factor):
     num_tokens = 2048
     matches = {"holder": Match(device_blocks=120)}  # holds 1920 tokens
     rate = CONFIG.default_prefill_tokens_per_s
+    step_s = CONFIG.default_decode_step_s
     cold_cost_s = factor * num_tokens / rate
-    # queue_s such that the holder is 10 ms better, then 10 ms worse than the empty replica.
+    # A queue on the holder such that it is 10 ms better, then 10 ms worse than the empty
+    # replica: one queued request costs its tokens, a decode step, and the holder is busy
+    # (one more step for the request's own prefill).
     for margin_s, expected in ((-0.01, "holder"), (0.01, "other")):
-        queued_s = cold_cost_s - factor * (num_tokens - 1920) / rate + margin_s
-        holder = idle("holder", num_queued_prefill_tokens=round(queued_s * rate))
+        queued_s = cold_cost_s - factor * (num_tokens - 1920) / rate + margin_s - 2 * step_s
+        load = ReplicaLoad(num_queued=1, queued_prefill_tokens=round(queued_s * rate))
+        holder = ReplicaView("holder", ReplicaStats(), load)
         decision = policy.choose(blocks, num_tokens, [holder, idle("other")], matches)
         assert decision.replica_id == expected
         chosen = holder if expected == "holder" else idle("other")
@@ -151,7 +158,7 @@ def test_kv_pull_rate_must_be_positive_or_none(rate):
         RouterConfig(kv_pull_tokens_per_s=rate)
 
 
-def test_measured_rates_beat_defaults_and_inflight_requests_count_as_queue():
+def test_measured_rates_beat_defaults_and_a_replicas_requests_break_a_tie():
     policy = make_policy(CONFIG)
     blocks = prompt_blocks(4, num_blocks=64)
     fast = idle("fast", prefill_tokens_per_s=4 * CONFIG.default_prefill_tokens_per_s)
@@ -161,17 +168,19 @@ def test_measured_rates_beat_defaults_and_inflight_requests_count_as_queue():
     tied = [idle("x"), idle("y")]
     first = policy.choose(blocks, 1024, tied, {})
     loaded = [
-        ReplicaView(v.replica_id, v.stats, num_inflight=int(v.replica_id == first.replica_id))
+        ReplicaView(
+            v.replica_id, v.stats, ReplicaLoad(num_running=int(v.replica_id == first.replica_id))
+        )
         for v in tied
     ]
     assert policy.choose(blocks, 1024, loaded, {}).replica_id != first.replica_id
 
 
-def test_a_burst_of_cold_prompts_between_two_stats_reports_spreads_by_queued_prefill():
-    """Stats arrive once a second; the decisions of a burst see the same stale stats. Each
-    request the router sent since is priced with the prefill it queued, so a replica with a
-    faster measured prefill rate takes one cold prompt, not the whole burst (7 of 8
-    went to one of three replicas when they counted only as decode steps)."""
+def test_a_burst_of_cold_prompts_spreads_by_the_prefill_each_decision_queued():
+    """The decisions of a burst see each other's prefill (the load counts a request from its
+    decision on): a replica with a faster measured prefill rate takes one cold prompt, not
+    the whole burst (7 of 8 went to one of three replicas when they counted only as decode
+    steps)."""
     policy = make_policy(dataclasses.replace(CONFIG, max_load_ratio=None))
     rates = {"fast": 1500.0, "slow-1": 1000.0, "slow-2": 1000.0}
     sent: dict[str, list[int]] = {name: [] for name in rates}
@@ -180,8 +189,7 @@ def test_a_burst_of_cold_prompts_between_two_stats_reports_spreads_by_queued_pre
             ReplicaView(
                 name,
                 ReplicaStats(prefill_tokens_per_s=rate),
-                len(sent[name]),
-                tuple(sent[name]),
+                ReplicaLoad(num_queued=len(sent[name]), queued_prefill_tokens=sum(sent[name])),
             )
             for name, rate in rates.items()
         ]
@@ -193,89 +201,56 @@ def test_a_burst_of_cold_prompts_between_two_stats_reports_spreads_by_queued_pre
     assert counts["fast"] <= 3 and min(counts.values()) >= 1, counts
 
 
-def test_only_the_requests_the_stats_do_not_show_add_their_prefill():
+def test_the_ttft_model_prices_the_queue_and_the_running_batch_of_the_load():
+    """Queued requests cost their prefill tokens and one decode step each; a step costs the
+    running requests at the measured decode rate; the stats' own counts play no part."""
+    stats = ReplicaStats(
+        num_running=7,  # the stats' counts are not the load: ignored
+        num_queued_prefill_tokens=600,
+        prefill_tokens_per_s=400.0,
+        decode_tokens_per_s=40.0,
+    )
     model = TTFTModel(CONFIG)
-    rate = CONFIG.default_prefill_tokens_per_s
-    # The stats show one request (the older one): only the newest, 100 tokens, is unreported.
-    view = ReplicaView("a", ReplicaStats(num_running=1), 2, (8000, 100))
-    step_s = CONFIG.default_decode_step_s
-    assert model.queue_s(view) == pytest.approx(100 / rate + step_s)
-    # Without the tokens (a caller that does not track them) it is one decode step each.
-    assert model.queue_s(ReplicaView("a", ReplicaStats(num_running=1), 2)) == pytest.approx(step_s)
+    view = ReplicaView(
+        "a", stats, ReplicaLoad(num_queued=1, queued_prefill_tokens=80, num_running=2)
+    )
+    assert model.decode_step_s(view) == pytest.approx(2 / 40.0)
+    assert model.queue_s(view) == pytest.approx(80 / 400.0 + 2 / 40.0)
+    assert model.predicted_ttft_s(view, None, 40) == pytest.approx(
+        80 / 400.0 + 2 / 40.0 + 40 / 400.0 + 2 / 40.0
+    )
+    idle_now = ReplicaView("a", stats, ReplicaLoad())
+    assert model.decode_step_s(idle_now) == CONFIG.default_decode_step_s
+    assert model.predicted_ttft_s(idle_now, None, 40) == pytest.approx(40 / 400.0)  # not busy
 
 
-def test_a_request_that_replaced_a_finished_one_is_priced_when_the_caller_counts_it():
-    model = TTFTModel(CONFIG)
-    rate = CONFIG.default_prefill_tokens_per_s
-    step_s = CONFIG.default_decode_step_s
-    # The stats show 2 running; since then one finished and a 120-token request was sent.
-    # In-flight less reported is 0, so the estimate misses it; a caller that knows the
-    # stats' time and each decision's counts it.
-    stats = ReplicaStats(num_running=2)
-    estimated = ReplicaView("a", stats, 2, (0, 120))
-    counted = ReplicaView("a", stats, 2, (0, 120), num_unreported=1)
-    assert model.queue_s(estimated) == 0.0
-    assert model.queue_s(counted) == pytest.approx(120 / rate + step_s)
-
-
-def test_a_complete_inflight_view_sees_a_finished_request_the_stats_still_count():
-    # Both replicas reported 4 running a moment ago; since then one of a's finished (every
-    # router's in-flight requests show 3 there) and nothing new was sent.
+def test_least_loaded_reads_the_load_not_the_stats():
+    """Both replicas reported 4 running a moment ago; since then one of a's finished. The
+    load (3 running on a) decides, not the stats."""
     stats = ReplicaStats(num_running=4, decode_tokens_per_s=40.0)
-    a = ReplicaView("a", stats, 3, (0, 0, 0), num_unreported=0, inflight_complete=True)
-    b = ReplicaView("b", stats, 4, (0, 0, 0, 0), num_unreported=0, inflight_complete=True)
+    a = ReplicaView("a", stats, ReplicaLoad(num_running=3))
+    b = ReplicaView("b", stats, ReplicaLoad(num_running=4))
     least = make_policy(RouterConfig(policy="least_loaded"))
     assert least.choose(prompt_blocks(5), 128, [b, a], {}).replica_id == "a"
     model = TTFTModel(CONFIG)
     assert model.decode_step_s(a) == pytest.approx(3 / 40.0)  # 3 running now, not 4
     assert model.decode_step_s(b) == pytest.approx(4 / 40.0)
-    # Without every router's requests (the board did not answer) the stats decide: a tie,
-    # which rendezvous on the first block breaks the same way for either order.
-    partial = [dataclasses.replace(v, inflight_complete=False) for v in (a, b)]
-    assert model.decode_step_s(partial[0]) == pytest.approx(4 / 40.0)
-    assert (
-        least.choose(prompt_blocks(5), 128, partial, {}).replica_id
-        == least.choose(prompt_blocks(5), 128, partial[::-1], {}).replica_id
-    )
-    # A request sent after the stats and one waiting in them are not running yet.
-    queued = ReplicaView(
-        "a",
-        ReplicaStats(num_running=2, num_waiting=1, decode_tokens_per_s=40.0),
-        4,
-        (0, 0, 0, 50),
-        num_unreported=1,
-        inflight_complete=True,
-    )
-    assert model.decode_step_s(queued) == pytest.approx(2 / 40.0)
 
 
-def test_requests_awaiting_their_first_output_are_the_queue_in_place_of_the_stats():
-    # The stats (a period old) show 600 tokens queued and 1 running; since then that prefill
-    # finished, and of the 3 requests in flight now one (80 tokens) has produced no output.
-    stats = ReplicaStats(
-        num_running=1,
-        num_queued_prefill_tokens=600,
-        prefill_tokens_per_s=400.0,
-        decode_tokens_per_s=40.0,
+def test_the_baselines_prefer_the_replica_with_less_prefill_queued_over_fewer_requests():
+    """A new request's first token waits behind the prefills queued on its replica; running
+    requests only lengthen each step: least loaded and pow2 put the queue first."""
+    busy_decoding = ReplicaView("decoding", ReplicaStats(), ReplicaLoad(num_running=4))
+    prefilling = ReplicaView(
+        "prefilling", ReplicaStats(), ReplicaLoad(num_queued=1, queued_prefill_tokens=100)
     )
-    view = ReplicaView(
-        "a",
-        stats,
-        3,
-        (600, 0, 80),
-        num_unreported=1,
-        inflight_complete=True,
-        pending_prefill_tokens=(80,),
-    )
-    model = TTFTModel(CONFIG)
-    assert model.decode_step_s(view) == pytest.approx(2 / 40.0)  # the two past their output
-    assert model.queue_s(view) == pytest.approx(80 / 400.0 + 2 / 40.0)
-    stale = dataclasses.replace(view, pending_prefill_tokens=None)
-    assert model.queue_s(stale) == pytest.approx(
-        (600 + 80) / 400.0 + 1 * model.decode_step_s(stale)
-    )
-    idle_now = dataclasses.replace(view, num_inflight=0, pending_prefill_tokens=())
-    assert model.predicted_ttft_s(idle_now, None, 40) == pytest.approx(40 / 400.0)  # not busy
+    replicas = [prefilling, busy_decoding]
+    least = make_policy(RouterConfig(policy="least_loaded"))
+    assert least.choose(prompt_blocks(5), 128, replicas, {}).replica_id == "decoding"
+    pow2 = make_policy(RouterConfig(policy="pow2"))
+    assert {pow2.choose(prompt_blocks(5), 128, replicas, {}).replica_id for _ in range(10)} == {
+        "decoding"
+    }
 
 
 def test_baselines_behind_the_same_interface():

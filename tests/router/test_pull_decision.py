@@ -10,6 +10,7 @@ import pytest
 
 from router.config import RouterConfig
 from router.index_types import Match
+from router.load import replica_load
 from router.policies import make_policy
 from router.policy import ReplicaView, pull_source
 from router.protocol import ReplicaStats, hash_blocks
@@ -23,7 +24,9 @@ def blocks(num_blocks: int) -> list[bytes]:
 
 
 def view(replica_id: str, **stats) -> ReplicaView:
-    return ReplicaView(replica_id, ReplicaStats(**stats))
+    """A replica whose stats are its whole load (no tracked requests)."""
+    replica_stats = ReplicaStats(**stats)
+    return ReplicaView(replica_id, replica_stats, replica_load(replica_stats))
 
 
 def test_pull_source_is_the_peer_with_the_most_device_blocks_beyond_the_replicas_own():

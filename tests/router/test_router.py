@@ -12,6 +12,7 @@ from router.embedded_index import EmbeddedIndex
 from router.index import FallbackIndex
 from router.index_types import Match
 from router.liveness import ApplyOutcome
+from router.load import replica_load
 from router.policy import ReplicaView, RoutingReason
 from router.protocol import ReplicaStats
 from router.redis_index import RedisIndex
@@ -23,8 +24,14 @@ MODEL_ID = "router-model"
 CONFIG = RouterConfig(block_size=16)
 
 
+def view(replica_id: str, **stats) -> ReplicaView:
+    """A replica whose stats are its whole load (no tracked requests)."""
+    replica_stats = ReplicaStats(**stats)
+    return ReplicaView(replica_id, replica_stats, replica_load(replica_stats))
+
+
 def views(*ids: str, **stats) -> list[ReplicaView]:
-    return [ReplicaView(rid, ReplicaStats(**stats)) for rid in ids]
+    return [view(rid, **stats) for rid in ids]
 
 
 def prompt(first_token: int, num_tokens: int = 256) -> list[int]:
@@ -133,10 +140,7 @@ def test_redis_down_routes_by_load_logs_once_and_recovers(redis_server, caplog):
 
     redis_server.stop()
     caplog.set_level(logging.WARNING, logger="router.index")
-    loaded_a = [
-        ReplicaView("a", ReplicaStats(num_waiting=5)),
-        ReplicaView("b", ReplicaStats()),
-    ]
+    loaded_a = [view("a", num_waiting=5), view("b")]
     decisions = [router.route(blocks, 256, loaded_a) for _ in range(5)]
     assert all(d.reason == "fallback" and d.matched_blocks == 0 for d in decisions)
     assert all(d.replica_id == "b" for d in decisions)  # load alone decides

@@ -1,0 +1,314 @@
+"""Replica load: how busy each engine replica is now, the one load model every policy prices.
+
+Owns ``ReplicaLoad`` (one replica's load), ``LoadTracker`` (the requests a router sent, fed
+by explicit events), its typed ``LoadSnapshot`` of ``TrackedRequest``s (what routers share
+through the in-flight board) and ``replica_load``, the one rule that merges a replica's
+reported stats with the requests the routers track. No I/O, no Ray.
+
+Events, in the order a request usually meets them: ``decided`` (a router chose the replica,
+with the prompt tokens the request will prefill there: the prompt less the blocks the index
+matched), ``routed`` (Serve sent it, to another replica when the chosen one was full),
+``first_output`` (its first output reached the caller: it is past its prefill) and
+``completed`` (it finished, failed or was rejected). A decision counts from the moment it is
+made, not from Serve's confirmation a round trip later, so the decisions of a burst see each
+other. Serve may deliver them in other orders; each method says what it does then.
+
+The rule (``replica_load``). A replica's stats (``ReplicaStats``, about once a second)
+describe every request on it at their ``as_of_s``; the tracked requests describe what the
+routers sent, now. Each tracked request is the tracker's to describe: queued with its prefill
+tokens until its first output, then running, gone once completed. The stats describe only
+the requests nobody tracks (another caller's, or a peer router's the board did not tell):
+those they report beyond the tracked requests they can show (decided by ``as_of_s`` and not
+completed by then), priced at the stats' share (their waiting requests and queued tokens in
+the proportion of untracked to reported requests). So a request that finished after the stats
+counts nowhere, a decision after them counts once, and stats older than the routers' events
+never overrule them. Stats without a time (``as_of_s`` 0) are taken to show every tracked
+request still in flight.
+
+How it fails: a caller that never reports first outputs leaves its requests queued until they
+complete (a decoding request is priced as its prefill again); requests of a router whose board
+reports are missing count only through the stats, up to a period late; a decision Serve never
+confirms stops counting after ``UNCONFIRMED_TTL_S``. Thread-safe (one lock): Serve calls the
+router from its event loop and callback threads, the ingress reports first outputs from its
+own loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from router.protocol import ReplicaStats
+
+UNCONFIRMED_TTL_S = 5.0
+"""A decision Serve never confirms (the caller gave up before it was sent) stops counting
+after this long."""
+COMPLETED_KEY_MEMORY_S = 60.0
+"""How long a completed request's key is remembered, so that a confirmation arriving after
+its completion is ignored (the two arrive within one event-loop turn of each other)."""
+COMPLETED_SHOWN_S = 10.0
+"""A completed request stays in snapshots until stats of its replica taken after it are seen
+(``LoadTracker.loads``), at most this long: stats older than that are not in use."""
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One replica's load as the policies price it."""
+
+    num_queued: int = 0
+    """Requests with no output yet: waiting for or in their prefill."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens those requests have still to prefill (cache hits excluded)."""
+    num_running: int = 0
+    """Requests past their first output: decoding."""
+    as_of_s: float = 0.0
+    """Wall-clock time of the newest stats or event this load was made from (0: none)."""
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_queued + self.num_running
+
+
+class TrackedRequest(NamedTuple):
+    """One request a router sent a replica, as snapshots carry it. Times are wall clock
+    (``time.time``), compared with the stats' ``as_of_s``: across a cluster's hosts they agree
+    to within the hosts' clock skew, which shifts which requests count as shown by the
+    stats by that much."""
+
+    decided_at_s: float
+    prefill_tokens: int
+    first_output_at_s: float | None = None
+    completed_at_s: float | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.completed_at_s is None
+
+    @property
+    def queued(self) -> bool:
+        return self.completed_at_s is None and self.first_output_at_s is None
+
+    def shown_by(self, as_of_s: float) -> bool:
+        """Whether stats taken at ``as_of_s`` count this request (0: unknown time, taken to
+        show it while it is in flight)."""
+        if as_of_s <= 0:
+            return self.in_flight
+        completed_at_s = self.completed_at_s
+        return self.decided_at_s <= as_of_s and (completed_at_s is None or completed_at_s > as_of_s)
+
+    @property
+    def last_event_s(self) -> float:
+        times = (self.decided_at_s, self.first_output_at_s, self.completed_at_s)
+        return max(t for t in times if t is not None)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """Replica id -> the tracked requests on it, oldest decision first: one tracker's, or
+    several merged. What a router publishes to the in-flight board and reads of its peers."""
+
+    requests: Mapping[str, tuple[TrackedRequest, ...]] = field(default_factory=dict)
+
+    def on(self, replica_id: str) -> tuple[TrackedRequest, ...]:
+        return self.requests.get(replica_id, ())
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.in_flight for rows in self.requests.values() for r in rows)
+
+    def merged(self, *others: LoadSnapshot) -> LoadSnapshot:
+        rows: dict[str, list[TrackedRequest]] = {}
+        for snapshot in (self, *others):
+            for replica_id, requests in snapshot.requests.items():
+                rows.setdefault(replica_id, []).extend(requests)
+        return LoadSnapshot(
+            {rid: tuple(sorted(reqs, key=_decided_at)) for rid, reqs in rows.items()}
+        )
+
+
+def replica_load(stats: ReplicaStats, requests: Sequence[TrackedRequest] = ()) -> ReplicaLoad:
+    """The replica's load now from its last stats and the routers' tracked requests on it
+    (module docstring, "The rule"); with no tracked requests, the stats' load."""
+    in_flight = [r for r in requests if r.in_flight]
+    queued = [r for r in in_flight if r.first_output_at_s is None]
+    num_shown = sum(r.shown_by(stats.as_of_s) for r in requests)
+    num_reported = stats.num_waiting + stats.num_running
+    num_untracked = max(0, num_reported - num_shown)
+    share = num_untracked / num_reported if num_reported else 0.0
+    untracked_queued = round(stats.num_waiting * share)
+    return ReplicaLoad(
+        num_queued=len(queued) + untracked_queued,
+        queued_prefill_tokens=(
+            sum(r.prefill_tokens for r in queued) + round(stats.num_queued_prefill_tokens * share)
+        ),
+        num_running=len(in_flight) - len(queued) + num_untracked - untracked_queued,
+        as_of_s=max([stats.as_of_s, *(r.last_event_s for r in requests)]),
+    )
+
+
+@dataclass
+class _Entry:
+    replica_id: str
+    prefill_tokens: int
+    order: int
+    """When it was decided (a counter): snapshots list a replica's requests oldest first."""
+    decided_at_s: float
+    expiry_s: float | None
+    """When an unconfirmed decision stops counting; None once Serve confirmed it."""
+    first_output_at_s: float | None = None
+
+    def tracked(self, completed_at_s: float | None = None) -> TrackedRequest:
+        return TrackedRequest(
+            self.decided_at_s, self.prefill_tokens, self.first_output_at_s, completed_at_s
+        )
+
+
+class LoadTracker:
+    """The requests a router sent each replica, from decision to completion, keyed by the
+    caller's request key; and the replicas' loads from them (``loads``).
+
+    Serve registers the completion callback before it awaits the replica's acceptance, so a
+    short request can be completed before it is confirmed: a confirmation on the replica a
+    key completed on, within ``COMPLETED_KEY_MEMORY_S``, is ignored (it would re-create an
+    entry nothing removes). A completion removes an entry only on the replica it names: the
+    completion of an attempt the replica rejected can arrive after the retry was decided
+    elsewhere. What it cannot tell apart: a retry decided for the very replica that rejected
+    the first attempt, whose rejection completes after the retry's decision, is not counted.
+    """
+
+    def __init__(
+        self,
+        unconfirmed_ttl_s: float = UNCONFIRMED_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.unconfirmed_ttl_s = unconfirmed_ttl_s
+        self.tracker_id = uuid.uuid4().hex
+        """Names this tracker's snapshots where routers share them (the in-flight board)."""
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._order = itertools.count()
+        self._done: dict[str, list[TrackedRequest]] = {}
+        """Replica id -> completed requests stats may still show (``COMPLETED_SHOWN_S``)."""
+        self._completed_keys: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        """Key -> (time it completed, the replica it completed on), oldest first."""
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """``listener()`` is called after every event (outside the lock); it must be cheap."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):  # a router may come or go meanwhile
+            listener()
+
+    # ------------------------------------------------------------------------- events
+    def decided(self, key: str, replica_id: str, prefill_tokens: int) -> None:
+        """A router chose ``replica_id`` for request ``key`` (again, on a retry: the newer
+        decision replaces the older)."""
+        now_s = self._clock()
+        with self._lock:
+            self._completed_keys.pop(key, None)  # a retry after a rejection: a new attempt
+            self._entries[key] = _Entry(
+                replica_id, prefill_tokens, next(self._order), now_s, now_s + self.unconfirmed_ttl_s
+            )
+        self._changed()
+
+    def routed(self, key: str, replica_id: str) -> None:
+        """Serve sent request ``key`` to ``replica_id``: it counts there until completed. An
+        entry already confirmed stays as it is; a key that already completed on
+        ``replica_id`` is dropped; a key whose decision expired counts with 0 prefill tokens."""
+        now_s = self._clock()
+        with self._lock:
+            done = self._completed_keys.get(key)
+            if done is not None and done[1] == replica_id:
+                del self._completed_keys[key]
+                self._entries.pop(key, None)  # its decision, if Serve fell through to here
+            elif (entry := self._entries.get(key)) is None:
+                self._entries[key] = _Entry(replica_id, 0, next(self._order), now_s, None)
+            elif entry.expiry_s is not None:
+                entry.replica_id, entry.expiry_s = replica_id, None
+        self._changed()
+
+    def first_output(self, key: str) -> bool:
+        """Request ``key``'s first output reached its caller: it is running, no longer queued.
+        False when the tracker does not hold the key (completed already, or another's)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            if entry.first_output_at_s is None:
+                entry.first_output_at_s = self._clock()
+        self._changed()
+        return True
+
+    def completed(self, key: str, replica_id: str) -> None:
+        """Request ``key`` finished on ``replica_id`` (or was rejected or failed there)."""
+        now_s = self._clock()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.replica_id == replica_id:
+                del self._entries[key]
+                self._done.setdefault(replica_id, []).append(entry.tracked(now_s))
+            self._completed_keys[key] = (now_s, replica_id)
+            self._completed_keys.move_to_end(key)
+            while next(iter(self._completed_keys.values()))[0] < now_s - COMPLETED_KEY_MEMORY_S:
+                self._completed_keys.popitem(last=False)
+        self._changed()
+
+    # -------------------------------------------------------------------------- views
+    def snapshot(self) -> LoadSnapshot:
+        """Every request this tracker holds per replica, oldest decision first: those in
+        flight and those completed that stats may still show; expired decisions dropped."""
+        now_s = self._clock()
+        rows: dict[str, list[tuple[int, TrackedRequest]]] = {}
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if _expired(e, now_s)]:
+                del self._entries[key]
+            for entry in self._entries.values():
+                rows.setdefault(entry.replica_id, []).append((entry.order, entry.tracked()))
+            for replica_id, done in self._done.items():
+                done[:] = [r for r in done if r.completed_at_s > now_s - COMPLETED_SHOWN_S]
+                rows.setdefault(replica_id, []).extend((-1, r) for r in done)
+        requests = {}
+        for replica_id, ordered in rows.items():
+            if ordered:
+                requests[replica_id] = tuple(r for _, r in sorted(ordered, key=_decision_order))
+        return LoadSnapshot(requests)
+
+    def loads(
+        self, stats: Mapping[str, ReplicaStats], peers: LoadSnapshot | None = None
+    ) -> dict[str, ReplicaLoad]:
+        """Replica id -> its load (``replica_load``) for every replica in ``stats``, from this
+        tracker's requests and ``peers`` (other routers' snapshots). Forgets the completed
+        requests that these stats no longer show."""
+        with self._lock:
+            for replica_id, done in self._done.items():
+                as_of_s = stats[replica_id].as_of_s if replica_id in stats else 0.0
+                if as_of_s > 0:
+                    done[:] = [r for r in done if r.completed_at_s > as_of_s]
+        merged = self.snapshot() if peers is None else self.snapshot().merged(peers)
+        return {rid: replica_load(s, merged.on(rid)) for rid, s in stats.items()}
+
+
+def _decided_at(request: TrackedRequest) -> float:
+    return request.decided_at_s
+
+
+def _expired(entry: _Entry, now_s: float) -> bool:
+    return entry.expiry_s is not None and entry.expiry_s <= now_s
+
+
+def _decision_order(row: tuple[int, TrackedRequest]) -> tuple[float, int]:
+    order, request = row
+    return request.decided_at_s, order
