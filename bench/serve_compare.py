@@ -29,6 +29,11 @@ Workloads (chat requests, greedy, ``ignore_eos``, a closed loop at ``--concurren
   requests sits next to them.
 - ``loadgen``: the load generator's own dataset, flags after ``--`` (no oracle: no token ids).
 
+``--kv-cache-dtypes auto int8`` runs every (size, policy) cluster once per KV dtype
+(``--kv-cache-dtype``), with ``--kv-cache-bytes`` in place of ``--num-kv-blocks`` so that every
+dtype gets the same bytes (int8 then holds about 3.9x float32's blocks); each dtype gets its
+own tables and verdicts, and a side-by-side table compares them.
+
 ``--repeats N`` runs every (size, policy) cluster N times, the policies interleaved (prefix,
 round robin, least loaded, prefix, ...) so that a drift in the shared machine's speed lands on
 every policy alike; each figure is then the median of the N runs (the table lists every run
