@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_quant import MIN_SCALE, dequantize_rows, kv_format, quantize_rows
+from kernels.kv_quant import MIN_SCALE, SCALE_BYTES, dequantize_rows, kv_format, quantize_rows
 
 INT8 = kv_format("int8")
 
@@ -106,49 +106,56 @@ class Variant:
 
 
 def _int8_bytes(d: int) -> int:
-    return d + 2
+    """Today's int8 row: ``kernels/kv_quant.py``'s values and float16 scale."""
+    return INT8.row_bytes(d, torch.float32)
+
+
+def _grouped(group: int) -> Variant:
+    """Symmetric int8 with a float16 scale per ``group`` channels, for K and V alike."""
+
+    def row_bytes(d: int) -> int:
+        return d + SCALE_BYTES * (d // group)
+
+    fake = grouped_int8(group)
+    return Variant(
+        f"int8-g{group}", fake, fake, row_bytes, row_bytes, f"int8, a scale per {group} channels"
+    )
 
 
 VARIANTS = {
-    "int8-sim": Variant(
-        "int8-sim", per_row_int8, per_row_int8, _int8_bytes, _int8_bytes, "int8, one scale a row"
-    ),
-    "int8-g32": Variant(
-        "int8-g32",
-        grouped_int8(32),
-        grouped_int8(32),
-        lambda d: d + 2 * (d // 32),
-        lambda d: d + 2 * (d // 32),
-        "int8, a scale per 32 channels",
-    ),
-    "int8-g16": Variant(
-        "int8-g16",
-        grouped_int8(16),
-        grouped_int8(16),
-        lambda d: d + 2 * (d // 16),
-        lambda d: d + 2 * (d // 16),
-        "int8, a scale per 16 channels",
-    ),
-    "int8-asym": Variant(
-        "int8-asym",
-        asymmetric_int8,
-        asymmetric_int8,
-        lambda d: d + 4,
-        lambda d: d + 4,
-        "uint8 over [min, max], scale and offset a row",
-    ),
-    "k16-v8": Variant(
-        "k16-v8", float16_row, per_row_int8, lambda d: 2 * d, _int8_bytes, "K float16, V int8"
-    ),
-    "int8-ksmooth": Variant(
-        "int8-ksmooth",
-        per_row_int8,
-        per_row_int8,
-        _int8_bytes,
-        _int8_bytes,
-        "int8, K channels scaled by calibrated constants",
-        smooth_k=True,
-    ),
+    v.name: v
+    for v in (
+        Variant(
+            "int8-sim",
+            per_row_int8,
+            per_row_int8,
+            _int8_bytes,
+            _int8_bytes,
+            "int8, one scale a row",
+        ),
+        _grouped(32),
+        _grouped(16),
+        Variant(
+            "int8-asym",
+            asymmetric_int8,
+            asymmetric_int8,
+            lambda d: d + 2 * SCALE_BYTES,
+            lambda d: d + 2 * SCALE_BYTES,
+            "uint8 over [min, max], scale and offset a row",
+        ),
+        Variant(
+            "k16-v8", float16_row, per_row_int8, lambda d: 2 * d, _int8_bytes, "K float16, V int8"
+        ),
+        Variant(
+            "int8-ksmooth",
+            per_row_int8,
+            per_row_int8,
+            _int8_bytes,
+            _int8_bytes,
+            "int8, K channels scaled by calibrated constants",
+            smooth_k=True,
+        ),
+    )
 }
 
 

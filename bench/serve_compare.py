@@ -311,14 +311,14 @@ def kv_blocks_per_replica(args, kv_cache_dtype: str) -> int | None:
         return None
     import torch
 
-    from kernels.kv_quant import kv_format
     from worker.loader import resolve_model
+    from worker.model_runner import kv_block_bytes
     from worker.models.llama import ModelSpec
 
     folder = Path(resolve_model("smollm2", weights=False).path)
     spec = ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
-    row = kv_format(kv_cache_dtype).row_bytes(spec.head_dim, torch.float32)
-    return args.kv_cache_bytes // (2 * spec.num_layers * spec.num_kv_heads * row * args.block_size)
+    per_block = kv_block_bytes(spec, kv_cache_dtype, torch.float32, args.block_size)
+    return args.kv_cache_bytes // per_block
 
 
 def build_workloads(args) -> list[tuple[str, Workload | None]]:

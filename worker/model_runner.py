@@ -72,6 +72,15 @@ def kv_bytes_for_utilization(
     return kv_bytes
 
 
+def kv_block_bytes(
+    spec: ModelSpec, kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int
+) -> int:
+    """K and V of one block across all layers and KV heads of ``spec`` (one rank's shard
+    under tensor parallelism), stored as ``kv_cache_dtype`` (``kernels/kv_quant.py``)."""
+    row_bytes = kv_format(kv_cache_dtype).row_bytes(spec.head_dim, model_dtype)
+    return 2 * spec.num_layers * spec.num_kv_heads * row_bytes * block_size
+
+
 def explicit_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int | None:
     """The KV blocks ``num_kv_blocks`` or ``kv_cache_bytes`` ask for (the bytes divided by
     ``bytes_per_block``); None when neither is set. A budget under two blocks is a
@@ -254,9 +263,9 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """K and V of one block across all layers, in the cache's format."""
-        s = self.spec
-        row_bytes = self.ops.kv_format.row_bytes(s.head_dim, self.config.torch_dtype)
-        return 2 * s.num_layers * s.num_kv_heads * row_bytes * self.block_size
+        return kv_block_bytes(
+            self.spec, self.ops.kv_format.name, self.config.torch_dtype, self.block_size
+        )
 
     def _decide_num_blocks(self) -> int:
         c = self.config
