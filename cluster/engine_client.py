@@ -190,7 +190,7 @@ class EngineClient:
         replicas push a call's outputs between its first and its last to ``deliver`` here
         (``cluster/ingress_channel.py``); None: every output comes through the handle call.
         ``cache_namespace``: what the replicas seed block hashes with (their ``describe``).
-        ``load``: the tracker the handle's request router feeds (``cluster.load_tracking``),
+        ``load``: the tracker the handle's request router feeds (``cluster.router_context``),
         told each call's first output; None: nobody to tell."""
         self._stream_handle = stream_handle
         self.block_size = block_size

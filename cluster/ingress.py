@@ -39,7 +39,6 @@ from cluster.anthropic_messages import MessageEvents, MessagesRequest, message_o
 from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.engine_client import EngineClient
 from cluster.errors import APIError
-from cluster.load_tracking import load_tracker
 from cluster.metrics import (
     METRICS_PUSH_PERIOD_S,
     any_replica_serving,
@@ -66,6 +65,7 @@ from cluster.openai_responses import (
 )
 from cluster.response_store import store_actor, tenant_of
 from cluster.responses import ResponseBuilder
+from cluster.router_context import router_context
 from cluster.serve_compat import own_address
 from cluster.stream_items import check_item
 from cluster.tool_calls import (
@@ -132,14 +132,17 @@ class Ingress:
         self.max_model_len: int = info["max_model_len"]
         self.block_size: int = info["block_size"]
         self.vocab_size: int = info["vocab_size"]
-        # The request router of this process's handle feeds the same tracker (its decisions);
-        # the client reports each call's first output to it.
+        # The request router of this process's handle shares this context: it feeds the same
+        # tracker (its decisions; the client reports each call's first output to it) and
+        # names the Redis index by the model id.
+        routing = router_context(serve.get_replica_context().app_name)
+        routing.model_id = self.model_id
         self.engines = EngineClient(
             engine.options(stream=True),
             block_size=self.block_size,
             cache_namespace=info["cache_namespace"],
             push_to=own_address() if self.cluster.push_outputs else None,
-            load=load_tracker(serve.get_replica_context().app_name),
+            load=routing.load,
         )
         self.served_name = self.cluster.served_model_name or self.model_id
         self.accepted_names = {self.served_name}

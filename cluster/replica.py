@@ -282,7 +282,7 @@ class EngineReplica:
         whose engine died (a tensor-parallel worker lost) in the seconds before the health
         check has Serve replace it (the ingress re-submits what it sent there)."""
         stats = dataclasses.replace(self.engine.stats(), engine_alive=self.engine.is_alive())
-        return {**stats.to_dict(), "model_id": self.engine.model_id}
+        return stats.to_dict()
 
     def drain_kv_events(self) -> list:
         """KV event batches since the last call (``router.protocol.KVEventBatch``)."""

@@ -5,7 +5,7 @@ ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (has
 the ingress) and prompt length from the call's arguments, builds one
 ``router.policy.ReplicaView`` per candidate (its Serve routing stats,
 ``EngineReplica.record_routing_stats``, and its load from ``router.load``: the process's
-``LoadTracker``, shared with the ingress's client through ``cluster.load_tracking``, merged
+``LoadTracker``, shared with the ingress's client through ``cluster.router_context``, merged
 with what the other ingress replicas' routers track, read from ``cluster.inflight_board``
 beside the index lookup) and lets ``Router`` decide: one index lookup, the configured policy
 (``prefix`` by default, or ``round_robin``/``least_loaded``/``pow2``), a speculative entry
@@ -23,11 +23,11 @@ with (``EngineReplica.generate``); each routing attempt rewrites or removes it.
 How it fails: the lookup is awaited on Serve's event loop (a worker thread for a Redis
 index) with a short timeout (see ``cluster.index_actor``); an unreachable index makes the
 decision by load alone, logged once and counted (reason ``fallback``) until the index
-answers again. With the Redis backend the Redis keys are namespaced by model, which this
-router learns from the replicas' routing stats; until a replica has reported, the policy
-decides without matches (by load; the ``prefix`` policy then settles ties by rendezvous on
-the first block). An unreachable in-flight board leaves the other routers' requests to the
-replicas' stats (logged once).
+answers again. With the Redis backend the Redis keys are namespaced by model, which the
+ingress of this process puts in its ``RouterContext`` once a replica has described itself;
+until then (and in a process with no ingress) the policy decides without matches (by load;
+the ``prefix`` policy then settles ties by rendezvous on the first block). An unreachable
+in-flight board leaves the other routers' requests to the replicas' stats (logged once).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from cluster.index_actor import (
     make_cluster_index,
 )
 from cluster.inflight_board import ActorBoardClient, LocalBoardClient
-from cluster.load_tracking import load_tracker
 from cluster.metrics import register_request_router
+from cluster.router_context import RouterContext, router_context
 from cluster.serve_compat import (
     ask_to_back_off,
     check_serve_internals,
@@ -119,13 +119,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         self,
         router_config: dict | None = None,
         *,
-        load: LoadTracker | None = None,
+        context: RouterContext | None = None,
         router: Router | None = None,
         board: LocalBoardClient | None = None,
     ) -> None:
         """Serve passes ``router_config`` (``RouterConfig``'s fields). The others stand in for
-        what a Serve process finds itself, for a router driven without Ray: ``load``, the
-        tracker (default: this process's for the application, ``cluster.load_tracking``);
+        what a Serve process finds itself, for a router driven without Ray: ``context``, the
+        load tracker and model id (default: this process's for the application,
+        ``cluster.router_context``);
         ``router``, the decision path (default: one over the application's index, made on
         first use); ``board``, a client of an in-flight board in this process (default: the
         index actor's, in Ray)."""
@@ -135,7 +136,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._load_policy = make_policy(self.config)
         """Decides, with no index, until the Redis namespace (the model) is known."""
         self._router_lock = threading.Lock()
-        self.load = load if load is not None else load_tracker(self.app_name)
+        self.context = context if context is not None else router_context(self.app_name)
+        self.load: LoadTracker = self.context.load
         self.load.add_listener(self._load_changed)
         self._board = board
         """Shares ``load``'s snapshots with the other ingress replicas' routers."""
@@ -146,16 +148,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         register_request_router(self)  # for cluster.metrics.router_metrics_snapshot
 
     # ---------------------------------------------------------------------- the decision
-    def _get_router(self, replicas: list[RunningReplica]) -> Router | None:
+    def _get_router(self) -> Router | None:
         if self._router is not None:
             return self._router
         model_id = ""
         if self.config.index_backend == "redis":
-            model_id = next(
-                (r.routing_stats.get("model_id") for r in replicas if r.routing_stats), None
-            )
+            model_id = self.context.model_id
             if not model_id:
-                return None
+                return None  # the ingress has not named the model yet
         with self._router_lock:
             if self._router is None:
                 index = make_cluster_index(self.app_name, self.config, model_id)
@@ -209,7 +209,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             return []
         candidate_replicas = live_replicas(candidate_replicas)
         hashes, num_prompt_tokens = request_blocks(pending_request)
-        router = self._get_router(candidate_replicas)
+        router = self._get_router()
         lookup = Lookup({})
         if router is not None and hashes:  # index and board round trips, together
             lookup, peers = await asyncio.gather(router.lookup_async(hashes), self._peer_load())

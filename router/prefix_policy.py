@@ -1,7 +1,7 @@
 """The ``prefix`` routing policy: minimum predicted TTFT among the replicas under a load bound.
 
-Owns ``PrefixPolicy``, ``RecentCounts`` and ``LOAD_BOUND_SLACK_REQUESTS``; the interface and
-the TTFT model it prices with are ``router.policy``'s. Two steps:
+Owns ``PrefixPolicy``, ``CopyPrice``, ``RecentCounts`` and ``LOAD_BOUND_SLACK_REQUESTS``; the
+interface and the TTFT model it prices with are ``router.policy``'s. Two steps:
 1. Load bound. Candidates are the replicas whose count of requests this router recently
    sent them (``RecentCounts``, a decayed window of ``load_window_per_replica`` decisions
    per replica) stays within ``max_load_ratio`` x the mean + ``LOAD_BOUND_SLACK_REQUESTS``
@@ -16,7 +16,12 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
    with ``kv_pull_tokens_per_s`` set, the part of the prompt a peer holds on its device and
    the candidate lacks is priced as a pull from that peer instead of a prefill, and the
    ``Decision`` for such a replica names the peer and the blocks (``pull_from``,
-   ``pull_blocks``): the replica performs the pull it was priced with.
+   ``pull_blocks``): the replica performs the pull it was priced with. A candidate that would
+   prefill a copy of the longest prefix another candidate holds is charged only part of that
+   prefill (``CopyPrice``): the copy serves the prefix's later requests too, which can then
+   choose between its holders by queue, so a prefix the router sees often is copied as soon
+   as its holder's queue outgrows the copy's share (each prefix's recent requests are counted
+   per deepest held block in the same decayed window as the load bound).
    Candidates within ``tie_tolerance_s`` of the minimum tie; a unique winner is ``PREFIX``
    (it holds a prefix) or ``SHORTEST_QUEUE`` (it holds none). Ties prefer the longest match,
    then the least loaded replica (``router.policy.load_rank``: the fewest prefill tokens
@@ -28,13 +33,16 @@ the TTFT model it prices with are ``router.policy``'s. Two steps:
    queue, not the request count, then decides.
 How it fails: the bound trades hits for balance. A prefix popular enough to exceed the
 bound on one replica is re-prefilled on another (its hit rate drops by one prefill per
-copy), and routers that share no history balance only their own traffic.
+copy), and routers that share no history balance only their own traffic. The copy price
+assumes the copy stays cached while the prefix's requests keep coming; a copy evicted
+sooner (a cache too small for the workload's prefixes) was paid for and not used.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from router.config import RouterConfig
 from router.index_types import Match
@@ -87,6 +95,35 @@ class RecentCounts:
             self._scale = 1.0
 
 
+@dataclass(frozen=True)
+class CopyPrice:
+    """What a copy of the longest held prefix is worth to one request's choice.
+
+    A replica that lacks the prefix prefills a copy once; the prefix's later requests can
+    then choose between its holders by queue. The copy's prefill (with ``miss_cost_factor``)
+    is set against the queueing it saves the requests that will use it, each saving about
+    the queue gap this request sees: its ``reuse``, the prefix's requests in the recent window
+    shared among its holders once the copy exists, for as long as the replica would keep the
+    copy. A replica whose empty blocks hold the copy keeps it; one that must evict for it keeps
+    an unused block for ``kv_lru_age`` of its requests, against the window's
+    ``load_window_per_replica``. The prefill is then charged ``1 / (1 + reuse)`` of itself."""
+
+    prefix_tokens: int
+    """Prompt tokens of the longest prefix some candidate holds."""
+    reuse: float
+    """The prefix's recent requests per holder once copied, on a replica that keeps it."""
+
+    def discount(self, view: ReplicaView, copy_blocks: int, window_requests: float) -> float:
+        """Share of the copy's prefill price taken off ``view``, which lacks ``copy_blocks``
+        blocks of the prefix."""
+        if copy_blocks <= view.stats.num_empty_kv_blocks:
+            kept = 1.0
+        else:
+            kept = min(1.0, view.stats.kv_lru_age / window_requests)
+        reuse = self.reuse * kept
+        return reuse / (1.0 + reuse)
+
+
 class PrefixPolicy:
     """Minimum predicted TTFT among the replicas under the load bound; ties by longest match,
     then least loaded, then fewest recently sent, then rendezvous."""
@@ -100,6 +137,9 @@ class PrefixPolicy:
         self.max_load_ratio = config.max_load_ratio
         self.pulls = config.kv_pull_tokens_per_s is not None
         self._recent = RecentCounts(config.load_window_per_replica)
+        self.window_requests = config.load_window_per_replica
+        self._heat = RecentCounts(config.load_window_per_replica)
+        """Deepest held block hash -> requests that matched up to it, in the same window."""
         self._lock = threading.Lock()
 
     def _under_bound(self, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
@@ -130,16 +170,20 @@ class PrefixPolicy:
         check_request(replicas, num_prompt_tokens)
         peers = peer_device_blocks(matches) if self.pulls else None
         with self._lock:
+            key, copy = self._copy_price(block_hashes, num_prompt_tokens, replicas, matches)
             candidates = self._under_bound(replicas)
             view, longest, reason = self._pick(
-                block_hashes, num_prompt_tokens, candidates, matches, peers
+                block_hashes, num_prompt_tokens, candidates, matches, peers, copy
             )
             if len(candidates) < len(replicas):
-                best_all_s = min(self._cost(v, matches, num_prompt_tokens, peers) for v in replicas)
-                chosen_s = self._cost(view, matches, num_prompt_tokens, peers)
+                best_all_s = min(
+                    self._cost(v, matches, num_prompt_tokens, peers, copy) for v in replicas
+                )
+                chosen_s = self._cost(view, matches, num_prompt_tokens, peers, copy)
                 if best_all_s + self.tie_tolerance_s < chosen_s:
                     reason = RoutingReason.LOAD_BOUND  # the bound, not the price, decided
             self._recent.add(view.replica_id, len(replicas))
+            self._heat.add(key, len(replicas))
         ttft_s = self.model.predicted_ttft_s(
             view, matches.get(view.replica_id), num_prompt_tokens, 1.0, _peer(peers, view)
         )
@@ -156,14 +200,49 @@ class PrefixPolicy:
         matches: Mapping[str, Match],
         num_prompt_tokens: int,
         peers: Mapping[str, int] | None,
+        copy: CopyPrice | None = None,
     ) -> float:
-        return self.model.predicted_ttft_s(
+        """``view``'s predicted TTFT with ``miss_cost_factor``, less ``copy``'s discount when
+        ``view`` would prefill a copy of the prefix another replica holds."""
+        peer_blocks = _peer(peers, view)
+        cost_s = self.model.predicted_ttft_s(
             view,
             matches.get(view.replica_id),
             num_prompt_tokens,
             self.miss_cost_factor,
-            _peer(peers, view),
+            peer_blocks,
         )
+        if copy is None:
+            return cost_s
+        block_size = self.model.block_size
+        own_blocks = max(num_matched(matches, view.replica_id), peer_blocks)
+        copy_tokens = max(0, copy.prefix_tokens - own_blocks * block_size)
+        if copy_tokens == 0:
+            return cost_s
+        discount = copy.discount(view, -(-copy_tokens // block_size), self.window_requests)
+        rate = self.model.prefill_tokens_per_s(view.stats)
+        return cost_s - discount * self.miss_cost_factor * copy_tokens / rate
+
+    def _copy_price(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_prompt_tokens: int,
+        replicas: Sequence[ReplicaView],
+        matches: Mapping[str, Match],
+    ) -> tuple[BlockHash, CopyPrice | None]:
+        """The key this request's heat counts under (the deepest block a candidate holds;
+        ``b""`` when none holds any) and the price of a copy of that prefix (None when every
+        candidate holds it or it has no recent requests)."""
+        longest = min(max(num_matched(matches, v.replica_id) for v in replicas), len(block_hashes))
+        if longest == 0:
+            return b"", None
+        key = block_hashes[longest - 1]
+        num_holders = sum(num_matched(matches, v.replica_id) >= longest for v in replicas)
+        reuse = self._heat.get(key) / (num_holders + 1)
+        if num_holders == len(replicas) or reuse <= 0:
+            return key, None
+        prefix_tokens = min(longest * self.model.block_size, num_prompt_tokens)
+        return key, CopyPrice(prefix_tokens, reuse)
 
     def _pick(
         self,
@@ -172,9 +251,10 @@ class PrefixPolicy:
         replicas: Sequence[ReplicaView],
         matches: Mapping[str, Match],
         peers: Mapping[str, int] | None,
+        copy: CopyPrice | None = None,
     ) -> tuple[ReplicaView, int, RoutingReason]:
         """The cheapest of ``replicas`` (after tie-breaks), its matched blocks and the reason."""
-        scored = [(self._cost(v, matches, num_prompt_tokens, peers), v) for v in replicas]
+        scored = [(self._cost(v, matches, num_prompt_tokens, peers, copy), v) for v in replicas]
         best_s = min(score for score, _ in scored)
         tied = [v for score, v in scored if score <= best_s + self.tie_tolerance_s]
         longest = max(num_matched(matches, v.replica_id) for v in tied)

@@ -148,6 +148,14 @@ class ReplicaStats:
     """False once the replica's engine died (a tensor-parallel worker lost, its process
     gone): routers send it nothing while a replica with a live engine remains, in the
     seconds before Serve's health check replaces it."""
+    num_empty_kv_blocks: int = 0
+    """Free device blocks that hold no cached prefix: a prefix of up to this many blocks is
+    stored there without evicting one."""
+    kv_lru_age: int = 0
+    """Block chains the replica released (a request finished, was preempted or was not
+    admitted) since its least recently used cached block was last in use: how long its cache
+    keeps a prefix nobody uses, in about its own requests; 0 when no free block holds a
+    prefix (and from a replica that does not say)."""
     kv_cache_dtype: str = "auto"
     """How the replica stores K/V (``EngineConfig.kv_cache_dtype``): ``auto`` (the model's
     dtype), ``int8`` or ``fp8_e4m3``. Replicas of different formats share no prefix blocks
@@ -165,6 +173,8 @@ class ReplicaStats:
             "num_queued_prefill_tokens": self.num_queued_prefill_tokens,
             "host_to_device_tokens_per_s": self.host_to_device_tokens_per_s,
             "as_of_s": self.as_of_s,
+            "num_empty_kv_blocks": self.num_empty_kv_blocks,
+            "kv_lru_age": self.kv_lru_age,
             "kv_cache_dtype": self.kv_cache_dtype,
         }
 

@@ -1,12 +1,14 @@
 """``BlockPool``: where KV lives. Reference counts, the prefix cache, eviction, KV events.
 
 Invariants (checked by ``check_invariants``, which the stress test calls every step):
-- A block is either referenced (``ref_count > 0``) or in the free queue, never both.
-- The free queue is in eviction order: least recently freed first, and when a request frees a
-  chain its tail goes in before its parent, so a chain is evicted from the end.
-- ``_cached`` maps a block hash to the one block holding it; a cached block in the free queue
-  stays matchable until it is handed out again (then its hash is dropped and a ``removed``
-  event is emitted).
+- A block is either referenced (``ref_count > 0``) or free, never both; a free block is in
+  exactly one of two queues: the empty ones (holding no prefix) and the cached ones.
+- Allocation takes empty blocks first (they cost the cache nothing), then cached ones in
+  eviction order: least recently freed first, and when a request frees a chain its tail goes
+  in before its parent, so a chain is evicted from the end.
+- ``_cached`` maps a block hash to the one block holding it; a cached free block stays
+  matchable until it is handed out again (then its hash is dropped and a ``removed`` event
+  is emitted).
 - A hit is served only if the block's stored tokens equal the request's tokens, so a hash
   collision costs a recompute, never a wrong answer.
 
@@ -41,6 +43,8 @@ class Block:
     num_evictions: int = 0
     """How many times the block lost a cached hash: a reader on another thread that saw the
     same count before and after copying the block read one content (``peek_cached_prefix``)."""
+    released_at: int = 0
+    """``BlockPool.num_releases`` when the block was last released (its last use)."""
 
 
 class BlockPool:
@@ -51,7 +55,12 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_empty: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        """Free blocks that hold no prefix, in the order they were freed."""
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        """Free blocks that hold a cached prefix, least recently released first."""
+        self.num_releases = 0
+        """``free`` calls so far (a request's chain released): the pool's clock of use."""
         self._cached: dict[BlockHash, int] = {}
         self._events: list[KVEvent] = []
         self.num_collisions = 0
@@ -64,12 +73,25 @@ class BlockPool:
     # -- queries -----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free_empty) + len(self._free_cached)
+
+    @property
+    def num_empty_free_blocks(self) -> int:
+        """Free blocks that hold no cached prefix: allocating up to this many evicts nothing."""
+        return len(self._free_empty)
+
+    @property
+    def lru_age(self) -> int:
+        """Chains released since the least recently used cached block was released: how long
+        this cache has kept a prefix nobody used; 0 when no free block holds a prefix."""
+        if not self._free_cached:
+            return 0
+        return self.num_releases - self.blocks[next(iter(self._free_cached))].released_at
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def find_cached_prefix(
         self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
@@ -155,15 +177,17 @@ class BlockPool:
         """Take a reference on cache hits (pulling free ones out of the free queue)."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                queue = self._free_cached if block.block_hash is not None else self._free_empty
+                del queue[block.block_id]
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[Block]:
-        if num_blocks > len(self._free):
-            raise NoFreeBlocksError(f"need {num_blocks} blocks, {len(self._free)} free")
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {num_blocks} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+            queue = self._free_empty or self._free_cached
+            block_id, _ = queue.popitem(last=False)
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_count = 1
@@ -172,12 +196,17 @@ class BlockPool:
 
     def free(self, blocks: Sequence[Block]) -> None:
         """Drop one reference from each block; the chain's tail is queued for eviction first."""
+        self.num_releases += 1
         for block in reversed(blocks):
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = None
+                block.released_at = self.num_releases
+                if block.block_hash is None:
+                    self._free_empty[block.block_id] = None
+                else:
+                    self._free_cached[block.block_id] = None
 
     # -- the prefix cache --------------------------------------------------------------------
     def cache_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
@@ -207,13 +236,15 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.blocks:
             if block.block_hash is not None:
                 block.num_evictions += 1
             block.block_hash, block.token_ids = None, None
         self._cached.clear()
+        self._free_empty.update(self._free_cached)
+        self._free_cached.clear()
         if self.host is not None:
             self.host.clear()
         self._events.append(KVEvent(EventKind.CLEARED))
@@ -237,13 +268,21 @@ class BlockPool:
         return merged
 
     def check_invariants(self) -> None:
-        free = set(self._free)
+        if self._free_empty.keys() & self._free_cached.keys():
+            raise AssertionError("a block is in both free queues")
+        free = set(self._free_empty) | set(self._free_cached)
         for block in self.blocks:
             in_free = block.block_id in free
             if in_free == (block.ref_count > 0) or block.ref_count < 0:
                 raise AssertionError(
                     f"block {block.block_id}: ref_count {block.ref_count}, in free queue {in_free}"
                 )
+        for block_id in self._free_empty:
+            if self.blocks[block_id].block_hash is not None:
+                raise AssertionError(f"block {block_id} holds a prefix but is queued as empty")
+        for block_id in self._free_cached:
+            if self.blocks[block_id].block_hash is None:
+                raise AssertionError(f"block {block_id} holds no prefix but is queued as cached")
         for h, block_id in self._cached.items():
             if self.blocks[block_id].block_hash != h:
                 raise AssertionError(

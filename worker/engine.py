@@ -505,6 +505,8 @@ class LLMEngine:
             prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
             decode_tokens_per_s=self.metrics.decode_tokens_per_s,
             num_queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            num_empty_kv_blocks=self.pool.num_empty_free_blocks,
+            kv_lru_age=self.pool.lru_age,
             kv_cache_dtype=self.runner.kv_cache_dtype,
         )
 

@@ -141,6 +141,10 @@ class BlockPool:
         self.pinned: dict[BlockId, int] = {}
         self.num_reserved_blocks = 0
         self.num_overflow_blocks = 0
+        self.num_releases = 0
+        """``release`` calls so far: the pool's clock of use (the engine pool's)."""
+        self._released_at: dict[BlockId, int] = {}
+        """Cached block -> ``num_releases`` when it was last released."""
 
     def _hook(self, tier: str, stored: bool) -> EvictCallback | None:
         if self._on_change is None:
@@ -160,6 +164,20 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return len(self.pinned) + len(self.cached) + self.num_reserved_blocks
+
+    @property
+    def num_empty_blocks(self) -> int:
+        """Slots holding nothing: a prefix of up to this many blocks evicts none."""
+        return max(0, self.capacity_blocks - self.num_used_blocks)
+
+    @property
+    def lru_age(self) -> int:
+        """Releases since the least recently used cached block was released (the engine's
+        ``BlockPool.lru_age``); 0 when nothing is cached."""
+        lru = self.cached._blocks
+        if not lru:
+            return 0
+        return self.num_releases - self._released_at.get(next(iter(lru)), 0)
 
     @property
     def num_busy_blocks(self) -> int:
@@ -230,6 +248,11 @@ class BlockPool:
 
     def release(self, blocks: Sequence[BlockId]) -> None:
         """A request finished: unpin its blocks tail first, so the head stays most recent."""
+        self.num_releases += 1
+        released_at = self._released_at
+        if len(released_at) > 4 * self.capacity_blocks:  # forget evicted blocks' stamps
+            cached = self.cached._blocks
+            self._released_at = released_at = {b: t for b, t in released_at.items() if b in cached}
         for block in reversed(blocks):
             count = self.pinned[block] - 1
             if count:
@@ -237,6 +260,7 @@ class BlockPool:
             else:
                 del self.pinned[block]
                 self.cached.put(block)
+                released_at[block] = self.num_releases
 
 
 class OracleCache:

@@ -91,6 +91,8 @@ class SimViews:
                 host_to_device_tokens_per_s=(
                     rates.host_to_device_tokens_per_s if sim.config.host_capacity_blocks else 0.0
                 ),
+                num_empty_kv_blocks=replica.cache.num_empty_blocks,
+                kv_lru_age=replica.cache.lru_age,
             )
             load = ReplicaLoad(
                 num_queued=stats.num_waiting + (1 if replica.prefilling else 0),

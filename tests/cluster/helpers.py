@@ -14,6 +14,7 @@ from cluster.inflight_board import InflightBoard, LocalBoardClient
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.replica import EngineReplica
 from cluster.request_router import PrefixAwareRequestRouter
+from cluster.router_context import RouterContext
 from router.config import RouterConfig
 from router.index import PrefixIndex
 from router.load import LoadTracker
@@ -122,7 +123,7 @@ def request_router(
     config = RouterConfig(**router_config)
     request_router_.initialize_state(
         router_config,
-        load=load,
+        context=RouterContext(load, model_id or None),
         router=Router(config, model_id, index=index, speculate_in_background=False),
         board=board_client
         if board is None

@@ -134,8 +134,10 @@ def test_pulls_are_priced_only_when_configured_and_then_beat_a_queued_holder():
     assert decision.replica_id == "cold" and decision.matched_blocks == 0
     assert decision.predicted_ttft_s == pytest.approx(2048 / 40_000.0)
     # Host-tier blocks cannot be pulled: a peer holding the prefix only on its host prices
-    # the cold replica as a full prefill again.
-    decision = pulling.choose(blocks, 2048, replicas, {"holder": Match(0, 128)})
+    # the cold replica as a full prefill again (a fresh policy: no earlier request of this
+    # prefix lowers the price of a copy).
+    fresh = make_policy(dataclasses.replace(CONFIG, kv_pull_tokens_per_s=40_000.0))
+    decision = fresh.choose(blocks, 2048, replicas, {"holder": Match(0, 128)})
     assert decision.replica_id == "holder"
 
 
@@ -333,3 +335,40 @@ def test_a_replica_over_the_bound_still_wins_while_it_is_no_busier_than_the_othe
     busy_a = [idle("a", num_running=2), idle("b")]
     decision = policy.choose(blocks, 1024, busy_a, {"a": Match(64)})
     assert decision.replica_id == "b" and decision.reason == RoutingReason.LOAD_BOUND
+
+
+def test_a_prefix_seen_often_earns_a_copy_when_its_holder_queues():
+    """The holder has 200 tokens queued (0.24 s at 1000 tokens/s with the decode steps); a
+    copy of the 512-token prefix on the idle replica costs 2 x 0.512 s. A prefix this router
+    has not seen stays with its holder; after 30 requests of it (shared by 2 holders once
+    copied: 15 each) a copy that fits in empty blocks is charged 1/16 of its price (0.064 s)
+    and wins, and so does one on a replica whose cache keeps unused blocks for a whole window
+    (``kv_lru_age`` >= ``load_window_per_replica``); on a replica whose cache keeps them for 4
+    of its requests (a reuse of about 16 x 4/64 = 1: half the price, 0.512 s) it does not.
+    The reported TTFT is the copy's real one. The load bound is off: only the price decides."""
+    config = dataclasses.replace(CONFIG, max_load_ratio=None)
+    blocks = prompt_blocks(11, num_blocks=32)
+    rate = {"prefill_tokens_per_s": 1000.0}
+    queued = idle("holder", num_waiting=1, num_queued_prefill_tokens=200, **rate)
+    roomy = idle("cold", num_empty_kv_blocks=32, **rate)
+    matches = {"holder": Match(32)}
+    fresh = make_policy(config)
+    decision = fresh.choose(blocks, 512, [queued, roomy], matches)
+    assert (decision.replica_id, decision.reason) == ("holder", "prefix")
+
+    seen = make_policy(config)
+    for _ in range(30):
+        decision = seen.choose(blocks, 512, [idle("holder", **rate), roomy], matches)
+        assert decision.replica_id == "holder"
+    decision = seen.choose(blocks, 512, [queued, roomy], matches)
+    assert (decision.replica_id, decision.reason) == ("cold", "shortest_queue")
+    assert decision.predicted_ttft_s == pytest.approx(0.512)
+    keeps_long = idle("cold", num_empty_kv_blocks=31, kv_lru_age=64, **rate)
+    assert seen.choose(blocks, 512, [queued, keeps_long], matches).replica_id == "cold"
+    evicts_soon = idle("cold", num_empty_kv_blocks=31, kv_lru_age=4, **rate)
+    assert seen.choose(blocks, 512, [queued, evicts_soon], matches).replica_id == "holder"
+    # Once both hold it, neither is a copy: the queue decides alone.
+    both = {"holder": Match(32), "cold": Match(32)}
+    busy_cold = idle("cold", num_waiting=1, num_queued_prefill_tokens=300, **rate)
+    decision = seen.choose(blocks, 512, [queued, busy_cold], both)
+    assert decision.replica_id == "holder"

@@ -62,3 +62,31 @@ def test_reset_only_when_idle():
     pool.free(blocks)
     assert pool.reset_prefix_cache()
     assert pool.take_events()[-1].kind == EventKind.CLEARED
+
+
+def test_empty_blocks_go_first_and_lru_age_says_how_long_unused_prefixes_stay():
+    pool = BlockPool(4, 2)
+    assert (pool.num_empty_free_blocks, pool.lru_age) == (4, 0)
+    first, second = pool.allocate(1), pool.allocate(1)
+    hashes = hash_blocks([1, 2, 3, 4], 2, "m")
+    pool.cache_block(first[0], hashes[0], [1, 2])
+    pool.cache_block(second[0], hashes[1], [3, 4])
+    pool.free(first)  # release 1: a cached block, now the least recently used
+    pool.free(second)  # release 2
+    assert pool.num_empty_free_blocks == 2
+    assert pool.lru_age == 1  # one release since the first block's
+    [other] = pool.allocate(1)  # an empty block: no prefix evicted
+    pool.free([other])  # release 3, freed after the cached ones, still handed out before them
+    assert pool.lru_age == 2
+    pool.touch(first)  # a hit brings the first block back into use
+    assert pool.lru_age == 1  # the second block is now the least recently used
+    pool.free(first)  # release 4
+    pool.check_invariants()
+    taken = pool.allocate(2)  # the two empty blocks: every prefix stays cached
+    assert {b.block_id for b in taken}.isdisjoint({first[0].block_id, second[0].block_id})
+    assert pool.num_empty_free_blocks == 0 and pool.lru_age == 2
+    assert pool.find_cached_prefix(hashes, [1, 2, 3, 4]) == [first[0], second[0]]
+    pool.allocate(1)  # now a prefix goes: the least recently used, the second block
+    assert pool.find_cached_prefix(hashes[1:], [3, 4]) == []
+    assert pool.lru_age == 0  # the first block is the last cached one: released just now
+    pool.check_invariants()
