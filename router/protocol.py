@@ -136,7 +136,8 @@ class ReplicaStats:
     """Measured prefill rate; 0 until the replica has measured one."""
     decode_tokens_per_s: float = 0.0
     num_queued_prefill_tokens: int = 0
-    """Prompt tokens admitted or waiting whose KV is not computed yet."""
+    """Prompt tokens admitted or waiting whose KV is not computed yet; a waiting request's
+    are counted less the prefix-cache hit the scheduler last found for it."""
     host_to_device_tokens_per_s: float = 0.0
     """Measured rate of bringing host-tier blocks back, in tokens; 0 without a host tier."""
     as_of_s: float = 0.0

@@ -60,6 +60,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
         """Prompt tokens served by the prefix cache at first admission."""
+        self.num_cached_tokens_seen = 0
+        """While waiting: the prompt tokens the prefix cache held for it when the scheduler
+        last ranked it (shortest-first order ranks the waiting requests it may admit); what
+        the replica's stats leave out of its queued prefill tokens."""
         self.blocks: list[Block] = []
         self.detokenizer = detokenizer
         self.max_total_tokens = max_total_tokens

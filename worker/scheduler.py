@@ -85,7 +85,10 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def queued_prefill_tokens(self) -> int:
-        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        waiting = sum(
+            r.num_tokens - max(r.num_computed_tokens, r.num_cached_tokens_seen)
+            for r in self.waiting
+        )
         # A running request still prefilling has every token past its computed ones to go (the
         # last prompt token included: it is what the first sample reads); a decode has none.
         prefilling = (r for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
@@ -160,7 +163,8 @@ class Scheduler:
             if req.status == Status.RUNNING:
                 left = req.num_tokens - req.num_computed_tokens
             else:
-                left = req.num_tokens - self._cached_prefix_tokens(req)
+                req.num_cached_tokens_seen = self._cached_prefix_tokens(req)
+                left = req.num_tokens - req.num_cached_tokens_seen
             # Starving ones first, oldest first; then fewest tokens left, ties by arrival.
             return (not starving, left if not starving else 0, req.arrival_time)
 

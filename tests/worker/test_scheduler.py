@@ -458,6 +458,21 @@ def test_queued_prefill_tokens_counts_every_token_a_partial_prefill_still_needs(
     assert sched.queued_prefill_tokens() == (40 - 16) + 10
 
 
+def test_queued_prefill_tokens_leave_out_what_a_waiting_request_finds_cached():
+    """Three requests on a cached 32-token system prompt, 12 tokens of their own each, and a
+    16-token budget: the first prefills its 12, the second 4 of its 12, the third waits. Its
+    cached prompt is not queued work: 12 tokens for it and 8 for the second, not 44 + 8."""
+    sched = make_scheduler(budget=16)
+    system = tokens(4 * BS)
+    sched.add(make_request("warm", system + tokens(2), max_tokens=1))
+    run_until_idle(sched)
+    for name in ("first", "second", "third"):
+        sched.add(make_request(name, system + tokens(12)))
+    assert plan(step(sched)) == [("first", 12), ("second", 4)]
+    assert ids(sched.waiting) == ["third"]
+    assert sched.queued_prefill_tokens() == 12 + 8
+
+
 # -- (7) prefill order: shortest_first (the default) ---------------------------------------------
 def test_shortest_first_serves_a_mostly_cached_prompt_before_a_cold_prompts_chunks():
     """With fcfs a request whose prompt is mostly cached waits until the cold prompt ahead of
