@@ -83,10 +83,13 @@ then startup (replicas start one after another on 2 cores, ~7 s each) and the id
 replicas (stats polls, metrics pushes, KV-event heartbeats), which grows with N and takes
 cores from the load.
 
-Failure modes: bad flags exit with argparse's usage error (2). A cluster that exits, is not
-serving with every replica within ``--startup-timeout-s`` or fails its warm-up is stopped and
-its row carries an ``error`` (its simulated half is still filled in); the other cells still
-run, and the exit status is then 1. Failed requests are counted in the row. Every cluster and
+Failure modes: bad flags exit with argparse's usage error (2). A size that would not fit in
+the machine's available memory (``--mb-per-replica`` per engine replica, plus the rest of the
+cluster and a headroom) is not started: its rows carry a ``MemoryError`` text, so a run never
+drives the machine into the OOM killer. A cluster that exits, is not serving with every
+replica within ``--startup-timeout-s`` or fails its warm-up is stopped and its row carries an
+``error`` (its simulated half is still filled in); the other cells still run, and the exit
+status is then 1. Failed requests are counted in the row. Every cluster and
 redis-server is stopped on the way out, also on errors, Ctrl-C (the cells so far are
 written; exit 130) and SIGTERM. Server logs go to ``--log-dir``.
 """
@@ -125,6 +128,11 @@ simulated forward pass is a wait; the replicas share the cores)."""
 TIME_FIELDS = ("decode_step_base_s", "decode_step_per_seq_s", "decode_step_per_context_token_s")
 RATE_FIELDS = ("prefill_tokens_per_s", "host_to_device_bytes_per_s")
 WARMUP_TOKENS = 8  # under one block: warm-up requests leave nothing in any cache
+MB_PER_REPLICA = 700
+"""Memory one engine replica takes (its Ray actor and its engine process, unshared), measured
+at 8 and 16 replicas on the sim engine; ``--mb-per-replica`` overrides it."""
+CLUSTER_BASE_MB = 1500  # Ray's own processes, the ingress replicas, the controller, the client
+MEMORY_HEADROOM_MB = 1000
 
 
 # -- workload -> token ids ---------------------------------------------------------------------
@@ -572,6 +580,20 @@ def used_memory_mb() -> int:
     return int((vm.total - vm.available) / 2**20)
 
 
+def memory_shortfall(replicas: int, mb_per_replica: float, available_mb: float) -> str | None:
+    """Why a cluster of ``replicas`` would not fit in ``available_mb``, or None: each engine
+    replica takes ``mb_per_replica`` (its actor and engine process), the rest of the cluster
+    ``CLUSTER_BASE_MB``, and ``MEMORY_HEADROOM_MB`` stays free."""
+    need = CLUSTER_BASE_MB + replicas * mb_per_replica + MEMORY_HEADROOM_MB
+    if need <= available_mb:
+        return None
+    return (
+        f"{replicas} replicas need ~{need:.0f} MB ({mb_per_replica:.0f} each, "
+        f"{CLUSTER_BASE_MB} for the rest, {MEMORY_HEADROOM_MB} headroom); {available_mb:.0f} "
+        "MB available: not started"
+    )
+
+
 def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: int) -> dict:
     """One fresh cluster: start, warm up, idle CPU, the load, stop. The row's real half."""
     from bench.serve.processes import Server, server_env
@@ -585,6 +607,13 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
     max_tokens = [r.num_output_tokens for r in wl.requests]
     out: dict = {}
     redis = srv = None
+    import psutil
+
+    short = memory_shortfall(
+        plan.replicas, args.mb_per_replica, psutil.virtual_memory().available / 2**20
+    )
+    if short:
+        return {"error": f"MemoryError: {short}"}
     tmp = tempfile.mkdtemp(prefix="scale_")
     try:
         redis_url = None
@@ -790,6 +819,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ingress-replicas", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument(
+        "--mb-per-replica",
+        type=float,
+        default=MB_PER_REPLICA,
+        help="memory an engine replica takes; a size that would not fit is not started",
+    )
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--no-real", action="store_true", help="the simulator's half only")

@@ -300,3 +300,10 @@ def test_report_files(tmp_path):
     assert (tmp_path / "scale_t.png").stat().st_size > 1000
     only_errors = scale.write_report(tmp_path, "e", header, rows[3:])
     assert [p.suffix for p in only_errors] == [".json", ".md"]
+
+
+def test_memory_check_refuses_a_size_that_does_not_fit():
+    fits = scale.CLUSTER_BASE_MB + 8 * 700 + scale.MEMORY_HEADROOM_MB
+    assert scale.memory_shortfall(8, 700, fits) is None
+    short = scale.memory_shortfall(32, 700, fits)
+    assert short is not None and "32 replicas" in short and "not started" in short
