@@ -55,21 +55,26 @@ workload, size and policy (``prefix``: ``bench/sim/ours.py``, the others
 per_seq * (n - 1)`` with no context term, so the profile's per-context-token seconds are
 folded in at the workload's mean context (prompt plus half the output); it prefills one
 request at a time and does not cap the running batch (the engine runs ``max_num_seqs`` 64
-and interleaves 512-token chunks); its routers see every replica's exact state at once, the
-real ones the stats Serve polls each second and their own in-flight counts; its router
-config takes the profile's rates as the replicas' rates, the real routers each replica's
-measured ones. The speculative-entry TTL is the simulator's (``max(5 s, 8192 tokens at the
-slowed prefill rate)``), given to the cluster as ``--speculative-ttl-s``. The simulator's
-TTFT is its prefill's end minus arrival; the real one is the client's, send to first text.
+and interleaves 512-token chunks) and never preempts: where the running requests need more
+KV than ``--capacity-blocks`` it overflows, while the engine preempts and recomputes (TTFTs
+of tens of seconds; the default 1024 blocks keep the default load clear of that); its routers
+see every replica's exact state at once, the real ones the stats Serve polls each second and
+their own in-flight counts; its router config takes the profile's rates as the replicas'
+rates, the real routers each replica's measured ones. The speculative-entry TTL is the
+simulator's (``max(5 s, 8192 tokens at the slowed prefill rate)``), given to the cluster as
+``--speculative-ttl-s``. The simulator's TTFT is its prefill's end minus arrival; the real
+one is the client's, send to first text.
 
 Per cell (one row): hit rate (usage's cached prompt tokens over prompt tokens, successful
 requests), TTFT p50/p90/p99, requests per replica (the ``x-prefixserve-replica`` header) and
 their max/mean, failures, startup seconds (launch to serving with every replica), output
 tok/s, the routers' index-lookup latency over the run (``prefixserve:router_lookup_latency
 _seconds`` from ``/metrics``: mean, and the p50/p99 bucket bounds; the cluster exports no
-whole-decision latency), idle CPU-s/s by kind of process and per engine replica (its Ray
+whole-decision latency), the engines' preemptions over the run (``prefixserve:num_preemptions
+_total``), idle CPU-s/s by kind of process and per engine replica (its Ray
 actor plus its engine process), CPU-s/s by kind under load, the machine's used memory after
-startup, the simulator's hit rate, TTFT p50/p90/p99 and max/mean, and the relative
+startup, the simulator's hit rate, TTFT p50/p90/p99, max/mean and overflow blocks (KV it
+lets replicas hold beyond their capacity, where an engine preempts), and the relative
 differences ``(real - sim) / sim`` of hit rate and TTFT p50/p90.
 
 Writes ``<out-dir>/scale_<tag>.json`` (``bench/result_files.py``'s header plus the run's
@@ -128,6 +133,7 @@ simulated forward pass is a wait; the replicas share the cores)."""
 TIME_FIELDS = ("decode_step_base_s", "decode_step_per_seq_s", "decode_step_per_context_token_s")
 RATE_FIELDS = ("prefill_tokens_per_s", "host_to_device_bytes_per_s")
 WARMUP_TOKENS = 8  # under one block: warm-up requests leave nothing in any cache
+PREEMPTIONS = "prefixserve:num_preemptions_total"
 MB_PER_REPLICA = 700
 """Memory one engine replica takes (its Ray actor and its engine process, unshared), measured
 at 8 and 16 replicas on the sim engine; ``--mb-per-replica`` overrides it."""
@@ -327,8 +333,10 @@ def simulate(args, plan: CellPlan, policy: str) -> dict:
         None,
         PREFILL_ORDER,
     )
-    result = Simulator(config, sim_policy(policy)).run(plan.workload)
+    sim = Simulator(config, sim_policy(policy))
+    result = sim.run(plan.workload)
     return {
+        "overflow_blocks": sum(r.cache.num_overflow_blocks for r in sim.replicas),
         "hit_rate": result.hit_rate,
         "oracle_hit_rate": result.oracle_hit_rate,
         "ttft_p50_s": result.ttft_p50_s,
@@ -406,6 +414,16 @@ def histogram_from_metrics(text: str, name: str) -> dict:
         elif head.startswith(name + "_count"):
             count += float(value)
     return {"buckets": buckets, "sum": total, "count": count}
+
+
+def counter_from_metrics(text: str, name: str) -> float:
+    """A Prometheus counter's value from ``/metrics`` text, summed over label sets."""
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head == name or head.startswith(name + "{"):
+            total += float(value)
+    return total
 
 
 def histogram_delta(after: dict, before: dict) -> dict:
@@ -654,7 +672,8 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
             (idle.get("replica", 0.0) + idle.get("engine", 0.0)) / plan.replicas, 4
         )
         out["idle_cpu_s_per_s_total"] = round(sum(idle.values()), 3)
-        hist0 = histogram_from_metrics(_metrics_text(base), lookup)
+        text0 = _metrics_text(base)
+        hist0 = histogram_from_metrics(text0, lookup)
         c1, t1 = srv.cpu_by_process(), time.monotonic()
         records, duration = asyncio.run(
             _send_all(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
@@ -662,7 +681,11 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         out["load_cpu_s_per_s"] = cpu_rates(
             c1, srv.cpu_by_process(), time.monotonic() - t1, cpu_kind
         )
-        hist = histogram_delta(histogram_from_metrics(_metrics_text(base), lookup), hist0)
+        text1 = _metrics_text(base)
+        hist = histogram_delta(histogram_from_metrics(text1, lookup), hist0)
+        out["preemptions"] = int(
+            counter_from_metrics(text1, PREEMPTIONS) - counter_from_metrics(text0, PREEMPTIONS)
+        )
         out["router_lookup"] = histogram_summary(hist)
         out.update(summarize_records(records, plan.replicas, duration))
         late = sorted(r["lateness_s"] for r in records)
@@ -695,9 +718,9 @@ def markdown(rows: list[dict]) -> str:
     lines = [
         "| N | index | workload | policy | S | req/s | ok/fail | hit real / sim | "
         "TTFT p50 real / sim s | TTFT p90 real / sim s | TTFT p99 real / sim s | "
-        "diff hit / p50 / p90 | max/mean real / sim | startup s | lookup mean / p99 ms | "
-        "idle CPU-s/s per replica / all |",
-        "|---" * 16 + "|",
+        "diff hit / p50 / p90 | max/mean real / sim | preempted / sim overflow blocks | "
+        "startup s | lookup mean / p99 ms | idle CPU-s/s per replica / all |",
+        "|---" * 17 + "|",
     ]
     for r in rows:
         sim = r.get("sim") or {}
@@ -721,6 +744,7 @@ def markdown(rows: list[dict]) -> str:
             f"{_pct(r.get('rel_diff_hit_rate'))} / {_pct(r.get('rel_diff_ttft_p50_s'))} / "
             f"{_pct(r.get('rel_diff_ttft_p90_s'))} | "
             f"{_f(r['max_mean_load'], '.2f')} / {_f(sim.get('max_mean_load'), '.2f')} | "
+            f"{_f(r.get('preemptions'), 'd')} / {_f(sim.get('overflow_blocks'), 'd')} | "
             f"{_f(r.get('startup_s'), '.0f')} | "
             f"{_f(lk.get('mean_ms'), '.2f')} / {_f(lk.get('p99_le_ms'), '.2f')} | "
             f"{_f(r.get('idle_cpu_s_per_s_per_engine_replica'), '.3f')} / "
@@ -728,7 +752,9 @@ def markdown(rows: list[dict]) -> str:
         )
     lines.append(
         "\nS: the time scale (every time of the sim profile multiplied by S); req/s: the offered "
-        "rate; hit: cached prompt tokens / prompt tokens; diff: (real - sim) / sim; lookup: the "
+        "rate; hit: cached prompt tokens / prompt tokens; preempted: the engines' preemptions; "
+        "sim overflow: KV blocks the simulator let replicas hold beyond their capacity; diff: "
+        "(real - sim) / sim; lookup: the "
         "routers' index-lookup latency over the run (p99: its bucket's upper bound); idle CPU: "
         "before the load, per engine replica (actor + engine process) and of every process."
     )
@@ -811,7 +837,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
                    default=["generated_shared_prefix"])  # fmt: skip
     p.add_argument("--requests-per-replica", type=int, default=20)
-    p.add_argument("--capacity-blocks", type=int, default=512, help="KV blocks per replica")
+    p.add_argument("--capacity-blocks", type=int, default=1024, help="KV blocks per replica")
     p.add_argument("--offered-load", type=float, default=0.8)
     p.add_argument("--rate", type=float, default=6.0, help="req/s the auto time scale aims at")
     p.add_argument("--time-scale", default="auto", help="'auto' or a number >= 1")

@@ -240,6 +240,17 @@ def test_lookup_histogram_from_metrics():
     assert scale.histogram_summary({"buckets": {}, "sum": 0, "count": 0})["mean_ms"] is None
 
 
+def test_counter_from_metrics_sums_the_replicas():
+    text = (
+        "# TYPE prefixserve:num_preemptions_total counter\n"
+        'prefixserve:num_preemptions_total{replica="a"} 2.0\n'
+        'prefixserve:num_preemptions_total{replica="b"} 5.0\n'
+        "prefixserve:num_preemptions_total_other 9.0\n"
+    )
+    assert scale.counter_from_metrics(text, scale.PREEMPTIONS) == 7.0
+    assert scale.counter_from_metrics("", scale.PREEMPTIONS) == 0.0
+
+
 def test_cpu_rates_by_kind():
     from bench.serve_path import cpu_kind
 
@@ -263,6 +274,7 @@ def _row(n, policy, hit, p90, error=None):
         "rate_req_per_s": 6.0,
         "sim": {
             "hit_rate": hit + 0.01,
+            "overflow_blocks": 7,
             "ttft_p50_s": 0.5,
             "ttft_p90_s": (p90 or 2.0) / 2,
             "ttft_p99_s": 3.0,
@@ -274,7 +286,8 @@ def _row(n, policy, hit, p90, error=None):
         return row
     row.update(
         completed=10, failed=0, hit_rate=hit, ttft_p50_s=0.6, ttft_p90_s=p90, ttft_p99_s=4.0,
-        max_mean_load=1.2, startup_s=60.0, router_lookup={"mean_ms": 0.8, "p99_le_ms": 5.0},
+        max_mean_load=1.2, preemptions=3, startup_s=60.0,
+        router_lookup={"mean_ms": 0.8, "p99_le_ms": 5.0},
         idle_cpu_s_per_s_per_engine_replica=0.024, idle_cpu_s_per_s_total=0.4,
     )  # fmt: skip
     row.update(scale.compare(row, row["sim"]))
@@ -297,6 +310,7 @@ def test_report_files(tmp_path):
     assert "CPU X (2 CPUs)" in md and "error: RuntimeError: not healthy" in md
     prefix8 = next(line for line in md.splitlines() if line.startswith("| 8 | embedded | g"))
     assert "0.800 / 0.810" in prefix8 and "-1% / +20% / +100%" in prefix8
+    assert "| 3 / 7 |" in prefix8
     assert (tmp_path / "scale_t.png").stat().st_size > 1000
     only_errors = scale.write_report(tmp_path, "e", header, rows[3:])
     assert [p.suffix for p in only_errors] == [".json", ".md"]
