@@ -83,15 +83,17 @@ one colour per policy, real solid, simulated dashed), rewritten after every cell
 interrupted run keeps its cells. Progress lines go to stderr as each cell starts and ends.
 
 What bounds the size on a 2-core, 24 GiB machine: memory first (each engine replica is a Ray
-actor plus its engine process, ~600 MB unshared between them, so 32 replicas need ~20 GB),
-then startup (replicas start one after another on 2 cores, ~7 s each) and the idle CPU of the
-replicas (stats polls, metrics pushes, KV-event heartbeats), which grows with N and takes
-cores from the load.
+actor plus its engine process: the machine's used memory after startup was 7.1 GB at 8
+replicas and 14.8 GB at 16, ~0.95 GB more per replica, so 32 need ~30 GB), then startup (the
+replicas start one after another on 2 cores: 65 s at 8, 150 s at 16) and the host's cores:
+the idle replicas' stats polls, metrics pushes and KV-event heartbeats (~0.024 CPU-s/s each)
+and the streamed load share the 2 cores with the load generator, whose sends run late once
+they are saturated (``send_lateness_p99_s``).
 
 Failure modes: bad flags exit with argparse's usage error (2). A size that would not fit in
-the machine's available memory (``--mb-per-replica`` per engine replica, plus the rest of the
-cluster and a headroom) is not started: its rows carry a ``MemoryError`` text, so a run never
-drives the machine into the OOM killer. A cluster that exits, is not serving with every
+the machine's available memory (``--mb-per-replica`` per engine replica, plus a headroom) is
+not started: its rows carry a ``MemoryError`` text, so a run never drives the machine into
+the OOM killer. A cluster that exits, is not serving with every
 replica within ``--startup-timeout-s`` or fails its warm-up is stopped and its row carries an
 ``error`` (its simulated half is still filled in); the other cells still run, and the exit
 status is then 1. Failed requests are counted in the row. Every cluster and
@@ -134,10 +136,10 @@ TIME_FIELDS = ("decode_step_base_s", "decode_step_per_seq_s", "decode_step_per_c
 RATE_FIELDS = ("prefill_tokens_per_s", "host_to_device_bytes_per_s")
 WARMUP_TOKENS = 8  # under one block: warm-up requests leave nothing in any cache
 PREEMPTIONS = "prefixserve:num_preemptions_total"
-MB_PER_REPLICA = 700
-"""Memory one engine replica takes (its Ray actor and its engine process, unshared), measured
-at 8 and 16 replicas on the sim engine; ``--mb-per-replica`` overrides it."""
-CLUSTER_BASE_MB = 1500  # Ray's own processes, the ingress replicas, the controller, the client
+MB_PER_REPLICA = 950
+"""Memory a cluster takes per engine replica on the sim engine: the machine's used memory grew
+by ~950 MB per replica from 8 to 16 replicas (7.1 to 14.8 GB), which also covers the rest of
+the cluster at these sizes; ``--mb-per-replica`` overrides it."""
 MEMORY_HEADROOM_MB = 1000
 
 
@@ -436,7 +438,8 @@ def histogram_delta(after: dict, before: dict) -> dict:
 
 
 def histogram_summary(hist: dict) -> dict:
-    """Mean (ms) and the upper bounds (ms) of the buckets holding p50 and p99."""
+    """Mean (ms) and the upper bounds (ms) of the buckets holding p50 and p99 (None when above
+    the last finite bucket, ``last_bucket_ms``)."""
     n = hist["count"]
     if not n:
         return {"count": 0, "mean_ms": None, "p50_le_ms": None, "p99_le_ms": None}
@@ -447,11 +450,13 @@ def histogram_summary(hist: dict) -> dict:
                 return None if math.isinf(bound) else 1000 * bound
         return None
 
+    finite = [b for b in hist["buckets"] if not math.isinf(b)]
     return {
         "count": int(n),
         "mean_ms": 1000 * hist["sum"] / n,
         "p50_le_ms": q(0.5),
         "p99_le_ms": q(0.99),
+        "last_bucket_ms": 1000 * max(finite) if finite else None,
     }
 
 
@@ -599,16 +604,14 @@ def used_memory_mb() -> int:
 
 
 def memory_shortfall(replicas: int, mb_per_replica: float, available_mb: float) -> str | None:
-    """Why a cluster of ``replicas`` would not fit in ``available_mb``, or None: each engine
-    replica takes ``mb_per_replica`` (its actor and engine process), the rest of the cluster
-    ``CLUSTER_BASE_MB``, and ``MEMORY_HEADROOM_MB`` stays free."""
-    need = CLUSTER_BASE_MB + replicas * mb_per_replica + MEMORY_HEADROOM_MB
+    """Why a cluster of ``replicas`` would not fit in ``available_mb``, or None: it takes
+    ``mb_per_replica`` per engine replica, and ``MEMORY_HEADROOM_MB`` stays free."""
+    need = replicas * mb_per_replica + MEMORY_HEADROOM_MB
     if need <= available_mb:
         return None
     return (
         f"{replicas} replicas need ~{need:.0f} MB ({mb_per_replica:.0f} each, "
-        f"{CLUSTER_BASE_MB} for the rest, {MEMORY_HEADROOM_MB} headroom); {available_mb:.0f} "
-        "MB available: not started"
+        f"{MEMORY_HEADROOM_MB} headroom); {available_mb:.0f} MB available: not started"
     )
 
 
@@ -714,13 +717,26 @@ def _pct(x) -> str:
     return "" if x is None else f"{100 * x:+.0f}%"
 
 
+def _lookup_p(lookup: dict, key: str) -> str:
+    if lookup.get(key) is not None:
+        return f"{lookup[key]:g}"
+    if lookup.get("count") and lookup.get("last_bucket_ms") is not None:
+        return f">{lookup['last_bucket_ms']:g}"
+    return ""
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| N | index | workload | policy | S | req/s | ok/fail | hit real / sim | "
         "TTFT p50 real / sim s | TTFT p90 real / sim s | TTFT p99 real / sim s | "
         "diff hit / p50 / p90 | max/mean real / sim | preempted / sim overflow blocks | "
-        "startup s | lookup mean / p99 ms | idle CPU-s/s per replica / all |",
-        "|---" * 17 + "|",
+        "startup s |",
+        "|---" * 15 + "|",
+    ]
+    host = [
+        "| N | index | workload | policy | lookup mean / p50 / p99 ms | idle CPU-s/s per "
+        "replica / all | load CPU-s/s all | send late p99 s | memory used MB |",
+        "|---" * 9 + "|",
     ]
     for r in rows:
         sim = r.get("sim") or {}
@@ -731,7 +747,7 @@ def markdown(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(
                 f"{head} error: {r['error'][:160]} | {_f(sim.get('hit_rate'))} sim | "
-                f"{_f(sim.get('ttft_p50_s'))} sim | {_f(sim.get('ttft_p90_s'))} sim |" + " |" * 7
+                f"{_f(sim.get('ttft_p50_s'))} sim | {_f(sim.get('ttft_p90_s'))} sim |" + " |" * 5
             )
             continue
         lk = r.get("router_lookup") or {}
@@ -745,18 +761,28 @@ def markdown(rows: list[dict]) -> str:
             f"{_pct(r.get('rel_diff_ttft_p90_s'))} | "
             f"{_f(r['max_mean_load'], '.2f')} / {_f(sim.get('max_mean_load'), '.2f')} | "
             f"{_f(r.get('preemptions'), 'd')} / {_f(sim.get('overflow_blocks'), 'd')} | "
-            f"{_f(r.get('startup_s'), '.0f')} | "
-            f"{_f(lk.get('mean_ms'), '.2f')} / {_f(lk.get('p99_le_ms'), '.2f')} | "
-            f"{_f(r.get('idle_cpu_s_per_s_per_engine_replica'), '.3f')} / "
-            f"{_f(r.get('idle_cpu_s_per_s_total'), '.2f')} |"
+            f"{_f(r.get('startup_s'), '.0f')} |"
         )
+        load = r.get("load_cpu_s_per_s") or {}
+        host.append(
+            f"| {r['replicas']} | {r['index']} | {r['workload']} | {r['policy']} | "
+            f"{_f(lk.get('mean_ms'), '.1f')} / {_lookup_p(lk, 'p50_le_ms')} / "
+            f"{_lookup_p(lk, 'p99_le_ms')} | "
+            f"{_f(r.get('idle_cpu_s_per_s_per_engine_replica'), '.3f')} / "
+            f"{_f(r.get('idle_cpu_s_per_s_total'), '.2f')} | "
+            f"{_f(sum(load.values()) if load else None, '.2f')} | "
+            f"{_f(r.get('send_lateness_p99_s'), '.2f')} | {_f(r.get('memory_used_mb'), 'd')} |"
+        )
+    lines += ["", *host]
     lines.append(
         "\nS: the time scale (every time of the sim profile multiplied by S); req/s: the offered "
         "rate; hit: cached prompt tokens / prompt tokens; preempted: the engines' preemptions; "
         "sim overflow: KV blocks the simulator let replicas hold beyond their capacity; diff: "
-        "(real - sim) / sim; lookup: the "
-        "routers' index-lookup latency over the run (p99: its bucket's upper bound); idle CPU: "
-        "before the load, per engine replica (actor + engine process) and of every process."
+        "(real - sim) / sim; lookup: the routers' index-lookup latency over the run (p50, p99: "
+        "their buckets' upper bounds); idle CPU: before the load, per engine replica (actor + "
+        "engine process) and of every server process; load CPU: every server process during "
+        "the load (the client not counted); send late: how late the client sent its requests "
+        "against their arrival times (a saturated host); memory: the machine's, after startup."
     )
     return "\n".join(lines)
 
