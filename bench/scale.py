@@ -35,18 +35,19 @@ a request is sent on time whatever is in flight).
 Rate and time scale: the simulator defines a workload's load as its arrival rate over the
 cluster's prefill capacity without cache hits, ``N * prefill_tokens_per_s / mean prompt
 tokens`` (``--offered-load``, default 0.8). With the ``gpu`` profile (40k prompt tokens/s per
-replica) 0.8 of that is ~220 requests/s at 8 replicas of 1152-token prompts, while this
-2-core machine streams a few hundred tokens/s through Serve's proxy over 8-32 replicas. So
-the run slows the simulated GPU down instead: ``--time-scale`` S (``auto``: the S at which
-the offered load is ``--rate`` requests/s, default 6) multiplies every time of the profile
-(prefill and host-tier rates divided by S, decode step terms multiplied), the profile goes to
-the engines as a JSON file, and the workload's arrivals are drawn at the slowed capacity.
-Every replica then sits at the same ``--offered-load`` of its slowed engine, and the
-simulator runs the same slowed rates, so real and simulated seconds are the same seconds;
-the host's fixed costs (HTTP, proxy, ingress, routing: tens of ms) shrink relative to the
-engine's as S grows. ``--time-scale 1`` runs the profile as is (the host then saturates long
-before the engines). The load counts no hits: with the cache hits a workload gets, the
-engines' prefill is busy well below the offered load, and less so under a cache-blind policy.
+replica) 0.8 of that is ~220 requests/s at 8 replicas of 1152-token prompts, while on a
+2-core machine the cluster's processes already take 1.0-1.4 CPU-s/s to stream ~230 tokens/s
+(6 requests/s of 64 tokens) over 8-16 replicas. So the run slows the simulated GPU down
+instead: ``--time-scale`` S (``auto``: the S at which the offered load is ``--rate``
+requests/s, default 6) multiplies every time of the profile (prefill and host-tier rates
+divided by S, decode step terms multiplied), the profile goes to the engines as a JSON file,
+and the workload's arrivals are drawn at the slowed capacity. Every replica then sits at the
+same ``--offered-load`` of its slowed engine, and the simulator runs the same slowed rates,
+so real and simulated seconds are the same seconds; the host's fixed costs (HTTP, proxy,
+ingress, routing: tens of ms) shrink relative to the engine's as S grows. ``--time-scale 1``
+runs the profile as is (the host then saturates long before the engines). The load counts
+no hits: with the cache hits a workload gets, the engines' prefill is busy well below the
+offered load, and less so under a cache-blind policy.
 
 Beside each real cell the simulator (``bench.sim.simulator``, in this process) runs the same
 workload, size and policy (``prefix``: ``bench/sim/ours.py``, the others
@@ -82,13 +83,15 @@ settings; one row per cell), ``.md`` (the table) and ``.png`` (TTFT p90 and hit 
 one colour per policy, real solid, simulated dashed), rewritten after every cell so an
 interrupted run keeps its cells. Progress lines go to stderr as each cell starts and ends.
 
-What bounds the size on a 2-core, 24 GiB machine: memory first (each engine replica is a Ray
-actor plus its engine process: the machine's used memory after startup was 7.1 GB at 8
-replicas and 14.8 GB at 16, ~0.95 GB more per replica, so 32 need ~30 GB), then startup (the
-replicas start one after another on 2 cores: 65 s at 8, 150 s at 16) and the host's cores:
-the idle replicas' stats polls, metrics pushes and KV-event heartbeats (~0.024 CPU-s/s each)
-and the streamed load share the 2 cores with the load generator, whose sends run late once
-they are saturated (``send_lateness_p99_s``).
+A cell takes ~2.5 minutes at 8 replicas (startup 65-110 s, ``--idle-s``, ~45 s of arrivals
+and the last requests' decode) and 4.5-6 minutes at 16 (startup 120-225 s, ~55 s of
+arrivals). What bounds the size on a 2-core, 24 GiB machine: memory first (each engine
+replica is a Ray actor plus its engine process: the machine's used memory after startup was
+7.1-8.5 GB at 8 replicas and 12.0-14.8 GB at 16, 0.6-0.95 GB more per replica, so 32 need
+~22-30 GB), then startup (the replicas start one after another on 2 cores) and the host's
+cores: the idle replicas' stats polls, metrics pushes and KV-event heartbeats (~0.024
+CPU-s/s each) and the streamed load share the 2 cores with the load generator, whose sends
+run late once they are saturated (``send_lateness_p99_s``).
 
 Failure modes: bad flags exit with argparse's usage error (2). A size that would not fit in
 the machine's available memory (``--mb-per-replica`` per engine replica, plus a headroom) is
@@ -138,8 +141,8 @@ WARMUP_TOKENS = 8  # under one block: warm-up requests leave nothing in any cach
 PREEMPTIONS = "prefixserve:num_preemptions_total"
 MB_PER_REPLICA = 950
 """Memory a cluster takes per engine replica on the sim engine: the machine's used memory grew
-by ~950 MB per replica from 8 to 16 replicas (7.1 to 14.8 GB), which also covers the rest of
-the cluster at these sizes; ``--mb-per-replica`` overrides it."""
+by up to ~950 MB per replica from 8 to 16 replicas (7.1 to 14.8 GB), which also covers the
+rest of the cluster at these sizes; ``--mb-per-replica`` overrides it."""
 MEMORY_HEADROOM_MB = 1000
 
 
