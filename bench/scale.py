@@ -139,6 +139,9 @@ TIME_FIELDS = ("decode_step_base_s", "decode_step_per_seq_s", "decode_step_per_c
 RATE_FIELDS = ("prefill_tokens_per_s", "host_to_device_bytes_per_s")
 WARMUP_TOKENS = 8  # under one block: warm-up requests leave nothing in any cache
 PREEMPTIONS = "prefixserve:num_preemptions_total"
+METRICS_SETTLE_S = 2.5
+"""After the load, before reading ``/metrics``: the replicas and ingresses push their metrics
+to the hub every second, so the last requests' lookups and preemptions are in."""
 MB_PER_REPLICA = 950
 """Memory a cluster takes per engine replica on the sim engine: the machine's used memory grew
 by up to ~950 MB per replica from 8 to 16 replicas (7.1 to 14.8 GB), which also covers the
@@ -687,6 +690,7 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         out["load_cpu_s_per_s"] = cpu_rates(
             c1, srv.cpu_by_process(), time.monotonic() - t1, cpu_kind
         )
+        time.sleep(METRICS_SETTLE_S)
         text1 = _metrics_text(base)
         hist = histogram_delta(histogram_from_metrics(text1, lookup), hist0)
         out["preemptions"] = int(
