@@ -1,4 +1,4 @@
-"""bench/scale.py without Ray: the workload's token ids, the time scale and rates, the row
+"""bench/scale.py and bench/scale_report.py without Ray: the workload's token ids, the time scale and rates, the row
 math, the /metrics histogram, and the report files (no cluster starts)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from bench import scale
+from bench import scale, scale_report
 from bench.sim.workloads import (
     Request,
     WorkloadScale,
@@ -188,7 +188,7 @@ def test_summary_row_math():
         _record("a", 100, None, 0.4),
         _record("b", 999, 999, 9.0, ok=False, out=0),
     ]
-    row = scale.summarize_records(records, 4, 2.0)
+    row = scale_report.summarize_records(records, 4, 2.0)
     assert row["hit_rate"] == pytest.approx(150 / 500)
     assert (row["completed"], row["failed"]) == (4, 1)
     assert row["errors"] == ["HTTP 500: boom"]
@@ -197,16 +197,16 @@ def test_summary_row_math():
     assert row["ttft_p50_s"] == pytest.approx(0.25)
     assert row["ttft_p90_s"] == pytest.approx(0.37)
     assert row["output_tok_s"] == pytest.approx(16 / 2.0)
-    empty = scale.summarize_records([_record("a", 1, 0, 1.0, ok=False)], 2, 1.0)
+    empty = scale_report.summarize_records([_record("a", 1, 0, 1.0, ok=False)], 2, 1.0)
     assert empty["hit_rate"] is None and empty["ttft_p90_s"] is None
     assert empty["max_mean_load"] is None
 
 
 def test_relative_differences():
-    assert scale.rel_diff(1.2, 1.0) == pytest.approx(0.2)
-    assert scale.rel_diff(0.5, 1.0) == pytest.approx(-0.5)
-    assert scale.rel_diff(1.0, 0.0) is None and scale.rel_diff(None, 1.0) is None
-    diffs = scale.compare(
+    assert scale_report.rel_diff(1.2, 1.0) == pytest.approx(0.2)
+    assert scale_report.rel_diff(0.5, 1.0) == pytest.approx(-0.5)
+    assert scale_report.rel_diff(1.0, 0.0) is None and scale_report.rel_diff(None, 1.0) is None
+    diffs = scale_report.compare(
         {"hit_rate": 0.6, "ttft_p50_s": 2.0, "ttft_p90_s": 3.0},
         {"hit_rate": 0.8, "ttft_p50_s": 1.0, "ttft_p90_s": 3.0},
     )
@@ -229,15 +229,15 @@ prefixserve:router_lookup_latency_seconds_other 7
 
 def test_lookup_histogram_from_metrics():
     name = "prefixserve:router_lookup_latency_seconds"
-    before = scale.histogram_from_metrics(METRICS % (1, 2, 2, 2, 0.001, 2), name)
-    after = scale.histogram_from_metrics(METRICS % (3, 60, 101, 102, 0.101, 102), name)
+    before = scale_report.histogram_from_metrics(METRICS % (1, 2, 2, 2, 0.001, 2), name)
+    after = scale_report.histogram_from_metrics(METRICS % (3, 60, 101, 102, 0.101, 102), name)
     assert after["buckets"][math.inf] == 102 and after["count"] == 102
-    delta = scale.histogram_delta(after, before)
+    delta = scale_report.histogram_delta(after, before)
     assert delta["count"] == 100 and delta["buckets"][0.001] == 58
-    summary = scale.histogram_summary(delta)
+    summary = scale_report.histogram_summary(delta)
     assert summary["mean_ms"] == pytest.approx(1.0)
     assert summary["p50_le_ms"] == pytest.approx(1.0) and summary["p99_le_ms"] == pytest.approx(5)
-    assert scale.histogram_summary({"buckets": {}, "sum": 0, "count": 0})["mean_ms"] is None
+    assert scale_report.histogram_summary({"buckets": {}, "sum": 0, "count": 0})["mean_ms"] is None
 
 
 def test_counter_from_metrics_sums_the_replicas():
@@ -247,8 +247,8 @@ def test_counter_from_metrics_sums_the_replicas():
         'prefixserve:num_preemptions_total{replica="b"} 5.0\n'
         "prefixserve:num_preemptions_total_other 9.0\n"
     )
-    assert scale.counter_from_metrics(text, scale.PREEMPTIONS) == 7.0
-    assert scale.counter_from_metrics("", scale.PREEMPTIONS) == 0.0
+    assert scale_report.counter_from_metrics(text, scale.PREEMPTIONS) == 7.0
+    assert scale_report.counter_from_metrics("", scale.PREEMPTIONS) == 0.0
 
 
 def test_cpu_rates_by_kind():
@@ -260,7 +260,7 @@ def test_cpu_rates_by_kind():
         "python -m worker.engine_process": 1.0,
         "gcs_server": 1.5,
     }
-    rates = scale.cpu_rates(before, after, 10.0, cpu_kind)
+    rates = scale_report.cpu_rates(before, after, 10.0, cpu_kind)
     assert rates == pytest.approx({"replica": 0.2, "engine": 0.1, "ray": 0.05})
 
 
@@ -293,7 +293,7 @@ def _row(n, policy, hit, p90, error=None):
         memory_used_mb=7000,
         idle_cpu_s_per_s_per_engine_replica=0.024, idle_cpu_s_per_s_total=0.4,
     )  # fmt: skip
-    row.update(scale.compare(row, row["sim"]))
+    row.update(scale_report.compare(row, row["sim"]))
     return row
 
 
@@ -305,7 +305,7 @@ def test_report_files(tmp_path):
         _row(16, "round_robin", 0.3, None, error="RuntimeError: not healthy"),
     ]
     header = {"machine": "CPU X (2 CPUs)", "date": "d", "command": "python -m bench.scale"}
-    paths = scale.write_report(tmp_path, "t", header, rows)
+    paths = scale_report.write_report(tmp_path, "t", header, rows)
     assert [p.name for p in paths] == ["scale_t.json", "scale_t.md", "scale_t.png"]
     data = json.loads((tmp_path / "scale_t.json").read_text())
     assert data["header"] == header and len(data["rows"]) == 4
@@ -319,7 +319,7 @@ def test_report_files(tmp_path):
     header_cells = md.splitlines()[6].count("|")
     assert all(line.count("|") == header_cells for line in md.splitlines()[6:12])
     assert (tmp_path / "scale_t.png").stat().st_size > 1000
-    only_errors = scale.write_report(tmp_path, "e", header, rows[3:])
+    only_errors = scale_report.write_report(tmp_path, "e", header, rows[3:])
     assert [p.suffix for p in only_errors] == [".json", ".md"]
 
 
