@@ -69,14 +69,14 @@ one is the client's, send to first text.
 Per cell (one row): hit rate (usage's cached prompt tokens over prompt tokens, successful
 requests), TTFT p50/p90/p99, requests per replica (the ``x-prefixserve-replica`` header) and
 their max/mean, failures, startup seconds (launch to serving with every replica), output
-tok/s, the routers' index-lookup latency over the run (``prefixserve:router_lookup_latency
-_seconds`` from ``/metrics``: mean, and the p50/p99 bucket bounds; the cluster exports no
-whole-decision latency), the engines' preemptions over the run (``prefixserve:num_preemptions
-_total``), idle CPU-s/s by kind of process and per engine replica (its Ray
-actor plus its engine process), CPU-s/s by kind under load, the machine's used memory after
-startup, the simulator's hit rate, TTFT p50/p90/p99, max/mean and overflow blocks (KV it
-lets replicas hold beyond their capacity, where an engine preempts), and the relative
-differences ``(real - sim) / sim`` of hit rate and TTFT p50/p90.
+tok/s, the routers' index-lookup and whole-decision latency over the run
+(``prefixserve:router_lookup_latency_seconds`` and ``router_decision_latency_seconds`` from
+``/metrics``: mean, and the p50/p99 bucket bounds), the engines' preemptions over the run
+(``prefixserve:num_preemptions_total``), idle CPU-s/s by kind of process and per engine
+replica (its Ray actor plus its engine process), CPU-s/s by kind under load, the machine's
+used memory after startup, the simulator's hit rate, TTFT p50/p90/p99, max/mean and overflow
+blocks (KV it lets replicas hold beyond their capacity, where an engine preempts), and the
+relative differences ``(real - sim) / sim`` of hit rate and TTFT p50/p90.
 
 Writes ``<out-dir>/scale_<tag>.json`` (``bench/result_files.py``'s header plus the run's
 settings; one row per cell), ``.md`` (the table) and ``.png`` (TTFT p90 and hit rate by size,
@@ -518,6 +518,7 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
     from bench.serve_path import cpu_kind
 
     lookup = "prefixserve:router_lookup_latency_seconds"
+    decision = "prefixserve:router_decision_latency_seconds"
     wl = plan.workload
     prompts = [prompt_token_ids(r, vocab) for r in wl.requests]
     arrivals = [r.arrival_s - wl.requests[0].arrival_s for r in wl.requests]
@@ -573,6 +574,7 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         out["idle_cpu_s_per_s_total"] = round(sum(idle.values()), 3)
         text0 = _metrics_text(base)
         hist0 = histogram_from_metrics(text0, lookup)
+        decision0 = histogram_from_metrics(text0, decision)
         c1, t1 = srv.cpu_by_process(), time.monotonic()
         records, duration = asyncio.run(
             _send_all(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
@@ -587,6 +589,8 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
             counter_from_metrics(text1, PREEMPTIONS) - counter_from_metrics(text0, PREEMPTIONS)
         )
         out["router_lookup"] = histogram_summary(hist)
+        decisions = histogram_delta(histogram_from_metrics(text1, decision), decision0)
+        out["router_decision"] = histogram_summary(decisions)
         out.update(summarize_records(records, plan.replicas, duration))
         late = sorted(r["lateness_s"] for r in records)
         out["send_lateness_p99_s"] = round(percentile(late, 99), 4)

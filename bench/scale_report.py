@@ -161,9 +161,10 @@ def markdown(rows: list[dict]) -> str:
         "|---" * 15 + "|",
     ]
     host = [
-        "| N | index | workload | policy | lookup mean / p50 / p99 ms | idle CPU-s/s per "
-        "replica / all | load CPU-s/s all | send late p99 s | memory used MB |",
-        "|---" * 9 + "|",
+        "| N | index | workload | policy | lookup mean / p50 / p99 ms | decision mean / p50 / "
+        "p99 ms | idle CPU-s/s per replica / all | load CPU-s/s all | send late p99 s | "
+        "memory used MB |",
+        "|---" * 10 + "|",
     ]
     for r in rows:
         sim = r.get("sim") or {}
@@ -178,6 +179,7 @@ def markdown(rows: list[dict]) -> str:
             )
             continue
         lk = r.get("router_lookup") or {}
+        dl = r.get("router_decision") or {}
         lines.append(
             f"{head} {r['completed']}/{r['failed']} | "
             f"{_f(r['hit_rate'])} / {_f(sim.get('hit_rate'))} | "
@@ -195,6 +197,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['replicas']} | {r['index']} | {r['workload']} | {r['policy']} | "
             f"{_f(lk.get('mean_ms'), '.1f')} / {_lookup_p(lk, 'p50_le_ms')} / "
             f"{_lookup_p(lk, 'p99_le_ms')} | "
+            f"{_f(dl.get('mean_ms'), '.1f')} / {_lookup_p(dl, 'p50_le_ms')} / "
+            f"{_lookup_p(dl, 'p99_le_ms')} | "
             f"{_f(r.get('idle_cpu_s_per_s_per_engine_replica'), '.3f')} / "
             f"{_f(r.get('idle_cpu_s_per_s_total'), '.2f')} | "
             f"{_f(sum(load.values()) if load else None, '.2f')} | "
@@ -206,7 +210,8 @@ def markdown(rows: list[dict]) -> str:
         "rate; hit: cached prompt tokens / prompt tokens; preempted: the engines' preemptions; "
         "sim overflow: KV blocks the simulator let replicas hold beyond their capacity; diff: "
         "(real - sim) / sim; lookup: the routers' index-lookup latency over the run (p50, p99: "
-        "their buckets' upper bounds); idle CPU: before the load, per engine replica (actor + "
+        "their buckets' upper bounds); decision: the routers' whole decisions (lookup, board, "
+        "views, policy), the same way; idle CPU: before the load, per engine replica (actor + "
         "engine process) and of every server process; load CPU: every server process during "
         "the load (the client not counted); send late: how late the client sent its requests "
         "against their arrival times (a saturated host); memory: the machine's, after startup."

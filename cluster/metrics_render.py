@@ -136,11 +136,18 @@ def _router_families(snapshot: dict, prefix: str = PREFIX):
         family = CounterMetricFamily(prefix + "router_" + name.removeprefix("num_"), doc)
         family.add_metric([], float(snapshot.get(name, 0)))
         yield family
-    latency = snapshot.get("lookup_latency_ms")
-    if latency:
-        family = HistogramMetricFamily(
-            prefix + "router_lookup_latency_seconds", "Prefix index lookup latency."
-        )
+    for key, name, doc in (
+        ("lookup_latency_ms", "router_lookup_latency_seconds", "Prefix index lookup latency."),
+        (
+            "decision_latency_ms",
+            "router_decision_latency_seconds",
+            "Routing decision latency: lookup, in-flight board, load views and policy.",
+        ),
+    ):
+        latency = snapshot.get(key)
+        if not latency:
+            continue
+        family = HistogramMetricFamily(prefix + name, doc)
         cumulative, buckets = 0, []
         for bound_ms, count in zip(latency["bounds"], latency["counts"][:-1], strict=True):
             cumulative += count

@@ -21,6 +21,7 @@ from cluster.metrics_series import (
     token_buckets,
 )
 from cluster.stream_items import prefill_time_s
+from router.metrics import merge_snapshots
 from worker.outputs import OutputDelta
 
 
@@ -140,35 +141,6 @@ class IngressMetrics:
         }
 
 
-def _add_router(total: dict | None, snapshot: dict | None) -> dict | None:
-    """Two ``RouterMetrics.snapshot()`` dicts summed (either may be None)."""
-    if total is None or snapshot is None:
-        return snapshot if total is None else total
-    decisions: dict[tuple[str, str], int] = {}
-    for row in total["decisions"] + snapshot["decisions"]:
-        key = (row["policy"], row["reason"])
-        decisions[key] = decisions.get(key, 0) + row["count"]
-    merged = {
-        name: total.get(name, 0) + snapshot.get(name, 0)
-        for name in total.keys() | snapshot.keys()
-        if name.startswith("num_")
-    }
-    merged["decisions"] = [
-        {"policy": policy, "reason": reason, "count": count}
-        for (policy, reason), count in sorted(decisions.items())
-    ]
-    prompt = merged.get("num_prompt_blocks", 0)
-    merged["matched_block_ratio"] = merged.get("num_matched_blocks", 0) / prompt if prompt else None
-    ours, theirs = total["lookup_latency_ms"], snapshot["lookup_latency_ms"]
-    merged["lookup_latency_ms"] = {
-        "bounds": ours["bounds"],
-        "counts": [a + b for a, b in zip(ours["counts"], theirs["counts"], strict=True)],
-        "sum": ours["sum"] + theirs["sum"],
-        "count": ours["count"] + theirs["count"],
-    }
-    return merged
-
-
 def sum_ingress_snapshots(snapshots) -> dict | None:
     """``IngressMetrics.snapshot()`` dicts of every ingress replica, summed; None for none."""
     total: dict | None = None
@@ -187,5 +159,5 @@ def sum_ingress_snapshots(snapshots) -> dict | None:
             total["finished_reasons"][reason] = total["finished_reasons"].get(reason, 0) + count
         for name, count in snap.get("ignored_fields", {}).items():
             total["ignored_fields"][name] = total["ignored_fields"].get(name, 0) + count
-        total["router"] = _add_router(total["router"], snap.get("router"))
+        total["router"] = merge_snapshots(total["router"], snap.get("router"))
     return total

@@ -1,14 +1,15 @@
-"""Router metrics as plain, thread-safe counters and a fixed-bucket histogram.
+"""Router metrics as plain, thread-safe counters and fixed-bucket histograms.
 
 Owns what the router counts: decisions by policy and reason (a ``router.policy.RoutingReason``,
 counted under its string value), matched blocks against prompt blocks (the matched-block
-ratio), index lookup latency, index errors, fallback decisions and dropped speculative
-entries. No Prometheus dependency here: ``snapshot()`` returns plain numbers,
-``merge_snapshots`` adds two of them up (the routers of one process, or of every ingress
-replica), and the cluster layer exports them (e.g., as ``prefixserve_router_*`` Prometheus
-series). Recording never blocks for longer than one uncontended lock and never raises,
-except ``ValueError`` for a decision reason that is not a ``RoutingReason`` (a programming
-error, not a runtime one).
+ratio), index lookup latency, whole-decision latency (from Serve asking the router to its
+answer: the lookup, the in-flight board, the views and the policy), index errors, fallback
+decisions and dropped speculative entries. No Prometheus dependency here: ``snapshot()``
+returns plain numbers, ``merge_snapshots`` adds two of them up (the routers of one process,
+or of every ingress replica), and the cluster layer exports them (e.g., as
+``prefixserve_router_*`` Prometheus series). Recording never blocks for longer than one
+uncontended lock and never raises, except ``ValueError`` for a decision reason that is not
+a ``RoutingReason`` (a programming error, not a runtime one).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from router.policy import RoutingReason
 # Lookup latencies of interest span an in-process dict hit (~10 us) to a Redis round trip
 # that hits the socket timeout (~50 ms); buckets are upper bounds in milliseconds.
 LATENCY_BUCKETS_MS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+LATENCY_HISTOGRAMS = ("lookup_latency_ms", "decision_latency_ms")
+"""The latency histograms a snapshot carries, each under this key."""
 
 
 @dataclass
@@ -70,6 +73,7 @@ class RouterMetrics:
         self.num_dropped_speculations = 0
         """Speculative entries dropped because the background writer's queue was full."""
         self.lookup_latency_ms = Histogram()
+        self.decision_latency_ms = Histogram()
 
     def record_decision(
         self, policy: str, reason: RoutingReason, num_prompt_blocks: int, num_matched_blocks: int
@@ -88,6 +92,10 @@ class RouterMetrics:
     def record_lookup(self, latency_ms: float) -> None:
         with self._lock:
             self.lookup_latency_ms.observe(latency_ms)
+
+    def record_decision_latency(self, latency_ms: float) -> None:
+        with self._lock:
+            self.decision_latency_ms.observe(latency_ms)
 
     def record_index_error(self) -> None:
         with self._lock:
@@ -118,21 +126,28 @@ class RouterMetrics:
                 "num_index_errors": self.num_index_errors,
                 "num_fallback_decisions": self.num_fallback_decisions,
                 "num_dropped_speculations": self.num_dropped_speculations,
-                "lookup_latency_ms": {
-                    "bounds": list(self.lookup_latency_ms.bounds),
-                    "counts": list(self.lookup_latency_ms.counts),
-                    "sum": self.lookup_latency_ms.total,
-                    "count": self.lookup_latency_ms.num,
-                },
+                **{name: _histogram_dict(getattr(self, name)) for name in LATENCY_HISTOGRAMS},
             }
 
 
-def merge_snapshots(total: dict, snapshot: dict) -> dict:
-    """Two ``RouterMetrics.snapshot()``s summed, as one (``{}`` is the empty sum): decisions by
-    (policy, reason), block counts, errors, the ratio recomputed, the latency histograms
-    added bucket by bucket. For a process with several routers, or several processes."""
+def _histogram_dict(histogram: Histogram) -> dict:
+    return {
+        "bounds": list(histogram.bounds),
+        "counts": list(histogram.counts),
+        "sum": histogram.total,
+        "count": histogram.num,
+    }
+
+
+def merge_snapshots(total: dict | None, snapshot: dict | None) -> dict | None:
+    """Two ``RouterMetrics.snapshot()``s summed, as one (``{}`` or None is the empty sum):
+    decisions by (policy, reason), block counts, errors, the ratio recomputed, the latency
+    histograms added bucket by bucket (a snapshot without one adds nothing to it). For a
+    process with several routers, or several processes."""
     if not total:
-        return snapshot
+        return snapshot or total
+    if not snapshot:
+        return total
     counts: dict[tuple[str, str], int] = {}
     for row in total["decisions"] + snapshot["decisions"]:
         key = (row["policy"], row["reason"])
@@ -151,9 +166,15 @@ def merge_snapshots(total: dict, snapshot: dict) -> dict:
         merged[name] = total[name] + snapshot[name]
     prompt = merged["num_prompt_blocks"]
     merged["matched_block_ratio"] = merged["num_matched_blocks"] / prompt if prompt else None
-    latency, other = dict(total["lookup_latency_ms"]), snapshot["lookup_latency_ms"]
-    latency["counts"] = [a + b for a, b in zip(latency["counts"], other["counts"], strict=True)]
-    latency["sum"] += other["sum"]
-    latency["count"] += other["count"]
-    merged["lookup_latency_ms"] = latency
+    for name in LATENCY_HISTOGRAMS:
+        ours, theirs = total.get(name), snapshot.get(name)
+        if ours is None or theirs is None:
+            merged[name] = ours or theirs
+            continue
+        merged[name] = {
+            "bounds": ours["bounds"],
+            "counts": [a + b for a, b in zip(ours["counts"], theirs["counts"], strict=True)],
+            "sum": ours["sum"] + theirs["sum"],
+            "count": ours["count"] + theirs["count"],
+        }
     return merged

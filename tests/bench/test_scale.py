@@ -1,5 +1,6 @@
-"""bench/scale.py and bench/scale_report.py without Ray: the workload's token ids, the time scale and rates, the row
-math, the /metrics histogram, and the report files (no cluster starts)."""
+"""bench/scale.py and bench/scale_report.py without Ray: the workload's token ids, the time
+scale and rates, the row math, the /metrics histogram, and the report files (no cluster
+starts)."""
 
 from __future__ import annotations
 

@@ -395,11 +395,15 @@ def test_router_snapshot_renders_as_router_series():
         "prefix", RoutingReason.PREFIX, num_prompt_blocks=4, num_matched_blocks=3
     )
     router.record_lookup(0.2)
+    router.record_decision_latency(0.9)
+    router.record_decision_latency(7.0)
     text = render_prometheus({}, router.snapshot()).decode()
     assert 'prefixserve:router_decisions_total{policy="prefix",reason="prefix"} 1.0' in text
     assert "prefixserve:router_matched_blocks_total 3.0" in text
     assert "prefixserve:router_prompt_blocks_total 4.0" in text
     assert "prefixserve:router_lookup_latency_seconds_count 1.0" in text
+    assert "prefixserve:router_decision_latency_seconds_count 2.0" in text
+    assert 'prefixserve:router_decision_latency_seconds_bucket{le="0.001"} 1.0' in text
 
 
 def test_metrics_hub_counts_busy_requests_and_drops_stale_replicas(monkeypatch):

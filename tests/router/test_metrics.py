@@ -62,3 +62,21 @@ def test_routing_reasons_are_their_label_strings():
     )
     assert RoutingReason.PREFIX == "prefix"
     assert len({r.value for r in RoutingReason}) == len(RoutingReason)
+
+
+def test_decision_latency_is_its_own_histogram_and_snapshots_merge_with_it():
+    from router.metrics import merge_snapshots
+
+    first, second = RouterMetrics(), RouterMetrics()
+    first.record_decision_latency(0.7)
+    second.record_decision_latency(3.0)
+    second.record_decision_latency(40.0)
+    merged = merge_snapshots(first.snapshot(), second.snapshot())
+    decision = merged["decision_latency_ms"]
+    assert decision["count"] == 3 and decision["sum"] == pytest.approx(43.7)
+    assert decision["counts"][decision["bounds"].index(1.0)] == 1  # 0.7 ms: in the 1 ms bucket
+    assert decision["counts"][decision["bounds"].index(50.0)] == 1  # 40 ms: in the 50 ms one
+    assert merged["lookup_latency_ms"]["count"] == 0  # the other histogram stays apart
+    older = {k: v for k, v in second.snapshot().items() if k != "decision_latency_ms"}
+    assert merge_snapshots(first.snapshot(), older)["decision_latency_ms"]["count"] == 1
+    assert merge_snapshots(None, older) == older
