@@ -113,16 +113,14 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from functools import lru_cache
 from pathlib import Path
 
-from bench.common import free_port, percentile
+from bench.common import free_port, percentile, sigterm_unwinds
 from bench.result_files import RESULTS, result_header
 from bench.scale_report import (
     compare,
@@ -781,17 +779,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows: list[dict] = []
     interrupted = False
-    old_term = None
-    if threading.current_thread() is threading.main_thread():
-        old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        run_all(args, header, rows)
+        with sigterm_unwinds():
+            run_all(args, header, rows)
     except KeyboardInterrupt:
         interrupted = True
         _progress("interrupted: every cluster stopped; writing the cells so far")
     finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
         header["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         header["interrupted"] = interrupted
         paths = write_report(args.out_dir, args.tag, header, rows)

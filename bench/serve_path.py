@@ -86,16 +86,14 @@ import platform
 import random
 import re
 import resource
-import signal
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.cluster_process import ROUTERS_SETTLE_S
-from bench.common import free_port, percentile
+from bench.common import free_port, percentile, sigterm_unwinds
 from bench.result_files import RESULTS, result_header
 from bench.serve.http_load import _cpu_used, _model_name, record_of
 from bench.serve.processes import Server, server_env
@@ -505,11 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows: list[dict] = []
     interrupted = False
-    old_term = None
-    if threading.current_thread() is threading.main_thread():
-        old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds like ^C
     try:
-        with tempfile.TemporaryDirectory(prefix="serve_path_model_") as tmp:
+        with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="serve_path_model_") as tmp:
             from worker.testing import make_tiny_model
 
             model = make_tiny_model(Path(tmp) / "tiny-llama", "llama", num_layers=2)
@@ -517,9 +512,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         _progress("interrupted: every server stopped; writing the rows so far")
-    finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
     header["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     header["interrupted"] = interrupted
     paths = write_results(args.out_dir, stem, header, rows)

@@ -16,14 +16,13 @@ import argparse
 import json
 import os
 import platform
-import signal
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.common import sigterm_unwinds
 from bench.loadgen.workloads import load_workload, requests_for
 from bench.result_files import RESULTS, result_header
 
@@ -145,9 +144,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM unwinds like Ctrl-C, so the finally blocks stop the servers this started.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with sigterm_unwinds():  # the finally blocks below stop the servers this started
+        return _run(args, argv)
+
+
+def _run(args, argv: list[str]) -> int:
     workload = load_workload(args.num_requests)
     if args.child_offline is not None:  # child: one offline run, its row on the last line
         c = args.child_offline

@@ -223,3 +223,25 @@ def test_idle_measurement_reports_per_second_rates(monkeypatch):
     }
     with pytest.raises(SystemExit):
         serve.parse_args(["--idle-s", "-1"])
+
+
+def test_sigterm_unwinds_the_block_like_an_exit_and_restores_the_handler():
+    import os
+    import signal
+    import threading
+    import time
+
+    from bench.common import sigterm_unwinds
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread")  # the SIGTERM would end this worker
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned_up = []
+    with pytest.raises(SystemExit) as exit_info, sigterm_unwinds():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here at the latest
+        finally:
+            cleaned_up.append(True)
+    assert exit_info.value.code == 143 and cleaned_up == [True]
+    assert signal.getsignal(signal.SIGTERM) is before
