@@ -58,7 +58,7 @@ from router.policy import (
     pull_source,
     rendezvous_pick,
 )
-from router.protocol import BlockHash
+from router.protocol import BlockHash, ReplicaStats
 
 # Additive room of the load bound, in requests: early on (or at low traffic) the mean recent
 # count is near 0 and a pure ratio would spill a prefix's second request; 2 lets a prefix's
@@ -113,13 +113,15 @@ class CopyPrice:
     reuse: float
     """The prefix's recent requests per holder once copied, on a replica that keeps it."""
 
-    def discount(self, view: ReplicaView, copy_blocks: int, window_requests: float) -> float:
-        """Share of the copy's prefill price taken off ``view``, which lacks ``copy_blocks``
-        blocks of the prefix."""
-        if copy_blocks <= view.stats.num_empty_kv_blocks:
+    def discount(
+        self, stats: ReplicaStats, copy_tokens: int, block_size: int, window_requests: float
+    ) -> float:
+        """Share of the copy's prefill price taken off a replica with these stats, which lacks
+        ``copy_tokens`` tokens of the prefix."""
+        if copy_tokens <= stats.num_empty_kv_blocks * block_size:
             kept = 1.0
         else:
-            kept = min(1.0, view.stats.kv_lru_age / window_requests)
+            kept = min(1.0, stats.kv_lru_age / window_requests)
         reuse = self.reuse * kept
         return reuse / (1.0 + reuse)
 
@@ -205,22 +207,19 @@ class PrefixPolicy:
         """``view``'s predicted TTFT with ``miss_cost_factor``, less ``copy``'s discount when
         ``view`` would prefill a copy of the prefix another replica holds."""
         peer_blocks = _peer(peers, view)
+        match = matches.get(view.replica_id)
         cost_s = self.model.predicted_ttft_s(
-            view,
-            matches.get(view.replica_id),
-            num_prompt_tokens,
-            self.miss_cost_factor,
-            peer_blocks,
+            view, match, num_prompt_tokens, self.miss_cost_factor, peer_blocks
         )
         if copy is None:
             return cost_s
-        block_size = self.model.block_size
-        own_blocks = max(num_matched(matches, view.replica_id), peer_blocks)
-        copy_tokens = max(0, copy.prefix_tokens - own_blocks * block_size)
-        if copy_tokens == 0:
+        own_blocks = max(0 if match is None else match.num_blocks, peer_blocks)
+        copy_tokens = copy.prefix_tokens - own_blocks * self.model.block_size
+        if copy_tokens <= 0:
             return cost_s
-        discount = copy.discount(view, -(-copy_tokens // block_size), self.window_requests)
-        rate = self.model.prefill_tokens_per_s(view.stats)
+        stats = view.stats
+        discount = copy.discount(stats, copy_tokens, self.model.block_size, self.window_requests)
+        rate = self.model.prefill_tokens_per_s(stats)
         return cost_s - discount * self.miss_cost_factor * copy_tokens / rate
 
     def _copy_price(
@@ -233,11 +232,13 @@ class PrefixPolicy:
         """The key this request's heat counts under (the deepest block a candidate holds;
         ``b""`` when none holds any) and the price of a copy of that prefix (None when every
         candidate holds it or it has no recent requests)."""
-        longest = min(max(num_matched(matches, v.replica_id) for v in replicas), len(block_hashes))
+        candidate_ids = {v.replica_id for v in replicas}
+        held = [m.num_blocks for rid, m in matches.items() if rid in candidate_ids]
+        longest = min(max(held, default=0), len(block_hashes))
         if longest == 0:
             return b"", None
         key = block_hashes[longest - 1]
-        num_holders = sum(num_matched(matches, v.replica_id) >= longest for v in replicas)
+        num_holders = sum(blocks >= longest for blocks in held)
         reuse = self._heat.get(key) / (num_holders + 1)
         if num_holders == len(replicas) or reuse <= 0:
             return key, None
