@@ -1,5 +1,5 @@
-"""What every benchmark shares and nothing else owns: the percentile, a free local port and
-SIGTERM handling.
+"""What every benchmark shares and nothing else owns: the percentile, a free local port,
+SIGTERM handling and the warm-up retry.
 
 ``percentile`` is the one percentile of ``bench/``: linear interpolation between the closest
 ranks, numpy's and ``vllm bench serve``'s default, so every benchmark's p50/p90/p99 means the
@@ -10,6 +10,10 @@ own servers one at a time, which makes that rare).
 ``sigterm_unwinds`` makes a SIGTERM unwind the benchmark like Ctrl-C (``SystemExit`` 143 at
 the point it arrives), so the ``finally`` blocks that stop the servers it started run; on a
 thread other than the main one (where signals cannot be handled) it does nothing.
+
+``retry_until_served`` sends a burst of warm-up requests until all succeed (a server may
+answer ``/health`` before it can route), and raises ``RuntimeError`` with the first failure
+once its patience runs out.
 
 How it fails: ``percentile`` of no values is 0.0 (as ``vllm bench serve`` reports an empty
 series), never an error; a caller that must tell "no requests" from 0 checks for values
@@ -23,7 +27,8 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -57,3 +62,21 @@ def sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def retry_until_served(
+    send: Callable[[], list[dict]], patience_s: float, interval_s: float = 2.0
+) -> None:
+    """Call ``send`` (one burst of requests; their records, each with ``success`` and
+    ``error``) every ``interval_s`` until every request of a burst succeeds."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        records = send()
+        bad = [r["error"] for r in records if not r["success"]]
+        if not bad:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"warm-up: {len(bad)} of {len(records)} requests failed, first: {bad[0]}"
+            )
+        time.sleep(interval_s)

@@ -120,7 +120,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from bench.common import free_port, percentile, sigterm_unwinds
+from bench.common import free_port, percentile, retry_until_served, sigterm_unwinds
 from bench.result_files import RESULTS, result_header
 from bench.scale_report import (
     compare,
@@ -473,15 +473,10 @@ def warm_up(base: str, model: str, vocab: int, n: int, patience_s: float = 120.0
     """``n`` short requests (under one block: nothing cached) until all succeed."""
     prompts = [[TOKEN_LO + (7919 * i + j) % (vocab - TOKEN_LO) for j in range(WARMUP_TOKENS)]
                for i in range(n)]  # fmt: skip
-    deadline = time.monotonic() + patience_s
-    while True:
-        records, _ = asyncio.run(_send_all(base, model, prompts, [0.0] * n, [2] * n, 60.0))
-        bad = [r["error"] for r in records if not r["success"]]
-        if not bad:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"warm-up: {len(bad)} of {n} requests failed, first: {bad[0]}")
-        time.sleep(2.0)
+    retry_until_served(
+        lambda: asyncio.run(_send_all(base, model, prompts, [0.0] * n, [2] * n, 60.0))[0],
+        patience_s,
+    )
 
 
 def _metrics_text(base: str) -> str:

@@ -93,7 +93,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.cluster_process import ROUTERS_SETTLE_S
-from bench.common import free_port, percentile, sigterm_unwinds
+from bench.common import free_port, percentile, retry_until_served, sigterm_unwinds
 from bench.result_files import RESULTS, result_header
 from bench.serve.http_load import _cpu_used, _model_name, record_of
 from bench.serve.processes import Server, server_env
@@ -331,15 +331,10 @@ def warm_up(
     ``patience_s`` (a server may answer /health before it can route)."""
     n = warm_up_size(args)
     prompts = make_prompts(n, args, vocab_size, -2)
-    deadline = time.monotonic() + patience_s
-    while True:
-        records, _ = asyncio.run(_load(bases, model_id, prompts, n, WARMUP_TOKENS, 120.0))
-        bad = [r["error"] for r in records if not r["success"]]
-        if not bad:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"warm-up: {len(bad)} of {n} requests failed, first: {bad[0]}")
-        time.sleep(2.0)
+    retry_until_served(
+        lambda: asyncio.run(_load(bases, model_id, prompts, n, WARMUP_TOKENS, 120.0))[0],
+        patience_s,
+    )
 
 
 async def _load(

@@ -245,3 +245,15 @@ def test_sigterm_unwinds_the_block_like_an_exit_and_restores_the_handler():
             cleaned_up.append(True)
     assert exit_info.value.code == 143 and cleaned_up == [True]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_warm_up_retries_until_a_whole_burst_is_served_and_then_gives_up():
+    from bench.common import retry_until_served
+
+    bursts = iter([[{"success": False, "error": "503"}], [{"success": True, "error": ""}]])
+    sent = []
+    retry_until_served(lambda: sent.append(1) or next(bursts), patience_s=10.0, interval_s=0.0)
+    assert len(sent) == 2
+    failing = [{"success": True, "error": ""}, {"success": False, "error": "no replica"}]
+    with pytest.raises(RuntimeError, match="1 of 2 requests failed, first: no replica"):
+        retry_until_served(lambda: failing, patience_s=0.0, interval_s=0.0)
