@@ -10,7 +10,8 @@ Block hash, version 1
     Hashes are 16 big-endian bytes; tokens are little-endian uint32. Golden vectors live in
     ``tests/router/test_protocol.py``; changing any of this means a new version string.
     With an 8-bit KV cache the ``model_id`` hashed is ``cache_namespace(model_id,
-    kv_cache_dtype)``: ``model_id + "\\0kv=" + kv_cache_dtype``.
+    kv_cache_dtype)``: ``model_id + "\\0kv=" + kv_cache_dtype``. A request on a LoRA adapter
+    hashes ``adapter_namespace(namespace, name)``: ``namespace + "\\0lora=" + name``.
 
 KV events
     Each replica numbers its event batches with a monotonically increasing ``seq``, one batch
@@ -48,6 +49,15 @@ def cache_namespace(model_id: str, kv_cache_dtype: str = "auto") -> str:
     if kv_cache_dtype == "auto":
         return model_id
     return f"{model_id}\0kv={kv_cache_dtype}"
+
+
+def adapter_namespace(namespace: str, lora_name: str | None) -> str:
+    """The block-hash namespace of a request on LoRA adapter ``lora_name`` (None: the base
+    model): the model's namespace followed by the adapter's name, so two adapters, or an
+    adapter and its base, never share a block."""
+    if lora_name is None:
+        return namespace
+    return f"{namespace}\0lora={lora_name}"
 
 
 def _pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -162,6 +172,12 @@ class ReplicaStats:
     dtype), ``int8`` or ``fp8_e4m3``. Replicas of different formats share no prefix blocks
     and pull no KV from each other. A payload without it (an older replica) reads as
     ``auto``."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters in the replica's device slots now: a request on one of them starts
+    without loading it."""
+    lora_load_s: float = 0.0
+    """Measured seconds to put an adapter into a device slot (mean of the last loads); 0
+    until the replica has loaded one."""
 
     def to_dict(self) -> dict:
         return {
@@ -177,9 +193,13 @@ class ReplicaStats:
             "num_empty_kv_blocks": self.num_empty_kv_blocks,
             "kv_lru_age": self.kv_lru_age,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "lora_adapters": list(self.lora_adapters),
+            "lora_load_s": self.lora_load_s,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> ReplicaStats:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if "lora_adapters" in known:
+            known["lora_adapters"] = tuple(known["lora_adapters"])
         return cls(**known)

@@ -78,6 +78,29 @@ _CPU_GMU_MESSAGE = (
 )
 
 
+def parse_lora_modules(modules) -> tuple[tuple[str, str], ...]:
+    """``lora_modules`` as (name, path) pairs from a mapping, pairs, or ``name=path`` strings;
+    an empty or repeated name is a ``ValueError``."""
+    items = modules.items() if isinstance(modules, dict) else modules
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(
+                    f"EngineConfig.lora_modules: {item!r} is not name=path (e.g. sql=/adapters/sql)"
+                )
+        else:
+            name, path = item
+        name, path = str(name).strip(), str(path).strip()
+        if not name or not path:
+            raise ValueError(f"EngineConfig.lora_modules: empty name or path in {item!r}")
+        if name in (n for n, _ in pairs):
+            raise ValueError(f"EngineConfig.lora_modules: adapter name {name!r} is given twice")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -145,6 +168,17 @@ class EngineConfig:
     """``model`` runs the model; ``sim`` keeps the whole engine but replaces its forward pass
     with a timing model and pseudo-tokens (``worker/sim_runner.py``): a device of
     ``sim_profile``'s speed at no compute cost, for load and host-overhead tests."""
+    enable_lora: bool = False
+    """Serve LoRA adapters beside the base model (``worker/lora.py``); implied by
+    ``lora_modules``."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """Adapters known from the start, as (name, PEFT folder) pairs; a mapping or
+    ``name=path`` strings are accepted too. The name is what requests put in ``model``."""
+    max_loras: int = 8
+    """Adapters on the device at once (slots): one step runs at most this many distinct
+    adapters; the rest wait in host memory."""
+    max_lora_rank: int = 16
+    """Highest adapter rank accepted."""
     sim_profile: str = "gpu"
     """With ``engine="sim"``: a preset of ``worker/sim_profiles.json`` (``cpu``, ``gpu``) or a
     JSON file of one profile (``worker/sim_model.py``)."""
@@ -153,6 +187,26 @@ class EngineConfig:
         def need(cond: bool, field: str, msg: str) -> None:
             if not cond:
                 raise ValueError(f"EngineConfig.{field}: {msg}")
+
+        modules = parse_lora_modules(self.lora_modules)
+        object.__setattr__(self, "lora_modules", modules)  # normalised once, still frozen
+        if modules:
+            object.__setattr__(self, "enable_lora", True)
+        need(
+            isinstance(self.max_loras, int) and self.max_loras >= 1,
+            "max_loras",
+            f"must be a positive integer, got {self.max_loras!r}",
+        )
+        need(
+            isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512,
+            "max_lora_rank",
+            f"must be an integer in [1, 512], got {self.max_lora_rank!r}",
+        )
+        need(
+            not self.enable_lora or self.engine != "sim",
+            "enable_lora",
+            "the simulated engine has no weights to adapt; leave LoRA off with engine='sim'",
+        )
 
         need(
             isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"

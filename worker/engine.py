@@ -23,7 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
-from router.protocol import BlockHash, KVEventBatch, ReplicaStats, cache_namespace
+from router.protocol import (
+    BlockHash,
+    KVEventBatch,
+    ReplicaStats,
+    adapter_namespace,
+    cache_namespace,
+)
 from worker import kv_transfer
 from worker.block_pool import BlockPool
 from worker.config import EngineConfig
@@ -198,6 +204,8 @@ class LLMEngine:
                 self.max_model_len,
                 self.tp.comm,
                 plan.vocab_start,
+                full_spec=spec,
+                shard=plan,
             )
         except BaseException:
             self._tp_finalizer()
@@ -246,10 +254,14 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         resume_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> None:
         """Queues a request. ``resume_token_ids``: outputs another replica already streamed
-        before it died (stream failover, ``n == 1``): the request goes on after them."""
+        before it died (stream failover, ``n == 1``): the request goes on after them.
+        ``lora_name``: the LoRA adapter it runs on (None: the base model); an adapter this
+        engine does not know is a ``ValueError``."""
         self.validate(prompt_token_ids, params)
+        lora_id = self._lora_id(lora_name)
         if resume_token_ids:
             check_resume(
                 prompt_token_ids,
@@ -290,10 +302,12 @@ class LLMEngine:
                 params=params,
                 seed=seed,
                 block_size=self.block_size,
-                model_id=self.cache_namespace,
+                model_id=adapter_namespace(self.cache_namespace, lora_name),
                 cache_salt=cache_salt,
                 detokenizer=detok,
                 max_total_tokens=self.max_model_len,
+                lora_name=lora_name,
+                lora_id=lora_id,
             )
             if constraint is not None:
                 req.grammar = grammar if i == 0 else self.grammars.matcher(constraint)
@@ -303,6 +317,63 @@ class LLMEngine:
             self.scheduler.add(req)
         self._groups[request_id] = group
         self.metrics.prompt_tokens_total += len(prompt_token_ids)
+
+    # -- LoRA adapters (worker/lora.py) ------------------------------------------------------
+    def _lora_id(self, lora_name: str | None) -> int:
+        if lora_name is None:
+            return 0
+        manager = self.runner_lora
+        lora_id = manager.id_of(lora_name) if manager is not None else None
+        if lora_id is None:
+            known = ", ".join(manager.names) if manager is not None else "LoRA is off"
+            raise ValueError(f"unknown LoRA adapter {lora_name!r} (known: {known or 'none'})")
+        return lora_id
+
+    @property
+    def runner_lora(self):
+        """The runner's ``LoRAManager``, or None without ``enable_lora``."""
+        return getattr(self.runner, "lora", None)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Every adapter this engine serves: name -> the folder it was read from."""
+        manager = self.runner_lora
+        if manager is None:
+            return {}
+        return {name: manager.adapter(name).path for name in manager.names}
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Registers adapter ``name`` from the PEFT folder ``path`` (host memory; a device
+        slot when a request needs it). The same name and path again is a no-op."""
+        manager = self.runner_lora
+        if manager is None:
+            raise ValueError("LoRA is off: start the engine with enable_lora")
+        if self.tp is not None:
+            raise ValueError(
+                "loading adapters at runtime is not supported with tensor parallelism; "
+                "list them in lora_modules"
+            )
+        if name == self.model_id:
+            raise ValueError(f"adapter name {name!r} is the base model's name")
+        manager.add(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forgets adapter ``name``; refused while requests on it are queued or running."""
+        manager = self.runner_lora
+        if manager is None or manager.id_of(name) is None:
+            raise KeyError(name)
+        if self.tp is not None:
+            raise ValueError("unloading adapters is not supported with tensor parallelism")
+        busy = sum(1 for group in self._groups.values() if group and group[0].lora_name == name)
+        if busy:
+            raise ValueError(f"LoRA adapter {name!r} has {busy} request(s) in flight; retry later")
+        manager.remove(name)
+
+    def _own_namespace(self, model_id: str) -> bool:
+        manager = self.runner_lora
+        names = manager.names if manager is not None else ()
+        return model_id == self.cache_namespace or any(
+            model_id == adapter_namespace(self.cache_namespace, n) for n in names
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends ``request_id`` (its unfinished choices with ``FinishReason.ABORT``); its final
@@ -447,13 +518,15 @@ class LLMEngine:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         shared_dir: str | None = None,
+        lora_name: str | None = None,
     ) -> kv_transfer.KVPayload | None:
         """The leading blocks of this prefix held here (either tier), as a picklable payload;
-        with ``shared_dir``, K/V in a shared-memory file there (``kv_transfer.SharedKV``)."""
+        with ``shared_dir``, K/V in a shared-memory file there (``kv_transfer.SharedKV``).
+        ``lora_name``: the adapter whose KV it is (None: the base model's)."""
         return kv_transfer.export_prefix(
             self.pool,
             self.runner,
-            self.cache_namespace,
+            adapter_namespace(self.cache_namespace, lora_name),
             block_hashes,
             token_ids,
             cache_salt,
@@ -466,13 +539,14 @@ class LLMEngine:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         shared_dir: str | None = None,
+        lora_name: str | None = None,
     ) -> kv_transfer.KVPayload | None:
         """``export_prefix`` of the device pool alone, callable from another thread while this
         engine steps (``kv_transfer.export_device_prefix``)."""
         return kv_transfer.export_device_prefix(
             self.pool,
             self.runner,
-            self.cache_namespace,
+            adapter_namespace(self.cache_namespace, lora_name),
             block_hashes,
             token_ids,
             cache_salt,
@@ -485,8 +559,11 @@ class LLMEngine:
 
     def import_prefix(self, payload: kv_transfer.KVPayload) -> int:
         """Caches a peer's exported blocks as if computed here; returns how many were copied.
-        Their ``stored`` events go out with the next drain."""
-        imported = kv_transfer.import_prefix(self.pool, self.runner, self.cache_namespace, payload)
+        Their ``stored`` events go out with the next drain. A payload of one of this engine's
+        LoRA adapters is checked against that adapter's namespace."""
+        model_id = getattr(payload, "model_id", None)
+        namespace = model_id if self._own_namespace(model_id) else self.cache_namespace
+        imported = kv_transfer.import_prefix(self.pool, self.runner, namespace, payload)
         self._collect_events()
         return imported
 
@@ -497,6 +574,7 @@ class LLMEngine:
         return host.counters.blocks_loaded * self.block_size / self.runner.load_seconds_total
 
     def stats(self) -> ReplicaStats:
+        lora = self.runner_lora
         return ReplicaStats(
             host_to_device_tokens_per_s=self.host_to_device_tokens_per_s(),
             num_waiting=len(self.scheduler.waiting),
@@ -508,6 +586,8 @@ class LLMEngine:
             num_empty_kv_blocks=self.pool.num_empty_free_blocks,
             kv_lru_age=self.pool.lru_age,
             kv_cache_dtype=self.runner.kv_cache_dtype,
+            lora_adapters=tuple(lora.loaded_names) if lora is not None else (),
+            lora_load_s=lora.load_s_mean if lora is not None else 0.0,
         )
 
     def metrics_snapshot(self) -> EngineMetricsSnapshot:

@@ -56,9 +56,17 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_name``: the LoRA adapter every prompt runs on, or one per prompt (None: the
+        base model); adapters come from ``lora_modules``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        loras = (
+            list(lora_name) if isinstance(lora_name, (list, tuple)) else [lora_name] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
         params_list = (
             params
             if isinstance(params, (list, tuple))
@@ -67,10 +75,10 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         order = []
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, p, lora_name=lora)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(

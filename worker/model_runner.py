@@ -33,8 +33,10 @@ from kernels.linear import log_tile_choices
 from kernels.ops import select_backend
 from worker.config import EngineConfig
 from worker.cuda_graphs import StepGraphs
+from worker.lora import LoRAManager
 from worker.models.llama import CausalLM, ModelSpec
 from worker.parallel.communicator import SINGLE_RANK, Communicator
+from worker.parallel.sharding import ShardPlan
 from worker.parallel.step_message import StepDecoder, StepEncoder, StepInputs, inputs_of
 from worker.scheduler import ScheduledBatch
 
@@ -121,8 +123,13 @@ class ModelRunner:
         max_model_len: int,
         comm: Communicator = SINGLE_RANK,
         vocab_start: int = 0,
+        *,
+        full_spec: ModelSpec | None = None,
+        shard: ShardPlan | None = None,
     ):
-        """``spec`` is the shape this rank computes (its shard's, under tensor parallelism)."""
+        """``spec`` is the shape this rank computes (its shard's, under tensor parallelism);
+        ``full_spec`` and ``shard`` (the whole model's shape and this rank's plan) are needed
+        only to slice LoRA adapters under tensor parallelism."""
         self.config = config
         self.spec = spec
         self.comm = comm
@@ -184,6 +191,33 @@ class ModelRunner:
             self.kv_cache_dtype,
         )
         self.step_graphs = self._step_graphs()
+        self.lora = self._lora_manager(full_spec or spec, shard)
+
+    def _lora_manager(self, full_spec: ModelSpec, shard: ShardPlan | None) -> LoRAManager | None:
+        """The adapters' manager (``worker/lora.py``) with ``lora_modules`` registered in
+        their given order, so every rank numbers them alike; None without ``enable_lora``."""
+        c = self.config
+        if not c.enable_lora:
+            return None
+        manager = LoRAManager(
+            full_spec,
+            c.torch_dtype,
+            self.device,
+            self.ops.prepare_weight,
+            max_loras=c.max_loras,
+            max_lora_rank=c.max_lora_rank,
+            shard=shard,
+        )
+        for name, path in c.lora_modules:
+            manager.add(name, path)
+        log.info(
+            "LoRA: %d adapter(s) registered (%s), %d device slots, rank <= %d",
+            len(c.lora_modules),
+            ", ".join(name for name, _ in c.lora_modules) or "none yet",
+            c.max_loras,
+            c.max_lora_rank,
+        )
+        return manager
 
     def _step_graphs(self) -> StepGraphs | None:
         """CUDA graphs for decode and mixed steps (``worker/cuda_graphs.py``): on for a single
@@ -394,7 +428,12 @@ class ModelRunner:
         self.run_inputs(self._decoder.decode(message))
 
     def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
-        if self.step_graphs is not None:
+        lora = (
+            self.lora.batch(inputs.adapters, inputs.counts)
+            if self.lora is not None and any(inputs.adapters)
+            else None
+        )
+        if self.step_graphs is not None and lora is None:  # steps with adapters run eagerly
             shape = self.step_graphs.shape_for(inputs)
             if shape is not None:
                 return self.step_graphs.run(inputs, shape)
@@ -411,5 +450,6 @@ class ModelRunner:
             self.kv_caches,
             meta,
             torch.tensor(inputs.sampling_rows, dtype=torch.long, device=dev),
+            lora,
         )
         return logits

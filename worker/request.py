@@ -46,7 +46,12 @@ class Request:
         cache_salt: str | None,
         detokenizer: IncrementalDetokenizer | None,
         max_total_tokens: int,
+        lora_name: str | None = None,
+        lora_id: int = 0,
     ):
+        """``model_id`` is the block-hash namespace (the adapter's, for a LoRA request:
+        ``router.protocol.adapter_namespace``); ``lora_id`` the adapter's id in the engine's
+        ``LoRAManager`` (0: the base model)."""
         self.request_id = request_id
         self.index = index
         """Which of the user request's ``n`` outputs this is."""
@@ -54,6 +59,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
+        self.lora_name = lora_name
+        self.lora_id = lora_id
         self.seed = seed
         self.block_size = block_size
         self.status = Status.WAITING

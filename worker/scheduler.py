@@ -23,6 +23,9 @@ request's next chunk, or admitting a waiting request) shares the rest in the ord
   is computing right now waits for it (and then finds it in the prefix cache) instead of
   computing it a second time; requests behind it are admitted meanwhile, as SGLang does. The
   siblings of an ``n > 1`` request share their prompt this way.
+- LoRA slots: the running requests use at most ``max_loras`` distinct adapters (the device
+  slots a step's adapters must fit in); a waiting request of another adapter waits, and the
+  requests behind it may go ahead.
 """
 
 from __future__ import annotations
@@ -182,7 +185,11 @@ class Scheduler:
                     batch.num_new_tokens.append(num_new)
                     budget -= num_new
                 admitting = admitting and not preempted_now  # a step that preempted admits none
-            elif admitting and len(self.running) < self.config.max_num_seqs:
+            elif (
+                admitting
+                and len(self.running) < self.config.max_num_seqs
+                and self._adapter_fits(req)
+            ):
                 num_new = self._admit_one(batch, req, budget, in_flight)
                 admitting = num_new is not None
                 budget -= num_new or 0
@@ -192,6 +199,14 @@ class Scheduler:
         for req in candidates:
             if youngest is not None and req not in served and req.arrival_time < youngest:
                 req.num_prefill_skips += 1
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether admitting ``req`` keeps the running requests' distinct LoRA adapters within
+        ``max_loras`` (the device slots every step's adapters must fit in)."""
+        if not req.lora_id:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id}
+        return req.lora_id in running or len(running) < self.config.max_loras
 
     def _cached_prefix_tokens(self, req: Request) -> int:
         """Prompt tokens a waiting request would find in the device prefix cache now."""
@@ -238,6 +253,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if not self._adapter_fits(req):
+                continue  # waits for a slot; the requests behind it may go ahead
             num_new = self._admit_one(batch, req, budget, in_flight)
             if num_new is None:
                 break

@@ -67,3 +67,41 @@ def make_tiny_model(
             p.normal_(0.0, 0.08)
     model.save_pretrained(str(folder))
     return str(folder)
+
+
+def make_tiny_adapter(
+    model_folder: str | Path,
+    folder: str | Path,
+    *,
+    rank: int = 8,
+    alpha: int = 16,
+    targets: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    seed: int = 0,
+    use_rslora: bool = False,
+) -> str:
+    """A random LoRA adapter for the model in ``model_folder``, saved by ``peft`` as a PEFT
+    folder (``adapter_config.json`` + ``adapter_model.safetensors``). B is random too (PEFT
+    starts it at zero), so the adapter changes the model's outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_folder), dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora
+    )
+    model = get_peft_model(base, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(str(folder))
+    return str(folder)

@@ -18,6 +18,7 @@ With the single-rank communicator those calls are the identity.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from kernels.attention import AttentionMetadata
 from kernels.ops import KernelBackend
 from kernels.rotary import build_cos_sin_cache
 from worker.parallel.communicator import SINGLE_RANK, Communicator
+
+if TYPE_CHECKING:
+    from worker.lora import LoRABatch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -181,16 +185,21 @@ class CausalLM:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Runs the flat batch; returns float32 logits for the rows in ``logits_indices``."""
+        """Runs the flat batch; returns float32 logits for the rows in ``logits_indices``.
+        ``lora``: the step's rows grouped by adapter (``worker/lora.py``), whose deltas are
+        added to the projections' outputs (before a row-parallel layer's all-reduce)."""
         s, ops = self.spec, self.ops
         n = input_ids.shape[0]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         x = self._embed(input_ids)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = ops.rms_norm(x, layer["input_norm"], s.rms_norm_eps, residual)
             qkv = ops.linear(h, layer["qkv"], layer["qkv_bias"])
+            if lora is not None:
+                lora.add_delta(ops.linear, h, qkv, i, "qkv")
             q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
@@ -204,12 +213,20 @@ class CausalLM:
             q, k = ops.rotary(q, k, positions, self.cos_sin)
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale)
-            x = self.comm.all_reduce(ops.linear(attn.reshape(n, q_size), layer["o"]))
+            attn = attn.reshape(n, q_size)
+            x = ops.linear(attn, layer["o"])
+            if lora is not None:
+                lora.add_delta(ops.linear, attn, x, i, "o")
+            x = self.comm.all_reduce(x)
             h, residual = ops.rms_norm(x, layer["post_norm"], s.rms_norm_eps, residual)
             gate_up = ops.linear(h, layer["gate_up"])
+            if lora is not None:
+                lora.add_delta(ops.linear, h, gate_up, i, "gate_up")
             inter = gate_up.shape[1] // 2
-            x = self.comm.all_reduce(
-                ops.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
-            )
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            x = ops.linear(act, layer["down"])
+            if lora is not None:
+                lora.add_delta(ops.linear, act, x, i, "down")
+            x = self.comm.all_reduce(x)
         h, _ = ops.rms_norm(x, self.final_norm, s.rms_norm_eps, residual)
         return self.comm.all_gather(ops.linear(h[logits_indices], self.lm_head)).float()

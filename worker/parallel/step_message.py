@@ -4,18 +4,18 @@ Workers keep no scheduler: they keep each running sequence's block table, keyed 
 rank 0 gave the sequence, and rank 0 sends per step only what changed:
 
 - per scheduled sequence: its key, where this step starts (``num_computed_tokens``), how many
-  tokens it computes, whether it samples, the token ids it computes (new tokens travel once:
-  a prefill chunk's tokens, or a decode's one sampled token) and the block ids appended to its
-  table since the last step, or, when the table changed in another way (preemption and
-  recompute), the whole table again;
+  tokens it computes, whether it samples, its LoRA adapter's id (0: none), the token ids it
+  computes (new tokens travel once: a prefill chunk's tokens, or a decode's one sampled token)
+  and the block ids appended to its table since the last step, or, when the table changed in
+  another way (preemption and recompute), the whole table again;
 - the keys of sequences that finished, so workers forget them.
 
 Positions, slot mapping, sequence lengths and the sampled rows follow from those, computed
 the same way on every rank (``ModelRunner.run_inputs``).
 
 Wire format: one flat int64 tensor,
-``[num_dropped, *dropped_keys, num_seqs, *(key, start, num_new, samples, table_mode,
-num_block_ids, *block_ids, *token_ids) per sequence]``.
+``[num_dropped, *dropped_keys, num_seqs, *(key, start, num_new, samples, lora_id,
+table_mode, num_block_ids, *block_ids, *token_ids) per sequence]``.
 A malformed message is a bug on rank 0 and fails the worker loudly (``ValueError``).
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,8 @@ class StepInputs:
     tables: list[list[int]]
     sampling_rows: list[int]
     """Rows of ``token_ids`` whose logits are returned (a sequence's last known token)."""
+    adapters: list[int] = field(default_factory=list)
+    """Per sequence, the id of its LoRA adapter (``worker/lora.py``; 0: the base model)."""
 
 
 def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
@@ -60,6 +62,7 @@ def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
         inputs.starts.append(start)
         inputs.counts.append(num_new)
         inputs.tables.append([b.block_id for b in req.blocks])
+        inputs.adapters.append(req.lora_id)
         if start + num_new == req.num_tokens:
             inputs.sampling_rows.append(len(inputs.token_ids) - 1)
             sampling_reqs.append(i)
@@ -80,8 +83,13 @@ class StepEncoder:
         self._sent = {k: v for k, v in self._sent.items() if not v[0].is_finished}
         body: list[int] = []
         offset = 0
-        for req, start, num_new, table in zip(
-            batch.requests, inputs.starts, inputs.counts, inputs.tables, strict=True
+        for req, start, num_new, table, lora_id in zip(
+            batch.requests,
+            inputs.starts,
+            inputs.counts,
+            inputs.tables,
+            inputs.adapters,
+            strict=True,
         ):
             entry = self._sent.get(id(req))
             if entry is not None and table[: len(entry[2])] == entry[2]:
@@ -91,7 +99,7 @@ class StepEncoder:
                 mode, block_ids = TableMode.REPLACE, table
             self._sent[id(req)] = (req, key, table)
             samples = int(start + num_new == req.num_tokens)
-            body += [key, start, num_new, samples, int(mode), len(block_ids), *block_ids]
+            body += [key, start, num_new, samples, lora_id, int(mode), len(block_ids), *block_ids]
             body += inputs.token_ids[offset : offset + num_new]
             offset += num_new
         return torch.tensor([len(dropped), *dropped, len(batch.requests), *body], dtype=torch.int64)
@@ -120,7 +128,7 @@ class StepDecoder:
             self.tables.pop(key, None)
         inputs = StepInputs([], [], [], [], [])
         for _ in range(take(1)[0]):
-            key, start, num_new, samples, mode, num_block_ids = take(6)
+            key, start, num_new, samples, lora_id, mode, num_block_ids = take(7)
             block_ids = take(num_block_ids)
             if TableMode(mode) is TableMode.REPLACE:
                 self.tables[key] = block_ids
@@ -133,6 +141,7 @@ class StepDecoder:
             inputs.token_ids.extend(take(num_new))
             inputs.starts.append(start)
             inputs.counts.append(num_new)
+            inputs.adapters.append(lora_id)
             inputs.tables.append(list(self.tables[key]))
             if samples:
                 inputs.sampling_rows.append(len(inputs.token_ids) - 1)

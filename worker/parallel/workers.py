@@ -162,6 +162,8 @@ def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
         spec.max_model_len,
         comm,
         plan.vocab_start,
+        full_spec=model_spec,
+        shard=plan,
     )
     log.info(
         "TP worker %d/%d of %s ready (%d KV blocks)",
