@@ -117,10 +117,11 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         resume_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> AsyncIterator[OutputDelta]:
         """Streams the request's ``OutputDelta``s, several steps' in one when the caller
         reads slower than the engine steps; ``resume_token_ids`` continue a stream another
-        replica began (``LLMEngine.add_request``)."""
+        replica began; ``lora_name`` picks a LoRA adapter (``LLMEngine.add_request``)."""
         if not self.is_alive():
             raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
         info = self._core.info
@@ -144,7 +145,14 @@ class AsyncEngine:
         self._streams[request_id] = _Stream(asyncio.get_running_loop(), out_q)
         self._adds_sent += 1
         self._core.submit(
-            Add(request_id, list(prompt_token_ids), params, cache_salt, list(resume_token_ids))
+            Add(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                cache_salt,
+                list(resume_token_ids),
+                lora_name,
+            )
         )
         finished = False
         try:
@@ -192,14 +200,27 @@ class AsyncEngine:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         shared_dir: str | None = None,
+        lora_name: str | None = None,
     ) -> KVPayload | None:
         """``LLMEngine.export_prefix``. An engine in its own process answers at once with
         its device blocks while it steps (``engine_core.answer_now``); otherwise, or with a
         host tier, it is run between two steps. ``shared_dir``: the importer is on this node
-        (``kv_transfer.SharedKV``)."""
+        (``kv_transfer.SharedKV``); ``lora_name``: the adapter whose KV it is."""
         return await self._call(
-            "export_prefix", list(block_hashes), list(token_ids), cache_salt, shared_dir
+            "export_prefix", list(block_hashes), list(token_ids), cache_salt, shared_dir, lora_name
         )
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """``LLMEngine.lora_adapters``: every adapter served, name -> folder."""
+        return await self._call("lora_adapters")
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """``LLMEngine.load_lora_adapter``, between two steps; raises its refusals."""
+        await self._call("load_lora_adapter", name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """``LLMEngine.unload_lora_adapter``, between two steps; raises its refusals."""
+        await self._call("unload_lora_adapter", name)
 
     async def import_prefix(self, payload: KVPayload) -> int:
         """``LLMEngine.import_prefix``, run by the engine between two steps; raises its refusals."""

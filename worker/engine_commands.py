@@ -22,6 +22,8 @@ class Add:
     cache_salt: str | None = None
     resume_token_ids: list[int] = field(default_factory=list)
     """Tokens another replica already streamed: the request goes on after them."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs on; None: the base model."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,17 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
 """How long the idle thread loop waits for a command before checking again."""
 
-ENGINE_CALLS = frozenset({"export_prefix", "import_prefix"})
-"""``LLMEngine`` methods a ``Call`` command may run between steps (KV pulled from a
-peer)."""
+ENGINE_CALLS = frozenset(
+    {
+        "export_prefix",
+        "import_prefix",
+        "lora_adapters",
+        "load_lora_adapter",
+        "unload_lora_adapter",
+    }
+)
+"""``LLMEngine`` methods a ``Call`` command may run between steps (KV pulled from a peer,
+LoRA adapters listed, loaded and unloaded)."""
 
 
 def answer_now(engine: LLMEngine, call: Call) -> tuple[object] | None:
@@ -157,6 +165,7 @@ class EngineLoop:
                         command.params,
                         command.cache_salt,
                         command.resume_token_ids,
+                        command.lora_name,
                     )
                 except (ValueError, EngineOverloadedError) as exc:
                     self._rejected.append((command.request_id, exc))
