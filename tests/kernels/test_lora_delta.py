@@ -1,0 +1,40 @@
+"""A LoRA group's delta through each backend's deterministic linear (``worker/lora.py``):
+a row's bits do not depend on the other rows of its adapter's group. Under the Triton
+interpreter here (``conftest.py``); the engine-level tests are ``tests/worker/test_lora.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.ops import select_backend
+from worker.lora import LoRABatch
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_grouped_delta_rows_are_batch_invariant(backend):
+    """Each adapter group's delta through the backend's deterministic linear: a row gets the
+    same bits whether its group holds it alone or beside others."""
+    try:
+        ops = select_backend(backend, deterministic=True, device="cpu")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    torch.manual_seed(0)
+    hidden, out_dim, rank = 64, 96, 8
+    slot = [
+        {
+            "qkv": (
+                ops.prepare_weight(torch.randn(rank, hidden)),
+                ops.prepare_weight(torch.randn(out_dim, rank)),
+            )
+        }
+    ]
+    x = torch.randn(9, hidden)
+    together = torch.zeros(9, out_dim)
+    LoRABatch([(torch.arange(9), slot)]).add_delta(ops.linear, x, together, 0, "qkv")
+    for row in range(9):
+        alone = torch.zeros(1, out_dim)
+        LoRABatch([(torch.tensor([0]), slot)]).add_delta(
+            ops.linear, x[row : row + 1], alone, 0, "qkv"
+        )
+        assert torch.equal(alone[0], together[row])
