@@ -202,11 +202,6 @@ class EngineConfig:
             "max_lora_rank",
             f"must be an integer in [1, 512], got {self.max_lora_rank!r}",
         )
-        need(
-            not self.enable_lora or self.engine != "sim",
-            "enable_lora",
-            "the simulated engine has no weights to adapt; leave LoRA off with engine='sim'",
-        )
 
         need(
             isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"

@@ -26,11 +26,12 @@ naming the folder and the problem, raised before the adapter is known.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 """The model's fused linear layers and the PEFT target modules each one stands for."""
+
+log = logging.getLogger(__name__)
 
 _MODULE_PATH = {
     "q_proj": "self_attn.q_proj",
@@ -269,8 +272,11 @@ class LoRAManager:
         max_loras: int,
         max_lora_rank: int,
         shard=None,
+        load_seconds: Callable[[AdapterWeights], float] | None = None,
     ):
-        """``spec`` is the full model's; ``shard`` this rank's plan under TP, or None."""
+        """``spec`` is the full model's; ``shard`` this rank's plan under TP, or None.
+        ``load_seconds``: what filling a slot with an adapter costs, when the clock does not
+        say (the simulated engine's device); None measures the copy."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -278,6 +284,9 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.shard = shard
+        self.load_seconds = load_seconds
+        self.newly_loaded: list[AdapterWeights] = []
+        """The adapters the last ``slots_for`` put into a slot."""
         self._adapters: dict[int, AdapterWeights] = {}
         self._ids: dict[str, int] = {}
         self._paths: dict[str, str] = {}
@@ -355,6 +364,7 @@ class LoRAManager:
         (least recently used others make room). More distinct ids than slots is a bug of the
         caller (``ValueError``)."""
         wanted = list(dict.fromkeys(lora_ids))
+        self.newly_loaded = []
         if len(wanted) > self.max_loras:
             raise ValueError(f"{len(wanted)} adapters in one step; max_loras={self.max_loras}")
         for lora_id in wanted:
@@ -365,8 +375,14 @@ class LoRAManager:
                 victim = next(i for i in self._slots if i not in wanted)
                 del self._slots[victim]
             t0 = time.perf_counter()
-            self._slots[lora_id] = self._to_device(self._adapters[lora_id])
-            took_s = time.perf_counter() - t0
+            weights = self._adapters[lora_id]
+            self._slots[lora_id] = self._to_device(weights)
+            self.newly_loaded.append(weights)
+            took_s = (
+                time.perf_counter() - t0
+                if self.load_seconds is None
+                else self.load_seconds(weights)
+            )
             self.load_s_mean = (
                 took_s if not self.num_slot_loads else (0.8 * self.load_s_mean + 0.2 * took_s)
             )
@@ -384,3 +400,39 @@ class LoRAManager:
             }
             for layer in weights.layers
         ]
+
+
+def make_manager(
+    config,
+    spec: ModelSpec,
+    device: torch.device,
+    prepare_weight,
+    *,
+    shard=None,
+    load_seconds: Callable[[AdapterWeights], float] | None = None,
+) -> LoRAManager | None:
+    """The engine's ``LoRAManager`` for ``config`` (an ``EngineConfig``) with its
+    ``lora_modules`` registered in their given order, so every rank numbers them alike; None
+    without ``enable_lora``. ``spec`` is the full model's shape."""
+    if not config.enable_lora:
+        return None
+    manager = LoRAManager(
+        spec,
+        config.torch_dtype,
+        device,
+        prepare_weight,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        shard=shard,
+        load_seconds=load_seconds,
+    )
+    for name, path in config.lora_modules:
+        manager.add(name, path)
+    log.info(
+        "LoRA: %d adapter(s) registered (%s), %d device slots, rank <= %d",
+        len(config.lora_modules),
+        ", ".join(name for name, _ in config.lora_modules) or "none yet",
+        config.max_loras,
+        config.max_lora_rank,
+    )
+    return manager

@@ -33,7 +33,7 @@ from kernels.linear import log_tile_choices
 from kernels.ops import select_backend
 from worker.config import EngineConfig
 from worker.cuda_graphs import StepGraphs
-from worker.lora import LoRAManager
+from worker.lora import make_manager
 from worker.models.llama import CausalLM, ModelSpec
 from worker.parallel.communicator import SINGLE_RANK, Communicator
 from worker.parallel.sharding import ShardPlan
@@ -191,33 +191,9 @@ class ModelRunner:
             self.kv_cache_dtype,
         )
         self.step_graphs = self._step_graphs()
-        self.lora = self._lora_manager(full_spec or spec, shard)
-
-    def _lora_manager(self, full_spec: ModelSpec, shard: ShardPlan | None) -> LoRAManager | None:
-        """The adapters' manager (``worker/lora.py``) with ``lora_modules`` registered in
-        their given order, so every rank numbers them alike; None without ``enable_lora``."""
-        c = self.config
-        if not c.enable_lora:
-            return None
-        manager = LoRAManager(
-            full_spec,
-            c.torch_dtype,
-            self.device,
-            self.ops.prepare_weight,
-            max_loras=c.max_loras,
-            max_lora_rank=c.max_lora_rank,
-            shard=shard,
+        self.lora = make_manager(
+            config, full_spec or spec, self.device, self.ops.prepare_weight, shard=shard
         )
-        for name, path in c.lora_modules:
-            manager.add(name, path)
-        log.info(
-            "LoRA: %d adapter(s) registered (%s), %d device slots, rank <= %d",
-            len(c.lora_modules),
-            ", ".join(name for name, _ in c.lora_modules) or "none yet",
-            c.max_loras,
-            c.max_lora_rank,
-        )
-        return manager
 
     def _step_graphs(self) -> StepGraphs | None:
         """CUDA graphs for decode and mixed steps (``worker/cuda_graphs.py``): on for a single

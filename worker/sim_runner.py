@@ -20,6 +20,10 @@ NVIDIA Dynamo's mocker and llm-d's inference simulator stand in for a GPU:
   major layout: K holds each slot's token id, V its position. Export, import and the host tier
   move these bytes with the real code (a payload from a real engine is refused by its shape);
   ``kv_bytes_per_token`` of the profile sizes the cache in the simulated model's bytes.
+- **LoRA.** Adapters are read and checked against the served model's shape as the real
+  engine does, and take device slots the same way (``worker/lora.py``); filling a slot waits
+  the adapter's bytes over the profile's host-to-device rate, and an adapter's requests get
+  their own pseudo-tokens. The adapters' arithmetic in a step is not priced.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import xxhash
 
 from worker.config import EngineConfig
+from worker.lora import AdapterWeights, make_manager
 from worker.model_runner import explicit_kv_blocks, host_kv_blocks
 from worker.models.llama import ModelSpec
 from worker.parallel.communicator import SINGLE_RANK
@@ -69,9 +74,11 @@ def _prompt_digest(req: Request) -> int:
 
 def pseudo_token(req: Request, position: int, num_token_ids: int) -> int:
     """The simulated model's token at ``position`` (0-based over prompt and outputs) of
-    ``req``: a function of the prompt and the position only, plus the seed and choice index
-    for a sampled request."""
+    ``req``: a function of the prompt and the position only, plus the LoRA adapter's name
+    when it has one, and the seed and choice index for a sampled request."""
     key = _prompt_digest(req) ^ position
+    if req.lora_name is not None:
+        key ^= xxhash.xxh64_intdigest(req.lora_name.encode()) << 1
     if not req.params.greedy:
         key ^= sampling_key(req.seed, req.index, position) << 1
     return xxhash.xxh64_intdigest(key.to_bytes(16, "little", signed=False)) % num_token_ids
@@ -155,7 +162,16 @@ class SimModelRunner:
             self.host_kv = torch.zeros(self.num_host_blocks, 1, 2, self.block_size, 1, 1)
         self._load_s = 0.0
         self._owed_load_s = 0.0
-        """Host-tier loads since the last step: the next forward pass waits for them."""
+        """Host-tier and adapter loads since the last step: the next forward pass waits for
+        them."""
+        self.lora = make_manager(
+            config, spec, torch.device("cpu"), lambda weight: weight, load_seconds=self._lora_load_s
+        )
+
+    def _lora_load_s(self, adapter: AdapterWeights) -> float:
+        """A slot's fill on the simulated device: the adapter's bytes over the profile's
+        host-to-device rate."""
+        return adapter.num_bytes / self.profile.host_to_device_bytes_per_s
 
     kv_cache_dtype = "float32"
     """What the one-element-per-token cache holds (its sizing uses the profile's bytes)."""
@@ -217,6 +233,9 @@ class SimModelRunner:
                 decode_context += begin + 1
             else:
                 prefill_tokens += count
+        if self.lora is not None and any(inputs.adapters):
+            self.lora.slots_for(i for i in inputs.adapters if i)
+            self._owed_load_s += sum(map(self._lora_load_s, self.lora.newly_loaded))
         flat = self.kv.view(2, -1)
         index = torch.tensor(slots, dtype=torch.long)
         flat[0].index_copy_(0, index, torch.tensor(inputs.token_ids, dtype=torch.float32))

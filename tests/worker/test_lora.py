@@ -212,8 +212,6 @@ def test_lora_modules_forms():
         parse_lora_modules(["a=/x", "a=/y"])
     with pytest.raises(ValueError, match="max_loras"):
         EngineConfig(max_loras=0)
-    with pytest.raises(ValueError, match="simulated engine"):
-        EngineConfig(engine="sim", enable_lora=True)
 
 
 def test_step_message_carries_each_sequence_adapter():
@@ -280,3 +278,35 @@ def test_tensor_parallel_shards_the_adapters(tiny, llm):
             eng.load_lora_adapter("late", adapters["all8"])
     finally:
         eng.shutdown()
+
+
+def test_the_simulated_engine_keeps_slots_and_prices_their_fill(tiny, tmp_path):
+    """``engine="sim"``: the same slots and stats as the real engine on the same schedule,
+    pseudo-tokens of the adapter's own, and a slot fill that takes the adapter's bytes over
+    the profile's host-to-device rate."""
+    import dataclasses
+    import time
+
+    from worker.sim_model import load_profile
+
+    model, adapters = tiny
+    profile = {**dataclasses.asdict(load_profile("gpu")), "host_to_device_bytes_per_s": 1e6}
+    profile.pop("name")
+    path = tmp_path / "slow_link.json"
+    path.write_text(json.dumps(profile))
+    common = dict(model=model, device="cpu", lora_modules=adapters, max_loras=1)
+    sim = LLM(engine="sim", sim_profile=str(path), num_kv_blocks=64, **common)
+    real = LLM(dtype="float32", num_kv_blocks=64, **common)
+    loras = ["all8", "all8", "qv16", None]
+    outs = {}
+    for name, llm in (("sim", sim), ("real", real)):
+        outs[name] = llm.generate([PROMPT] * 4, GREEDY, lora_name=loras, use_tqdm=False)
+        assert llm.engine.stats().lora_adapters == ("qv16",)
+        assert llm.engine.runner.lora.num_slot_loads == 2
+    sim_tokens = [tuple(o.outputs[0].token_ids) for o in outs["sim"]]
+    assert sim_tokens[0] == sim_tokens[1] != sim_tokens[2] != sim_tokens[3]
+    fill_s = sim.engine.runner.lora.adapter("all8").num_bytes / 1e6
+    assert sim.engine.stats().lora_load_s == pytest.approx(fill_s, rel=0.5)
+    start_s = time.perf_counter()
+    sim.generate([PROMPT], GREEDY, lora_name="all8", use_tqdm=False)  # evicts qv16
+    assert time.perf_counter() - start_s >= fill_s
