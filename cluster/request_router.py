@@ -2,13 +2,15 @@
 
 Owns the per-request decision of every ``DeploymentHandle`` to ``EngineReplica`` (the
 ingress's). For a ``generate`` call it reads the request's ``block_hashes`` (hashed once at
-the ingress) and prompt length from the call's arguments, builds one
+the ingress, in its adapter's namespace), its LoRA adapter (``lora_name``, absent or None for
+the base model; ``request_adapter``) and prompt length from the call's arguments, builds one
 ``router.policy.ReplicaView`` per candidate (its Serve routing stats,
 ``EngineReplica.record_routing_stats``, and its load from ``router.load``: the process's
 ``LoadTracker``, shared with the ingress's client through ``cluster.router_context``, merged
 with what the other ingress replicas' routers track, read from ``cluster.inflight_board``
 beside the index lookup) and lets ``Router`` decide: one index lookup, the configured policy
-(``prefix`` by default, or ``round_robin``/``least_loaded``/``pow2``), a speculative entry
+(``prefix`` by default, which also prices loading the adapter on a replica whose stats'
+``lora_adapters`` lack it, or ``round_robin``/``least_loaded``/``pow2``), a speculative entry
 for the chosen replica. Then it tells the tracker (``decided``, and Serve's ``routed`` and
 ``completed`` callbacks). Other calls (``describe``) carry no blocks and go by load.
 
@@ -73,6 +75,8 @@ ROUTER_CLASS_PATH = "cluster.request_router:PrefixAwareRequestRouter"
 METRICS_LOG_PERIOD_S = 60.0
 KV_PULL_KWARG = "kv_pull"
 """The ``generate`` keyword that carries a pull order to the replica (``kv_pull_order``)."""
+LORA_KWARG = "lora_name"
+"""The ``generate`` keyword naming the request's LoRA adapter (absent or None: the base model)."""
 
 
 def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes], int]:
@@ -88,6 +92,15 @@ def request_blocks(pending_request: PendingRequest | None) -> tuple[list[bytes],
         prompt = pending_request.args[1]
     num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
     return hashes, num_prompt_tokens
+
+
+def request_adapter(pending_request: PendingRequest | None) -> str | None:
+    """The LoRA adapter a call runs on (its ``lora_name`` keyword); None for the base model,
+    for a call without one and for anything but a non-empty name."""
+    if pending_request is None:
+        return None
+    lora_name = (pending_request.kwargs or {}).get(LORA_KWARG)
+    return lora_name if isinstance(lora_name, str) and lora_name else None
 
 
 def kv_pull_order(decision: Decision) -> dict | None:
@@ -210,6 +223,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         started_s = time.perf_counter()
         candidate_replicas = live_replicas(candidate_replicas)
         hashes, num_prompt_tokens = request_blocks(pending_request)
+        lora_name = request_adapter(pending_request)
         router = self._get_router()
         lookup = Lookup({})
         if router is not None and hashes:  # index and board round trips, together
@@ -220,10 +234,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         # see the ones before them, in the views and in the router's recent decisions.
         views = self._views(candidate_replicas, peers)
         if router is None:
-            decision = self._load_policy.choose(hashes, num_prompt_tokens, views, {})
+            decision = self._load_policy.choose(
+                hashes, num_prompt_tokens, views, {}, lora_name=lora_name
+            )
             self.metrics.record_decision(self.config.policy, RoutingReason.FALLBACK, len(hashes), 0)
         else:
-            decision = router.decide(hashes, num_prompt_tokens, views, lookup)
+            decision = router.decide(hashes, num_prompt_tokens, views, lookup, lora_name=lora_name)
         if pending_request is not None and hashes:  # a generate call: the order travels in it
             set_request_kwarg(pending_request, KV_PULL_KWARG, kv_pull_order(decision))
         if pending_request is not None:
@@ -232,8 +248,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             self.load.decided(request_key(pending_request), decision.replica_id, prefill_tokens)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "routed %d blocks to %s (%s, matched %d, predicted TTFT %.3f s); saw %s",
+                "routed %d blocks (adapter %s) to %s (%s, matched %d, predicted TTFT %.3f s); "
+                "saw %s",
                 len(hashes),
+                lora_name,
                 decision.replica_id,
                 decision.reason,
                 decision.matched_blocks,
@@ -288,14 +306,16 @@ class PrefixAwareRequestRouter(RequestRouter):
 
 def _describe(views: list[ReplicaView], matches: dict) -> str:
     """What a decision saw, per replica (the debug log): its load (queued requests and their
-    prefill tokens, running requests) and the index's device + host blocks."""
+    prefill tokens, running requests), the index's device + host blocks and the adapters in
+    its device slots."""
     parts = []
     for view in views:
         load, match = view.load, matches.get(view.replica_id)
         held = "-" if match is None else f"{match.device_blocks}+{match.host_blocks}"
+        adapters = ",".join(view.stats.lora_adapters) or "-"
         parts.append(
             f"{view.replica_id}: {load.num_queued}q ({load.queued_prefill_tokens} tokens) "
-            f"+{load.num_running}r held {held}"
+            f"+{load.num_running}r held {held} adapters {adapters}"
         )
     return "; ".join(parts)
 

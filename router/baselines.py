@@ -3,7 +3,8 @@
 Owns ``RoundRobinPolicy``, ``LeastLoadedPolicy`` and ``Pow2Policy`` behind ``router.policy``'s
 interface; the simulator (``bench/sim/baselines.py``) runs these same classes, so simulated
 and deployed baselines break ties the same way. They ignore matches for the choice but report
-the chosen replica's matched blocks and its predicted TTFT; every decision's reason is
+the chosen replica's matched blocks and its predicted TTFT, and ignore the request's LoRA
+adapter (``lora_name``) altogether, its load included; every decision's reason is
 ``RoutingReason.BASELINE``. "Loaded" is ``router.policy.load_rank``: the replica's queued
 prefill tokens, then its requests. Tie-breaks: round robin walks the replicas sorted by id;
 least loaded takes the highest rendezvous weight of the first block among the least loaded;
@@ -52,6 +53,8 @@ class _Baseline:
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
         matches: Mapping[str, Match],
+        *,
+        lora_name: str | None = None,
     ) -> Decision:
         check_request(replicas, num_prompt_tokens)
         view = self._pick(block_hashes, replicas)

@@ -15,8 +15,12 @@ and ``queue_s = queued_prefill_tokens / prefill_rate + num_queued * step_s``: th
 ``ReplicaLoad`` (``router.load``), each queued request sharing a decode step with the running
 batch (chunked prefill), one step costing ``num_running / decode_rate``. Unmeasured rates
 fall back to the configured defaults; ``pooled_prefill_rate`` gives the replicas of one
-deployment one measured prefill rate. Every policy's ``choose`` raises ``ValueError`` on an
-empty candidate list or a negative prompt length.
+deployment one measured prefill rate. A request on a LoRA adapter (``choose``'s
+``lora_name``) also waits, on a replica without the adapter in a device slot, for the
+adapter's load (``adapter_load_s``: the replica's measured ``lora_load_s``, else the median
+the others measured, else ``DEFAULT_LORA_LOAD_S``); the ``prefix`` policy prices it, the
+baselines ignore it. Every policy's ``choose`` raises ``ValueError`` on an empty candidate list
+or a negative prompt length.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ from router.config import RouterConfig
 from router.index_types import Match
 from router.load import ReplicaLoad
 from router.protocol import BlockHash, ReplicaStats
+
+# Seconds to put a LoRA adapter into a device slot, charged while no replica has measured one
+# (``ReplicaStats.lora_load_s``). An order of magnitude, not a measurement: a rank-16
+# adapter of a 7-8B model's seven projections is tens of MB copied from host memory and
+# fused per layer. It only decides while the burst that loads the first adapter is routed;
+# from then on the replicas' own measurements are priced.
+DEFAULT_LORA_LOAD_S = 0.05
 
 
 class RoutingReason(str, enum.Enum):
@@ -98,7 +109,13 @@ class RoutingPolicy(Protocol):
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
         matches: Mapping[str, Match],
-    ) -> Decision: ...
+        *,
+        lora_name: str | None = None,
+    ) -> Decision:
+        """The replica for a request of ``num_prompt_tokens`` tokens hashed into
+        ``block_hashes`` (in its adapter's namespace), given what ``matches`` says each
+        replica holds; ``lora_name``: the request's LoRA adapter (None: the base model)."""
+        ...
 
 
 def rendezvous_weight(key: bytes, replica_id: str) -> int:
@@ -233,6 +250,25 @@ def pull_source(matches: Mapping[str, Match], replica_id: str) -> tuple[str, int
     if best is None or best[1] <= num_matched(matches, replica_id):
         return None
     return best
+
+
+def adapter_load_s(replicas: Sequence[ReplicaView], lora_name: str | None) -> dict[str, float]:
+    """Replica id -> seconds a request on adapter ``lora_name`` waits for the adapter to be
+    put into one of that replica's device slots: 0 where ``lora_adapters`` lists it (and for
+    every replica when ``lora_name`` is None, the base model), else the replica's measured
+    ``lora_load_s``; a replica that has measured none is charged the median of the others'
+    measurements (one deployment loads adapters from the same host memory onto the same kind
+    of device), or ``DEFAULT_LORA_LOAD_S`` when none has measured one."""
+    if lora_name is None:
+        return dict.fromkeys((v.replica_id for v in replicas), 0.0)
+    measured = [v.stats.lora_load_s for v in replicas if v.stats.lora_load_s > 0]
+    fallback_s = statistics.median(measured) if measured else DEFAULT_LORA_LOAD_S
+    return {
+        v.replica_id: 0.0
+        if lora_name in v.stats.lora_adapters
+        else (v.stats.lora_load_s if v.stats.lora_load_s > 0 else fallback_s)
+        for v in replicas
+    }
 
 
 def pooled_prefill_rate(views: Sequence[ReplicaView]) -> list[ReplicaView]:

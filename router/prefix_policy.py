@@ -22,20 +22,29 @@ interface and the TTFT model it prices with are ``router.policy``'s. Two steps:
    choose between its holders by queue, so a prefix the router sees often is copied as soon
    as its holder's queue outgrows the copy's share (each prefix's recent requests are counted
    per deepest held block in the same decayed window as the load bound).
-   Candidates within ``tie_tolerance_s`` of the minimum tie; a unique winner is ``PREFIX``
-   (it holds a prefix) or ``SHORTEST_QUEUE`` (it holds none). Ties prefer the longest match,
-   then the least loaded replica (``router.policy.load_rank``: the fewest prefill tokens
-   queued, then the fewest requests), then the fewest recently sent (spreads new prefixes,
-   like SGLang's smallest tree), then rendezvous (highest random weight) hashing of the
-   first block: ``TIE``, or ``COLD`` when no candidate holds anything. With equal caches
-   every candidate ties on the match, and the price's decode-step terms (a rate measured at
-   another batch size) can bring replicas with unequal queues within the tolerance: the
-   queue, not the request count, then decides.
+   A request on a LoRA adapter is also charged, on a candidate without the adapter in a
+   device slot, the adapter's load (``router.policy.adapter_load_s``), weighted like a miss's
+   prefill by ``miss_cost_factor`` (the load runs inside the replica's step, delaying the
+   requests that share it): an adapter's requests gather where it is loaded until a holder's
+   queue costs more than the load. A candidate the router just sent the adapter counts as
+   holding it (``routing.Router`` merges ``RecentAdapters`` into the views).
+   Candidates within ``tie_tolerance_s`` of the minimum tie; a unique winner is ``PREFIX`` (it
+   holds a prefix) or ``SHORTEST_QUEUE`` (it holds none). Ties prefer the longest match, then a
+   replica holding the request's adapter, then the least loaded replica
+   (``router.policy.load_rank``: the fewest prefill tokens queued, then the fewest requests),
+   then the fewest recently sent (spreads new prefixes, like SGLang's smallest tree), then
+   rendezvous (highest random weight) hashing of the first block: ``TIE``, or ``COLD`` when no
+   candidate holds anything. With equal caches every candidate ties on the match, and the
+   price's decode-step terms (a rate measured at another batch size) can bring replicas with
+   unequal queues within the tolerance: the queue, not the request count, then decides.
 How it fails: the bound trades hits for balance. A prefix popular enough to exceed the
 bound on one replica is re-prefilled on another (its hit rate drops by one prefill per
 copy), and routers that share no history balance only their own traffic. The copy price
 assumes the copy stays cached while the prefix's requests keep coming; a copy evicted
-sooner (a cache too small for the workload's prefixes) was paid for and not used.
+sooner (a cache too small for the workload's prefixes) was paid for and not used. The adapter
+price knows which adapters a replica holds, not whether its slots are all held by running
+requests of other adapters: such a replica makes the request wait for a slot, beyond the
+price, and a holder's adapter may have been evicted since its last stats.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from router.policy import (
     ReplicaView,
     RoutingReason,
     TTFTModel,
+    adapter_load_s,
     check_request,
     load_rank,
     num_matched,
@@ -168,25 +178,28 @@ class PrefixPolicy:
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
         matches: Mapping[str, Match],
+        *,
+        lora_name: str | None = None,
     ) -> Decision:
         check_request(replicas, num_prompt_tokens)
         peers = peer_device_blocks(matches) if self.pulls else None
+        load_s = adapter_load_s(replicas, lora_name)
         with self._lock:
             key, copy = self._copy_price(block_hashes, num_prompt_tokens, replicas, matches)
             candidates = self._under_bound(replicas)
             view, longest, reason = self._pick(
-                block_hashes, num_prompt_tokens, candidates, matches, peers, copy
+                block_hashes, num_prompt_tokens, candidates, matches, peers, copy, load_s
             )
             if len(candidates) < len(replicas):
                 best_all_s = min(
-                    self._cost(v, matches, num_prompt_tokens, peers, copy) for v in replicas
+                    self._cost(v, matches, num_prompt_tokens, peers, copy, load_s) for v in replicas
                 )
-                chosen_s = self._cost(view, matches, num_prompt_tokens, peers, copy)
+                chosen_s = self._cost(view, matches, num_prompt_tokens, peers, copy, load_s)
                 if best_all_s + self.tie_tolerance_s < chosen_s:
                     reason = RoutingReason.LOAD_BOUND  # the bound, not the price, decided
             self._recent.add(view.replica_id, len(replicas))
             self._heat.add(key, len(replicas))
-        ttft_s = self.model.predicted_ttft_s(
+        ttft_s = load_s[view.replica_id] + self.model.predicted_ttft_s(
             view, matches.get(view.replica_id), num_prompt_tokens, 1.0, _peer(peers, view)
         )
         source = pull_source(matches, view.replica_id) if self.pulls else None
@@ -203,14 +216,18 @@ class PrefixPolicy:
         num_prompt_tokens: int,
         peers: Mapping[str, int] | None,
         copy: CopyPrice | None = None,
+        load_s: Mapping[str, float] | None = None,
     ) -> float:
-        """``view``'s predicted TTFT with ``miss_cost_factor``, less ``copy``'s discount when
-        ``view`` would prefill a copy of the prefix another replica holds."""
+        """``view``'s predicted TTFT with ``miss_cost_factor`` (its adapter load in
+        ``load_s`` weighted like a miss), less ``copy``'s discount when ``view`` would
+        prefill a copy of the prefix another replica holds."""
         peer_blocks = _peer(peers, view)
         match = matches.get(view.replica_id)
         cost_s = self.model.predicted_ttft_s(
             view, match, num_prompt_tokens, self.miss_cost_factor, peer_blocks
         )
+        if load_s is not None:
+            cost_s += self.miss_cost_factor * load_s[view.replica_id]
         if copy is None:
             return cost_s
         own_blocks = max(0 if match is None else match.num_blocks, peer_blocks)
@@ -253,9 +270,12 @@ class PrefixPolicy:
         matches: Mapping[str, Match],
         peers: Mapping[str, int] | None,
         copy: CopyPrice | None = None,
+        load_s: Mapping[str, float] | None = None,
     ) -> tuple[ReplicaView, int, RoutingReason]:
         """The cheapest of ``replicas`` (after tie-breaks), its matched blocks and the reason."""
-        scored = [(self._cost(v, matches, num_prompt_tokens, peers, copy), v) for v in replicas]
+        scored = [
+            (self._cost(v, matches, num_prompt_tokens, peers, copy, load_s), v) for v in replicas
+        ]
         best_s = min(score for score, _ in scored)
         tied = [v for score, v in scored if score <= best_s + self.tie_tolerance_s]
         longest = max(num_matched(matches, v.replica_id) for v in tied)
@@ -263,6 +283,8 @@ class PrefixPolicy:
         if len(tied) == 1:
             reason = RoutingReason.PREFIX if longest > 0 else RoutingReason.SHORTEST_QUEUE
             return tied[0], longest, reason
+        if load_s is not None:  # an adapter load within the tolerance: its holders first
+            tied = [v for v in tied if load_s[v.replica_id] == 0.0] or tied
         # Equal cost and equal match: the least loaded (``load_rank``: queued prefill first),
         # then the least recently used (spreads new prefixes like SGLang's smallest tree),
         # then rendezvous on the first block, so a cold prefix lands where every router with

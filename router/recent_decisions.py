@@ -1,14 +1,15 @@
-"""This router's own ``prefix`` decisions that a lookup could not have seen in the index yet.
+"""This router's own ``prefix`` decisions that a lookup could not have seen in the index yet,
+and the LoRA adapters it sent that the replicas' stats cannot list yet.
 
-Owns ``RecentDecisions`` and ``merge_matches``. Each decision's blocks go to the index as a
-speculative entry (``routing.Router``), written from a background thread a round trip later,
-while the lookups of a burst run concurrently: siblings decided in the same instant (a burst
-sharing one system prompt, an agent's parallel calls) would each find the prefix nowhere and
-be spread over the replicas by load, each prefilling it. So every decision is numbered and
-kept here until its write has landed and no lookup that started before could still need it;
-a lookup notes how far the writes had landed when it started (``landed_mark``, which
-registers it until its ``match``), and at decision time the decisions after that
-mark are merged into its matches (``match``): exactly what the index could not have told it.
+Owns ``RecentDecisions``, ``merge_matches`` and ``RecentAdapters``. Each decision's blocks go to
+the index as a speculative entry (``routing.Router``), written from a background thread a round
+trip later, while the lookups of a burst run concurrently: siblings decided in the same instant
+(a burst sharing one system prompt, an agent's parallel calls) would each find the prefix
+nowhere and be spread over the replicas by load, each prefilling it. So every decision is
+numbered and kept here until its write has landed and no lookup that started before could still
+need it; a lookup notes how far the writes had landed when it started (``landed_mark``, which
+registers it until its ``match``), and at decision time the decisions after that mark are merged
+into its matches (``match``): exactly what the index could not have told it.
 Decisions the index already holds are left to the index, which also knows when their replica
 died or restarted.
 
@@ -16,6 +17,15 @@ Thread-safe (one lock). Bounded: entries older than ``ttl_s`` (the speculative T
 that never landed, e.g. dropped from a full queue) stop counting and are dropped, as are the
 registrations of lookups never matched (their caller was cancelled), and past ``max_blocks``
 the oldest entries go; either only means the index's answer decides alone.
+
+``RecentAdapters`` does for adapters what the speculative entries do for blocks: a replica
+sent a request on adapter X loads X when it admits it, but its stats (``lora_adapters``) say
+so only a stats period or more later, so a burst of X's requests would each find X nowhere
+and be spread by load, each replica loading it. A replica this router sent X within
+``ttl_s`` counts as holding it. It fails the way a speculative entry does: a replica that
+has since evicted X (its slots taken by other adapters) still counts as holding it until the
+entry expires. Thread-safe (one lock), bounded (recording an adapter drops its expired
+entries; past ``max_adapters`` adapters, the least recently sent one's go).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from router.index_types import Match, ReplicaId
 from router.protocol import BlockHash
 
 DEFAULT_MAX_BLOCKS = 1 << 16
+DEFAULT_MAX_ADAPTERS = 1 << 12
 
 
 class RecentDecisions:
@@ -141,3 +152,38 @@ def merge_matches(
         if known is None or match.device_blocks > known.num_blocks:
             merged[replica_id] = match
     return merged
+
+
+class RecentAdapters:
+    """LoRA adapter name -> the replicas recent decisions sent its requests to, until when."""
+
+    def __init__(
+        self,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._max_adapters = max_adapters
+        self._lock = threading.Lock()
+        self._sent: OrderedDict[str, dict[ReplicaId, float]] = OrderedDict()
+        """Adapter -> replica -> expiry; the adapters sent most recently last."""
+
+    def record(self, replica_id: ReplicaId, lora_name: str) -> None:
+        """A decision sent a request on ``lora_name`` to ``replica_id``."""
+        now_s = self._clock()
+        with self._lock:
+            sent = self._sent.pop(lora_name, None) or {}
+            sent = {r: exp_s for r, exp_s in sent.items() if exp_s > now_s}
+            sent[replica_id] = now_s + self.ttl_s
+            self._sent[lora_name] = sent
+            while len(self._sent) > self._max_adapters:
+                self._sent.popitem(last=False)
+
+    def holders(self, lora_name: str) -> set[ReplicaId]:
+        """The replicas sent a request on ``lora_name`` within the last ``ttl_s``."""
+        now_s = self._clock()
+        with self._lock:
+            sent = self._sent.get(lora_name) or {}
+            return {r for r, exp_s in sent.items() if exp_s > now_s}

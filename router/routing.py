@@ -8,7 +8,12 @@ arrive before its KV events still find it. ``route`` is both. The speculative wr
 off the request path by default, in one daemon thread; until it lands (and for its TTL) the
 router's own ``RecentDecisions`` answers for it, merged into every lookup's matches at
 decision time, so a sibling decided a moment later in the same process follows it even when
-the two lookups ran concurrently. ``flush`` waits for pending writes and ``close`` stops the
+the two lookups ran concurrently. A request on a LoRA adapter (``lora_name``; its blocks
+hashed in the adapter's namespace) is priced with the adapter's load on replicas without it
+(``router.policy.adapter_load_s``); with the ``prefix`` policy a replica this router sent the
+adapter within the speculative TTL counts as holding it (``RecentAdapters``, added to the
+views' ``lora_adapters`` at decision time), so a burst of an adapter's requests gathers
+rather than loading it everywhere. ``flush`` waits for pending writes and ``close`` stops the
 thread. A caller that decides concurrently (the Serve request router) runs ``lookup`` off its
 event loop and ``decide`` on it, so decisions see each other.
 
@@ -33,8 +38,8 @@ from router.index import FallbackIndex, PrefixIndex, make_index
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Decision, ReplicaView, RoutingReason, pooled_prefill_rate
-from router.protocol import BlockHash, hash_blocks
-from router.recent_decisions import RecentDecisions, merge_matches
+from router.protocol import BlockHash, adapter_namespace, hash_blocks
+from router.recent_decisions import RecentAdapters, RecentDecisions, merge_matches
 
 logger = logging.getLogger(__name__)
 
@@ -150,32 +155,47 @@ class Router:
         self._recent = (
             RecentDecisions(config.speculative_ttl_s) if self.policy.name == "prefix" else None
         )
+        self._recent_adapters = (
+            RecentAdapters(config.speculative_ttl_s) if self.policy.name == "prefix" else None
+        )
         self._writer = (
             _SpeculativeWriter(self.index, config.speculative_ttl_s, self.metrics, self._landed)
             if speculate_in_background
             else None
         )
 
-    def hash_prompt(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list:
-        return hash_blocks(token_ids, self.config.block_size, self.model_id, cache_salt)
+    def hash_prompt(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> list:
+        """Block hash v1 of the prompt, in ``lora_name``'s namespace (None: the base model)."""
+        namespace = adapter_namespace(self.model_id, lora_name)
+        return hash_blocks(token_ids, self.config.block_size, namespace, cache_salt)
 
     def route_tokens(
         self,
         token_ids: Sequence[int],
         replicas: Sequence[ReplicaView],
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> Decision:
         """Hash the prompt (block hash v1) and route it."""
-        return self.route(self.hash_prompt(token_ids, cache_salt), len(token_ids), replicas)
+        block_hashes = self.hash_prompt(token_ids, cache_salt, lora_name)
+        return self.route(block_hashes, len(token_ids), replicas, lora_name=lora_name)
 
     def route(
         self,
         block_hashes: Sequence[BlockHash],
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
+        *,
+        lora_name: str | None = None,
     ) -> Decision:
         """``lookup`` then ``decide``."""
-        return self.decide(block_hashes, num_prompt_tokens, replicas, self.lookup(block_hashes))
+        lookup = self.lookup(block_hashes)
+        return self.decide(block_hashes, num_prompt_tokens, replicas, lookup, lora_name=lora_name)
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> Lookup:
         """The index's matches for the blocks (one round trip; None when it is unreachable)."""
@@ -203,19 +223,28 @@ class Router:
         num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
         lookup: Lookup,
+        *,
+        lora_name: str | None = None,
     ) -> Decision:
         """The policy's choice given ``lookup``'s answer (no index: by load, reason
-        ``fallback``), with this router's decisions the lookup could not see merged in and
-        the replicas priced at one prefill rate (``pooled_prefill_rate``); no I/O but the
-        speculative write when not in the background."""
+        ``fallback``), with this router's decisions the lookup could not see merged in (the
+        blocks, and the replicas sent ``lora_name`` lately) and the replicas priced at one
+        prefill rate (``pooled_prefill_rate``); no I/O but the speculative write when not in
+        the background."""
         replicas = pooled_prefill_rate(replicas)
+        if lora_name is not None and self._recent_adapters is not None:
+            replicas = with_adapter(replicas, lora_name, self._recent_adapters.holders(lora_name))
         matches = lookup.matches
         if self._recent is not None and lookup.recent_mark is not None:
             # Also when the index was unreachable: matching releases the lookup's mark.
             recent = self._recent.match(block_hashes, after=lookup.recent_mark)
             if matches is not None:
                 matches = merge_matches(matches, recent)
-        decision = self.policy.choose(block_hashes, num_prompt_tokens, replicas, matches or {})
+        decision = self.policy.choose(
+            block_hashes, num_prompt_tokens, replicas, matches or {}, lora_name=lora_name
+        )
+        if lora_name is not None and self._recent_adapters is not None:
+            self._recent_adapters.record(decision.replica_id, lora_name)
         if matches is None:
             decision = dataclasses.replace(decision, reason=RoutingReason.FALLBACK)
         elif self._recent is not None and block_hashes:
@@ -260,3 +289,19 @@ class Router:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def with_adapter(
+    replicas: Sequence[ReplicaView], lora_name: str, holders: set[str]
+) -> list[ReplicaView]:
+    """The views with ``lora_name`` among the ``lora_adapters`` of the replicas in
+    ``holders`` (sent it lately: they hold it by the time they admit the request)."""
+    return [
+        dataclasses.replace(
+            v,
+            stats=dataclasses.replace(v.stats, lora_adapters=(*v.stats.lora_adapters, lora_name)),
+        )
+        if v.replica_id in holders and lora_name not in v.stats.lora_adapters
+        else v
+        for v in replicas
+    ]
