@@ -1,6 +1,7 @@
 """The replica side of the prefix index: KV events and heartbeats, never on the step path.
 
-Owns one asyncio task per engine replica. Every ``DRAIN_PERIOD_S`` it drains the engine's
+Owns one asyncio task per engine replica. Every ``DRAIN_PERIOD_S`` while the engine is
+producing events (backing off to ``IDLE_DRAIN_PERIOD_S`` while it is not) it drains the engine's
 KV event batches (a deque pop, no lock held by the engine step), renumbers them into this
 replica's own stream (``seq`` 0, 1, 2, ... under one ``epoch`` chosen at startup, the
 wall clock in milliseconds, so a restarted replica always announces a newer epoch) and
@@ -35,8 +36,12 @@ from router.publisher import KVEventPublisher
 log = logging.getLogger("ray.serve")
 
 # Often enough that a sibling request rarely arrives before its prefix is indexed (the
-# router's speculative entries cover that gap), rarely enough to cost nothing when idle.
+# router's speculative entries cover that gap).
 DRAIN_PERIOD_S = 0.05
+# Drains that find nothing double the wait up to this: an idle replica wakes once a second
+# instead of twenty times, and the first events after a pause wait at most this long (the
+# router's speculative entries, which live for seconds, stand in for them meanwhile).
+IDLE_DRAIN_PERIOD_S = 1.0
 # A heartbeat every quarter of the timeout: three may be lost before the replica is dead.
 HEARTBEATS_PER_TIMEOUT = 4
 
@@ -89,6 +94,14 @@ class KVStream:
         return self._batch(engine_batch.events)
 
 
+def next_drain_period_s(period_s: float, found: bool) -> float:
+    """The wait before the next drain: ``DRAIN_PERIOD_S`` after one that found batches, else
+    twice the last wait, at most ``IDLE_DRAIN_PERIOD_S``."""
+    if found:
+        return DRAIN_PERIOD_S
+    return min(2 * period_s, IDLE_DRAIN_PERIOD_S)
+
+
 class ReplicaKVPublisher:
     """Drains one engine's KV events into the index from an asyncio task."""
 
@@ -137,7 +150,8 @@ class ReplicaKVPublisher:
         return changed
 
     def drain_once(self) -> list[KVEventBatch]:
-        """Drain, renumber and queue; returns the batches queued (for tests and logs)."""
+        """Drain, renumber and queue; returns the batches queued (for tests and logs): empty
+        when the engine had none and no re-announce was due."""
         batches = [self.stream.translate(b) for b in self._drain()]
         if self._index_changed():
             self._reannounce_wanted.set()
@@ -148,12 +162,15 @@ class ReplicaKVPublisher:
         return batches
 
     async def _run(self) -> None:
+        period_s = DRAIN_PERIOD_S
         while True:
             try:
-                self.drain_once()
+                found = bool(self.drain_once())
             except Exception:  # a bug costs routing quality, never the replica
                 log.exception("KV event drain of %s failed", self.stream.replica_id)
-            await asyncio.sleep(DRAIN_PERIOD_S)
+                found = False
+            period_s = next_drain_period_s(period_s, found)
+            await asyncio.sleep(period_s)
 
     async def close(self) -> None:
         """Stops the task and the thread (pending batches get one last try)."""

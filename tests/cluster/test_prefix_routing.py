@@ -97,6 +97,18 @@ def test_replica_stream_reannounces_what_it_holds_to_an_index_that_lost_it():
     assert second.match([c])["r1"].host_blocks == 1
 
 
+def test_an_idle_replica_drains_once_a_second_and_a_busy_one_every_50_ms():
+    from cluster.kv_publisher import DRAIN_PERIOD_S, IDLE_DRAIN_PERIOD_S, next_drain_period_s
+
+    period_s, waits = DRAIN_PERIOD_S, []
+    for _ in range(8):  # nothing to drain: the wait doubles up to the idle period
+        period_s = next_drain_period_s(period_s, found=False)
+        waits.append(period_s)
+    assert waits[:2] == [2 * DRAIN_PERIOD_S, 4 * DRAIN_PERIOD_S]
+    assert waits[-1] == IDLE_DRAIN_PERIOD_S == max(waits)
+    assert next_drain_period_s(period_s, found=True) == DRAIN_PERIOD_S
+
+
 def test_router_metrics_of_a_process_sum_up_and_render_for_prometheus():
     from cluster.metrics_render import render_prometheus
     from router.metrics import RouterMetrics, merge_snapshots
