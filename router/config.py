@@ -71,6 +71,11 @@ class RouterConfig:
     router recently sent it stay within this multiple of the mean (+1); None turns it off."""
     load_window_per_replica: float = 64.0
     """How many recent decisions per replica the load bound counts (a decayed window)."""
+    copy_pricing: bool = True
+    """``prefix`` policy: charge a copy of a prefix another replica holds only its share of
+    the prefix's recent requests (``router/prefix_policy.py``), so a popular prefix spreads
+    when its holder queues; lower tail TTFT, fewer cached tokens. False: every miss pays its
+    whole prefill and a prefix moves only when its holder's queue outweighs that."""
     tie_tolerance_s: float = 0.005
     """Predicted TTFTs this close count as a tie, settled by rendezvous hashing."""
     kv_pull_tokens_per_s: float | None = None
@@ -125,6 +130,8 @@ class RouterConfig:
                     f"max_load_ratio must be >= 1 or None, got {self.max_load_ratio!r}"
                 )
         _check_positive("load_window_per_replica", self.load_window_per_replica)
+        if not isinstance(self.copy_pricing, bool):
+            raise ValueError(f"copy_pricing must be true or false, got {self.copy_pricing!r}")
         if self.kv_pull_tokens_per_s is not None:
             _check_positive("kv_pull_tokens_per_s", self.kv_pull_tokens_per_s)
         if (

@@ -147,6 +147,7 @@ class PrefixPolicy:
         self.tie_tolerance_s = config.tie_tolerance_s
         self.miss_cost_factor = config.miss_cost_factor
         self.max_load_ratio = config.max_load_ratio
+        self.copy_pricing = config.copy_pricing
         self.pulls = config.kv_pull_tokens_per_s is not None
         self._recent = RecentCounts(config.load_window_per_replica)
         self.window_requests = config.load_window_per_replica
@@ -248,7 +249,7 @@ class PrefixPolicy:
     ) -> tuple[BlockHash, CopyPrice | None]:
         """The key this request's heat counts under (the deepest block a candidate holds;
         ``b""`` when none holds any) and the price of a copy of that prefix (None when every
-        candidate holds it or it has no recent requests)."""
+        candidate holds it, it has no recent requests, or ``copy_pricing`` is off)."""
         candidate_ids = {v.replica_id for v in replicas}
         held = [m.num_blocks for rid, m in matches.items() if rid in candidate_ids]
         longest = min(max(held, default=0), len(block_hashes))
@@ -257,7 +258,7 @@ class PrefixPolicy:
         key = block_hashes[longest - 1]
         num_holders = sum(blocks >= longest for blocks in held)
         reuse = self._heat.get(key) / (num_holders + 1)
-        if num_holders == len(replicas) or reuse <= 0:
+        if num_holders == len(replicas) or reuse <= 0 or not self.copy_pricing:
             return key, None
         prefix_tokens = min(longest * self.model.block_size, num_prompt_tokens)
         return key, CopyPrice(prefix_tokens, reuse)

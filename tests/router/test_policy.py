@@ -367,6 +367,11 @@ def test_a_prefix_seen_often_earns_a_copy_when_its_holder_queues():
     assert seen.choose(blocks, 512, [queued, keeps_long], matches).replica_id == "cold"
     evicts_soon = idle("cold", num_empty_kv_blocks=31, kv_lru_age=4, **rate)
     assert seen.choose(blocks, 512, [queued, evicts_soon], matches).replica_id == "holder"
+    # With copy pricing off the same history buys no copy: the whole prefill is charged.
+    no_copies = make_policy(dataclasses.replace(config, copy_pricing=False))
+    for _ in range(30):
+        no_copies.choose(blocks, 512, [idle("holder", **rate), roomy], matches)
+    assert no_copies.choose(blocks, 512, [queued, roomy], matches).replica_id == "holder"
     # Once both hold it, neither is a copy: the queue decides alone.
     both = {"holder": Match(32), "cold": Match(32)}
     busy_cold = idle("cold", num_waiting=1, num_queued_prefill_tokens=300, **rate)
