@@ -64,7 +64,7 @@ _KEY = re.compile(
 )
 
 
-def _shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in, out) of each target module in ``spec`` (one rank's shard under TP)."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     h, i = spec.hidden_size, spec.intermediate_size
@@ -179,9 +179,9 @@ def read_adapter(
         pairs.setdefault((layer, module), {})[match.group(4)] = tensor
     if not pairs:
         raise ValueError(f"LoRA adapter {folder}: adapter_model.safetensors holds no LoRA weights")
-    full = _shapes(spec)
+    full = module_shapes(spec)
     local_spec = shard.local_spec(spec) if shard is not None else spec
-    local = _shapes(local_spec)
+    local = module_shapes(local_spec)
     per_layer: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
     for layer in range(spec.num_layers):
         fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -105,3 +105,61 @@ def make_tiny_adapter(
                 p.normal_(0.0, 0.1)
     model.save_pretrained(str(folder))
     return str(folder)
+
+
+def write_random_adapter(
+    model_folder: str | Path,
+    folder: str | Path,
+    *,
+    rank: int = 16,
+    alpha: int = 32,
+    targets: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    seed: int = 0,
+    std: float = 0.02,
+) -> str:
+    """A random LoRA adapter in PEFT's file format for the model in ``model_folder``, written
+    without ``peft`` (for machines that lack it, such as a GPU check's): the
+    ``adapter_config.json`` and ``adapter_model.safetensors`` PEFT saves, normal(0, ``std``)
+    A and B."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from worker.lora import module_shapes
+    from worker.models.llama import ModelSpec
+
+    spec = ModelSpec.from_hf_config(json.loads((Path(model_folder) / "config.json").read_text()))
+    shapes = module_shapes(spec)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            kind = (
+                "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            )
+            key = f"base_model.model.model.layers.{layer}.{kind}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * std
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "bias": "none",
+        "base_model_name_or_path": str(model_folder),
+        "task_type": "CAUSAL_LM",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)

@@ -310,3 +310,16 @@ def test_the_simulated_engine_keeps_slots_and_prices_their_fill(tiny, tmp_path):
     start_s = time.perf_counter()
     sim.generate([PROMPT], GREEDY, lora_name="all8", use_tqdm=False)  # evicts qv16
     assert time.perf_counter() - start_s >= fill_s
+
+
+def test_an_adapter_written_without_peft_loads_like_peft_s(tiny, tmp_path):
+    """``write_random_adapter`` (what a machine without peft uses) writes PEFT's format:
+    peft reads it, and the engine gives transformers + peft's greedy tokens."""
+    from worker.testing import write_random_adapter
+
+    model, _ = tiny
+    path = write_random_adapter(model, tmp_path / "plain", rank=4, std=0.1, seed=9)
+    llm = LLM(model, dtype="float32", lora_modules={"plain": path}, num_kv_blocks=64)
+    ref = reference_tokens(model, path, PROMPT, GREEDY.max_tokens)
+    assert tokens(llm, "plain") == ref
+    assert ref != tokens(llm, None)
