@@ -46,10 +46,8 @@ from cluster.metrics import METRICS_PUSH_PERIOD_S
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.serve_compat import peer_replica, replica_of
 from cluster.stream_items import Rejected, RejectKind
-from cluster.tp_workers import RayWorkerLauncher
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
-from worker.kv_transfer import default_shared_dir
 from worker.outputs import EngineDeadError, EngineOverloadedError, OutputDelta
 
 # Serve routes the "ray.serve" logger into each replica's log file.
@@ -103,7 +101,11 @@ class EngineReplica:
         self.replica_id = context.replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
         config = EngineConfig(**engine_config)
-        launcher = RayWorkerLauncher() if config.tensor_parallel_size > 1 else None
+        launcher = None
+        if config.tensor_parallel_size > 1:  # torch loads here only with tensor parallelism
+            from cluster.tp_workers import RayWorkerLauncher
+
+            launcher = RayWorkerLauncher()
         self.engine = AsyncEngine(config, replica_id=self.replica_id, launcher=launcher)
         self.model_name = model_name or self.engine.model_id
         self.stream_interval = stream_interval
@@ -317,6 +319,8 @@ class EngineReplica:
         start_s = time.monotonic()
         shared_dir = None
         if peer_node_id is not None and peer_node_id == self.node_id:
+            from worker.kv_transfer import default_shared_dir
+
             shared_dir = default_shared_dir()
         payload = await self.engine.export_prefix(block_hashes, token_ids, cache_salt, shared_dir)
         log.debug(
@@ -382,7 +386,7 @@ class EngineReplica:
             "cache_namespace": self.engine.cache_namespace,
             "max_model_len": self.engine.max_model_len,
             "block_size": self.engine.block_size,
-            "vocab_size": self.engine.tokenizer.vocab_size,
+            "vocab_size": self.engine.tokenizer_vocab_size,
         }
 
     async def _push_metrics_forever(self) -> None:

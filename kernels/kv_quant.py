@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+from kernels import KV_CACHE_DTYPES  # noqa: E402 - the names live where no torch is needed
+
 """The values ``--kv-cache-dtype`` takes (vLLM's flag name)."""
 SCALE_BYTES = 2
 """Each quantized row ends with its scale, a float16."""

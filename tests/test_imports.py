@@ -60,3 +60,21 @@ def test_the_checker_catches_a_bad_edge():
     assert not _allowed("router", "torch")
     assert _allowed("worker", "router.protocol")
     assert _allowed("cluster", "worker.engine")
+
+
+def test_an_engine_replica_loads_no_torch_until_it_needs_it():
+    """The engine runs in its own process; the Ray actor that relays its tokens (and an
+    ``AsyncEngine`` around a process core) import neither torch nor transformers, which would
+    cost each replica ~220 MB. Torch loads there only with tensor parallelism (the engine in a
+    thread) or for a KV pull's payload."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cluster.replica, worker.async_engine, worker.loader, cluster.ingress; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -39,17 +39,20 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from router.protocol import BlockHash, KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
-from worker.engine import validate_request
 from worker.engine_commands import Abort, Add, Call, Stop
 from worker.engine_core import EngineCore, StepResult, ThreadCore
 from worker.engine_process import ProcessCore
-from worker.kv_transfer import KVPayload
 from worker.outputs import EngineDeadError, EngineOverloadedError, OutputDelta
-from worker.parallel.workers import WorkerLauncher
+from worker.request_checks import validate_request
 from worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch and the engine's modules load in the engine's process
+    from worker.kv_transfer import KVPayload
+    from worker.parallel.workers import WorkerLauncher
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class AsyncEngine:
         self.cache_namespace = info.cache_namespace
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
-        self.tokenizer = self._core.tokenizer
+        self.tokenizer_vocab_size = info.tokenizer_vocab_size
         self._streams: dict[str, _Stream] = {}
         self._kv_batches: deque[KVEventBatch] = deque(maxlen=MAX_BUFFERED_KV_BATCHES)
         self._stats = ReplicaStats()
@@ -247,6 +250,11 @@ class AsyncEngine:
         if not self.is_alive():  # died before it could answer: _on_dead may have run already
             _settle(future, EngineDeadError(f"engine {self.replica_id} failed: {self.why_dead()}"))
         return future
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (loaded in this process on first use by a process core)."""
+        return self._core.tokenizer
 
     def stats(self) -> ReplicaStats:
         return self._stats

@@ -35,17 +35,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from kernels import KV_CACHE_DTYPES
 
-from kernels.kv_quant import KV_CACHE_DTYPES
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 MAX_TENSOR_PARALLEL_SIZE = 64
 """More ranks than any single node holds GPUs; a larger value is surely a typo."""
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = ("float32", "float16", "bfloat16")
+"""The dtypes an engine computes in, by their torch names (torch is imported where the engine
+runs, not where a configuration is checked)."""
 AUTO = "auto"
 PREFILL_ORDERS = ("shortest_first", "fcfs")
 ENGINES = ("model", "sim")
@@ -355,10 +359,14 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.dtype is 'auto': call EngineConfig.resolved() where the engine runs"
             )
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def resolved(self) -> EngineConfig:
         """A copy with ``auto`` device and dtype made concrete for this process's hardware."""
+        import torch
+
         cuda_available = torch.cuda.is_available()
         device = resolve_device(self.device, cuda_available)
         if device.startswith("cuda") and not cuda_available:

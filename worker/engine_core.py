@@ -20,14 +20,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
 from worker.engine_commands import Abort, Add, Call, Command, Stop
 from worker.outputs import EngineOverloadedError, OutputDelta
-from worker.parallel.workers import WorkerLauncher
-from worker.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the engine's modules (torch, the model, the tokenizer) load where it runs
+    from worker.engine import LLMEngine
+    from worker.parallel.workers import WorkerLauncher
+    from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ class EngineInfo:
     kv_capacity_tokens: int
     cache_namespace: str
     """What block hashes are seeded with (``router.protocol.cache_namespace``)."""
+    tokenizer_vocab_size: int
+    """Token ids the tokenizer knows (may differ from the model's ``vocab_size``)."""
 
 
 @dataclass
@@ -140,6 +145,7 @@ def info_of(engine: LLMEngine) -> EngineInfo:
         engine.spec.vocab_size,
         engine.pool.num_blocks * engine.block_size,
         engine.cache_namespace,
+        engine.tokenizer.vocab_size,
     )
 
 
@@ -228,6 +234,8 @@ class ThreadCore(EngineCore):
     def __init__(
         self, config: EngineConfig, replica_id: str, launcher: WorkerLauncher | None
     ) -> None:
+        from worker.engine import LLMEngine
+
         self.engine = LLMEngine(config, replica_id, launcher)
         self.info = info_of(self.engine)
         self.tokenizer = self.engine.tokenizer

@@ -50,9 +50,7 @@ from multiprocessing.connection import Connection
 from worker.config import EngineConfig
 from worker.engine_commands import Call, Command
 from worker.engine_core import EngineCore, EngineInfo, EngineLoop, answer_now, info_of
-from worker.loader import load_tokenizer
 from worker.outputs import EngineDeadError
-from worker.parallel.workers import child_env
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +64,13 @@ for the GIL only when a command arrives; then it waits at most this long behind 
 ENGINE_START_TIMEOUT_S = 900.0
 """Loading a model (a first GGUF conversion included) on a busy node."""
 START_POLL_S = 0.5
+
+
+def child_env() -> dict[str, str]:
+    """The parent's environment with its ``sys.path`` as ``PYTHONPATH``, so a worker imports
+    the same code (an editable install, a checkout, the script's own folder)."""
+    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 class ProcessCore(EngineCore):
@@ -96,13 +101,24 @@ class ProcessCore(EngineCore):
         self._finalizer = weakref.finalize(self, _end_process, self._proc, self._conn, self._calls)
         self._send(("init", config, replica_id))
         self.info = self._wait_ready()
-        self.tokenizer = load_tokenizer(
-            config, model_path=self.info.model_path, chat_template=False
-        )
+        self._config = config
+        self._tokenizer = None
         self._dead_reason = ""
         self._reader = threading.Thread(
             target=self._read, name=f"engine-reader-{replica_id}", daemon=True
         )
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer, loaded in this process on first use (a server that only
+        relays requests never loads it, nor the libraries behind it)."""
+        if self._tokenizer is None:
+            from worker.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(
+                self._config, model_path=self.info.model_path, chat_template=False
+            )
+        return self._tokenizer
 
     def _wait_ready(self) -> EngineInfo:
         deadline_s = time.monotonic() + ENGINE_START_TIMEOUT_S

@@ -23,12 +23,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from worker import hub
 from worker.config import EngineConfig
-from worker.models.llama import ModelSpec
+from worker.models.spec import ModelSpec
+
+if TYPE_CHECKING:  # torch loads with the weights, not with a tokenizer
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ def _convert_locked(gguf_path: Path, target: Path) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     steps.update()
+    import torch
+
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     steps.update()
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))

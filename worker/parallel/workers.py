@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from worker.config import EngineConfig
+from worker.engine_process import child_env
 from worker.parallel.communicator import ProcessGroupCommunicator
 
 log = logging.getLogger(__name__)
@@ -188,13 +188,6 @@ def run_worker(spec: WorkerSpec, rank: int, local: bool = True) -> None:
             log.info("TP worker %d of %s: stopped by rank 0", rank, spec.replica_id)
             return
         runner.execute_message(message)
-
-
-def child_env() -> dict[str, str]:
-    """The parent's environment with its ``sys.path`` as ``PYTHONPATH``, so a worker imports
-    the same code (an editable install, a checkout, the script's own folder)."""
-    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 class LocalProcessLauncher:
