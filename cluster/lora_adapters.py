@@ -8,11 +8,11 @@ an unload, with a version that grows on each change and an epoch that is new for
 (``desired_adapters`` merges the two). Three parties read them:
 
 - the ingress's ``AdapterCatalog``, which answers whether a ``model`` names an adapter. It
-  re-reads the record when a name is unknown (at most once per ``MISS_REFRESH_S``, so a flood
-  of unknown names costs one actor call per period) and in the background once its copy is
+  re-reads the record when a name is unknown (concurrent misses share one read, so a flood of
+  unknown names costs one actor call at a time) and in the background once its copy is
   ``CATALOG_TTL_S`` old, so an adapter another ingress replica loaded is found at once and one
   it unloaded is forgotten within seconds (a request that slips through meanwhile gets the
-  replica's 404);
+  replica's 404, ``RejectKind.UNKNOWN_MODEL``);
 - the load and unload endpoints (``cluster/ingress.py``), which call the engine replicas that
   report to the metrics hub directly on their actors (``call_every_replica``) and record the
   change only once every replica that answered took it: a load one replica refuses (400, the
@@ -49,8 +49,6 @@ from cluster.errors import APIError
 
 log = logging.getLogger("ray.serve")
 
-MISS_REFRESH_S = 0.5
-"""An unknown ``model`` re-reads the record at most this often."""
 CATALOG_TTL_S = 2.0
 """A catalog copy older than this is refreshed in the background by the next adapter request."""
 SYNC_PERIOD_S = 2.0
@@ -149,7 +147,7 @@ class AdapterCatalog:
 
     async def lookup(self, name: str) -> str | None:
         """The folder of adapter ``name``, or None when no adapter has that name (after one
-        re-read of the record, unless one happened within ``MISS_REFRESH_S``)."""
+        re-read of the record, or the read already in flight)."""
         if not self.enabled:
             return None
         path = self.adapters.get(name)
@@ -159,8 +157,7 @@ class AdapterCatalog:
             ):
                 self._refreshing = asyncio.get_running_loop().create_task(self._read())
             return path
-        if self._age_s() >= MISS_REFRESH_S:
-            await self.refresh()
+        await self.refresh()
         return self.adapters.get(name)
 
 

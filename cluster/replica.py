@@ -205,7 +205,10 @@ class EngineReplica:
                             await channel.flushed()  # what was pushed arrives first
                         yield item
         except ValueError as exc:
-            yield await self._after_pushes(channel, RejectKind.INVALID, str(exc))
+            if lora_name is not None and lora_name not in await self._lora_names():
+                yield await self._after_pushes(channel, RejectKind.UNKNOWN_MODEL, lora_name)
+            else:
+                yield await self._after_pushes(channel, RejectKind.INVALID, str(exc))
         except EngineOverloadedError as exc:
             yield await self._after_pushes(channel, RejectKind.OVERLOADED, str(exc) or "queue full")
         except EngineDeadError as exc:
@@ -217,6 +220,13 @@ class EngineReplica:
             )
         finally:
             self._in_flight.discard(request_id)
+
+    async def _lora_names(self) -> dict[str, str]:
+        """The adapters the engine serves; empty when it cannot say (a dead engine)."""
+        try:
+            return await self.engine.lora_adapters()
+        except Exception:  # noqa: BLE001 - only tells a refusal's kind apart
+            return {}
 
     async def _after_pushes(self, channel, kind: RejectKind, message: str) -> Rejected:
         """The rejection to stream, once what was pushed for the request has arrived."""

@@ -14,7 +14,6 @@ import pytest
 from cluster.engine_client import EngineClient
 from cluster.lora_adapters import (
     CATALOG_TTL_S,
-    MISS_REFRESH_S,
     AdapterCatalog,
     ReplicaAdapterSync,
     call_every_replica,
@@ -60,37 +59,42 @@ def test_desired_adapters_apply_runtime_changes_to_the_modules():
     assert desired_adapters(modules, {"b": None, "c": "/c", "a": "/a2"}) == {"a": "/a2", "c": "/c"}
 
 
-def test_the_catalog_finds_an_adapter_loaded_elsewhere_and_rereads_misses_at_a_bounded_rate():
+def test_the_catalog_finds_an_adapter_loaded_elsewhere_and_misses_share_one_read():
     record = {"epoch": "e", "version": 0, "adapters": {}}
     reads = []
     clock = _Clock()
+    release = asyncio.Event()
 
     async def read():
         reads.append(clock.now_s)
+        await release.wait()
         return record
 
     async def main():
         catalog = AdapterCatalog((("sql", "/sql"),), read, enabled=True, clock=clock)
+        release.set()
         assert await catalog.lookup("sql") == "/sql"
         await asyncio.sleep(0)  # a never-read copy refreshes in the background
         assert len(reads) == 1
         record["adapters"] = {"new": "/new"}  # another ingress loaded one
-        assert await catalog.lookup("new") is None  # read just now: the miss is not re-read
-        assert len(reads) == 1
-        clock.now_s += MISS_REFRESH_S
-        assert await catalog.lookup("new") == "/new"
+        assert await catalog.lookup("new") == "/new"  # a miss re-reads the record
         assert len(reads) == 2
-        for _ in range(5):  # a flood of unknown names: no read within the period
-            assert await catalog.lookup("nope") is None
-        assert len(reads) == 2
+        release.clear()  # a flood of unknown names while a read is in flight: that one read
+        misses = [asyncio.ensure_future(catalog.lookup("nope")) for _ in range(5)]
+        await asyncio.sleep(0)
+        release.set()
+        assert await asyncio.gather(*misses) == [None] * 5
+        assert len(reads) == 3
         record["adapters"] = {"new": "/new", "sql": None}  # and unloaded one
+        assert await catalog.lookup("sql") == "/sql"  # a fresh copy answers without a read
+        assert len(reads) == 3
         clock.now_s += CATALOG_TTL_S
         assert await catalog.lookup("sql") == "/sql"  # the stale copy still answers...
         await asyncio.sleep(0)
-        assert len(reads) == 3 and "sql" not in catalog.adapters  # ...and is refreshed
+        assert len(reads) == 4 and "sql" not in catalog.adapters  # ...and is refreshed
 
         off = AdapterCatalog((), read, enabled=False, clock=clock)
-        assert await off.lookup("new") is None and len(reads) == 3
+        assert await off.lookup("new") is None and len(reads) == 4
 
         async def unreachable():
             raise TimeoutError("index actor")
@@ -256,7 +260,7 @@ def test_replicas_run_adapters_answer_runtime_changes_and_pull_an_adapters_kv(
         assert on_sql == list(offline)
         assert _tokens([m async for m in a.generate("a1", prompt, PARAMS)]) == list(offline_base)
         (unknown,) = [m async for m in a.generate("a2", prompt, PARAMS, lora_name="nope")]
-        assert unknown.kind.name == "INVALID" and "unknown LoRA adapter" in unknown.message
+        assert unknown.kind.name == "UNKNOWN_MODEL" and unknown.api_error().status == 404
 
         # Runtime changes: the replica answers with a status, never raises.
         assert (await a.load_lora_adapter("chat", lora_model["chat"]))["status"] == 200
