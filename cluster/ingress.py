@@ -49,11 +49,8 @@ from cluster.lora_adapters import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
     adapter_card,
-    answered,
-    call_every_replica,
-    first_refusal,
-    refusal_error,
-    unanswered_note,
+    load_everywhere,
+    unload_everywhere,
 )
 from cluster.metrics import (
     METRICS_PUSH_PERIOD_S,
@@ -661,44 +658,19 @@ class Ingress:
             if snap.get("alive", False)
         }
 
-    async def _record(self, name: str, path: str | None) -> None:
-        """Records a runtime change for replicas that start later; 503 when the index actor
-        does not answer (every replica took the change already; the message says so)."""
-        try:
-            self.lora.apply(await self._lora_record.write(name, path))
-        except Exception as exc:
-            log.warning("recording LoRA adapter %r failed: %r", name, exc)
-            raise errors.unavailable(
-                f"LoRA adapter {name!r} was changed on the running replicas, but recording it "
-                f"for replicas that start later failed ({type(exc).__name__}); retry the call"
-            ) from None
-
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's runtime load: ``{"lora_name", "lora_path"}`` onto every engine replica."""
         body: LoadLoRAAdapterRequest = await self._parse(request, LoadLoRAAdapterRequest)
         self._require_lora()
-        name, path = body.lora_name.strip(), body.lora_path.strip()
-        if not name or not path:
-            raise errors.bad_request("lora_name and lora_path must be non-empty", "lora_name")
-        if name in self.accepted_names:
-            raise errors.bad_request(f"{name!r} is the base model's name", "lora_name")
-        await self.lora.refresh()
-        if name in self.lora.adapters:
-            raise errors.bad_request(
-                f"The lora adapter '{name}' has already been loaded.", "lora_name"
-            )
-        replicas = await self._engine_replicas()
-        results = await call_every_replica(replicas, "load_lora_adapter", name, path)
-        refusal = first_refusal(results)
-        if refusal is not None:  # all or nothing: undo it where it was taken
-            taken = {rid: replicas[rid] for rid, r in results.items() if r["status"] == 200}
-            await call_every_replica(taken, "unload_lora_adapter", name)
-            raise refusal_error(refusal, results, f"loading LoRA adapter {name!r}", "lora_path")
-        if not answered(results):
-            raise errors.unavailable(f"no engine replica answered: {results}")
-        await self._record(name, path)
-        text = f"Success: LoRA adapter '{name}' added successfully." + unanswered_note(results)
+        text = await load_everywhere(
+            self.lora,
+            self._lora_record,
+            self._engine_replicas,
+            body.lora_name,
+            body.lora_path,
+            self.accepted_names,
+        )
         return Response(text, media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
@@ -706,22 +678,9 @@ class Ingress:
         """vLLM's runtime unload: ``{"lora_name"}`` from every engine replica."""
         body: UnloadLoRAAdapterRequest = await self._parse(request, UnloadLoRAAdapterRequest)
         self._require_lora()
-        name = body.lora_name.strip()
-        await self.lora.refresh()
-        path = self.lora.adapters.get(name)
-        if path is None:
-            raise errors.not_found(f"The lora adapter '{name}' cannot be found.", "lora_name")
-        replicas = await self._engine_replicas()
-        results = await call_every_replica(replicas, "unload_lora_adapter", name)
-        refusal = first_refusal(results, ignore=(404,))  # gone there already
-        if refusal is not None:  # all or nothing: load it again where it was unloaded
-            taken = {rid: replicas[rid] for rid, r in results.items() if r["status"] == 200}
-            await call_every_replica(taken, "load_lora_adapter", name, path)
-            raise refusal_error(refusal, results, f"unloading LoRA adapter {name!r}", "lora_name")
-        if not answered(results):
-            raise errors.unavailable(f"no engine replica answered: {results}")
-        await self._record(name, None)
-        text = f"Success: LoRA adapter '{name}' removed successfully." + unanswered_note(results)
+        text = await unload_everywhere(
+            self.lora, self._lora_record, self._engine_replicas, body.lora_name
+        )
         return Response(text, media_type="text/plain")
 
     @app.post("/tokenize")

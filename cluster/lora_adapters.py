@@ -235,6 +235,78 @@ def unanswered_note(results: dict[str, dict]) -> str:
     )
 
 
+async def _record(record, catalog: AdapterCatalog, name: str, path: str | None) -> None:
+    """Records a runtime change for replicas that start later; 503 when the index actor does
+    not answer (the running replicas took the change already; the message says so)."""
+    try:
+        catalog.apply(await record.write(name, path))
+    except Exception as exc:  # noqa: BLE001 - becomes the client's 503
+        log.warning("recording LoRA adapter %r failed: %r", name, exc)
+        raise errors.unavailable(
+            f"LoRA adapter {name!r} was changed on the running replicas, but recording it for "
+            f"replicas that start later failed ({type(exc).__name__}); retry the call"
+        ) from None
+
+
+async def load_everywhere(
+    catalog: AdapterCatalog,
+    record,
+    replicas: Callable[[], Awaitable[dict]],
+    name: str,
+    path: str,
+    base_names,
+) -> str:
+    """``/v1/load_lora_adapter``: loads adapter ``name`` from ``path`` on every replica
+    (``replicas()``: id -> handle lookup, as ``call_every_replica`` takes), all or nothing,
+    then records it (``record``: an ``AdapterRecord``). Returns vLLM's success text; raises
+    ``APIError``: 400 for an empty or taken name or a folder a replica refuses, 503 when no
+    replica answers or the record cannot be written."""
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise errors.bad_request("lora_name and lora_path must be non-empty", "lora_name")
+    if name in base_names:
+        raise errors.bad_request(f"{name!r} is the base model's name", "lora_name")
+    await catalog.refresh()
+    if name in catalog.adapters:
+        raise errors.bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+    handles = await replicas()
+    results = await call_every_replica(handles, "load_lora_adapter", name, path)
+    refusal = first_refusal(results)
+    if refusal is not None:  # all or nothing: undone where it was taken
+        taken = {rid: handles[rid] for rid, r in results.items() if r["status"] == 200}
+        await call_every_replica(taken, "unload_lora_adapter", name)
+        raise refusal_error(refusal, results, f"loading LoRA adapter {name!r}", "lora_path")
+    if not answered(results):
+        raise errors.unavailable(f"no engine replica answered the load of {name!r}")
+    await _record(record, catalog, name, path)
+    return f"Success: LoRA adapter '{name}' added successfully." + unanswered_note(results)
+
+
+async def unload_everywhere(
+    catalog: AdapterCatalog, record, replicas: Callable[[], Awaitable[dict]], name: str
+) -> str:
+    """``/v1/unload_lora_adapter``: unloads adapter ``name`` from every replica, all or
+    nothing, then records it. Returns vLLM's success text; raises ``APIError``: 404 for an
+    adapter not served, 409 when a replica has requests on it (it is loaded again where it was
+    unloaded), 503 when no replica answers or the record cannot be written."""
+    name = name.strip()
+    await catalog.refresh()
+    path = catalog.adapters.get(name)
+    if path is None:
+        raise errors.not_found(f"The lora adapter '{name}' cannot be found.", "lora_name")
+    handles = await replicas()
+    results = await call_every_replica(handles, "unload_lora_adapter", name)
+    refusal = first_refusal(results, ignore=(404,))  # 404: gone there already
+    if refusal is not None:  # all or nothing: loaded again where it was unloaded
+        taken = {rid: handles[rid] for rid, r in results.items() if r["status"] == 200}
+        await call_every_replica(taken, "load_lora_adapter", name, path)
+        raise refusal_error(refusal, results, f"unloading LoRA adapter {name!r}", "lora_name")
+    if not answered(results):
+        raise errors.unavailable(f"no engine replica answered the unload of {name!r}")
+    await _record(record, catalog, name, None)
+    return f"Success: LoRA adapter '{name}' removed successfully." + unanswered_note(results)
+
+
 class ReplicaAdapterSync:
     """Brings one engine's adapters to the application's record."""
 

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from cluster.engine_client import EngineClient
+from cluster.errors import APIError
 from cluster.lora_adapters import (
     CATALOG_TTL_S,
     AdapterCatalog,
@@ -19,9 +20,11 @@ from cluster.lora_adapters import (
     call_every_replica,
     desired_adapters,
     first_refusal,
+    load_everywhere,
     refusal_error,
     replica_result,
     unanswered_note,
+    unload_everywhere,
 )
 from cluster.metrics_render import render_prometheus
 from router.protocol import adapter_namespace, hash_blocks
@@ -157,6 +160,83 @@ def test_fan_out_reports_each_replica_and_picks_the_refusal_the_client_can_act_o
     assert first_refusal(gone, ignore=(404,)) is None
     assert refusal_error(first_refusal(gone), gone, "unloading", "lora_name").status == 404
     assert first_refusal({"r3": results["r3"]}) is None  # no answer is not a refusal
+
+
+class _Record:
+    """The index actor's record, in memory (``AdapterRecord``'s read and write)."""
+
+    def __init__(self) -> None:
+        self.state = {"epoch": "e", "version": 0, "adapters": {}}
+        self.down = False
+
+    async def read(self) -> dict:
+        return self.state
+
+    async def write(self, name, path) -> dict:
+        if self.down:
+            raise TimeoutError("index actor")
+        adapters = {**self.state["adapters"], name: path}
+        self.state = {"epoch": "e", "version": self.state["version"] + 1, "adapters": adapters}
+        return self.state
+
+
+def test_load_and_unload_are_all_or_nothing_over_the_replicas():
+    record = _Record()
+    catalog = AdapterCatalog((("sql", "/sql"),), record.read, enabled=True)
+    ok = {rid: _Replica(replica_result(rid)) for rid in ("r1", "r2")}
+    fleet = dict(ok)
+
+    async def replicas():
+        return {rid: (lambda r=r: r) for rid, r in fleet.items()}
+
+    async def load(name, path="/new"):
+        return await load_everywhere(catalog, record, replicas, name, path, {"base"})
+
+    async def unload(name):
+        return await unload_everywhere(catalog, record, replicas, name)
+
+    async def status(call) -> int:
+        try:
+            await call
+        except APIError as exc:
+            return exc.status
+        return 200
+
+    async def main():
+        assert "added successfully" in await load("new")
+        assert catalog.adapters == {"sql": "/sql", "new": "/new"}
+        assert record.state["adapters"] == {"new": "/new"}
+        assert all(r.calls == [("load", ("new", "/new"))] for r in ok.values())
+        assert await status(load("new")) == 400  # already served
+        assert await status(load("base")) == 400  # the base model's name
+        assert await status(load(" ")) == 400
+
+        fleet["r3"] = _Replica(replica_result("r3", 400, "LoRA adapter /bad: no adapter_config"))
+        with pytest.raises(APIError) as info:
+            await load("bad", "/bad")
+        assert info.value.status == 400 and "replica r3" in info.value.message
+        assert all(r.calls[-1] == ("unload", ("bad",)) for r in ok.values())  # undone
+        assert "bad" not in catalog.adapters and "bad" not in record.state["adapters"]
+
+        fleet["r3"] = _Replica(replica_result("r3", 409, "1 request(s) in flight"))
+        assert await status(unload("sql")) == 409
+        assert all(r.calls[-1] == ("load", ("sql", "/sql")) for r in ok.values())  # reloaded
+        assert "sql" in catalog.adapters
+        fleet["r3"] = _Replica(replica_result("r3", 404, "no LoRA adapter named 'sql'"))
+        assert "removed successfully" in await unload("sql")  # gone there already is fine
+        assert "sql" not in catalog.adapters and record.state["adapters"]["sql"] is None
+        assert await status(unload("sql")) == 404
+
+        fleet["r3"] = _Replica(ConnectionError("gone"))
+        assert "r3" in await load("late")  # a replica that does not answer: its sync catches up
+        record.down = True
+        assert await status(load("unrecorded")) == 503
+        fleet.clear()
+        fleet["r3"] = _Replica(ConnectionError("gone"))
+        record.down = False
+        assert await status(load("nobody")) == 503
+
+    asyncio.run(main())
 
 
 def test_a_replica_sync_loads_the_record_and_unloads_only_what_it_unloads():
