@@ -99,6 +99,14 @@ def test_runtime_load_reaches_the_replicas_and_unload_removes_it(
     assert [c.id for c in client.models.list().data][1:] == list(adapters)
 
 
-def test_lora_requests_info_names_the_slots(tiny_server, adapters):
-    info = tiny_server.metrics().get("prefixserve:lora_requests_info", {})
-    assert len(info) == 2 and set(info.values()) == {1.0}
+def test_every_replica_exports_lora_requests_info(tiny_server, adapters):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{tiny_server.url}/metrics", timeout=10).text
+    (family,) = [
+        f for f in text_string_to_metric_families(text) if f.name.endswith("lora_requests_info")
+    ]
+    assert len({s.labels["replica"] for s in family.samples}) >= 1
+    for sample in family.samples:
+        assert sample.value == 1.0 and sample.labels["max_lora"] == "8"
+        assert set(sample.labels) >= {"running_lora_adapters", "waiting_lora_adapters"}
