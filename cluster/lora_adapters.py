@@ -13,8 +13,9 @@ an unload, with a version that grows on each change and an epoch that is new for
   ``CATALOG_TTL_S`` old, so an adapter another ingress replica loaded is found at once and one
   it unloaded is forgotten within seconds (a request that slips through meanwhile gets the
   replica's 404, ``RejectKind.UNKNOWN_MODEL``);
-- the load and unload endpoints (``cluster/ingress.py``), which call the engine replicas that
-  report to the metrics hub directly on their actors (``call_every_replica``) and record the
+- the load and unload endpoints (``load_everywhere``, ``unload_everywhere``, called by
+  ``cluster/ingress.py``), which call the engine replicas that report to the metrics hub
+  directly on their actors (``call_every_replica``) and record the
   change only once every replica that answered took it: a load one replica refuses (400, the
   engine's message naming the folder) is unloaded again from the others, and an unload one
   replica refuses because requests use the adapter (409) is loaded again on the others. A
@@ -28,11 +29,13 @@ an unload, with a version that grows on each change and an epoch that is new for
   request still uses the adapter is retried on the next period; a folder the engine refuses
   is logged once per record.
 
-How it fails: with the index actor unreachable the catalog keeps its last copy, the endpoints
-answer 503 (nothing is changed), and a replica keeps its adapters until the actor answers
-again. The record lives in the actor's memory: an actor that ends (the application was deleted,
-or it had no live replica for ``IDLE_EXIT_S``) forgets the runtime loads, and the replicas then
-converge on ``lora_modules`` alone.
+How it fails: with the index actor unreachable the catalog keeps its last copy, a replica
+keeps its adapters until the actor answers again, and a load or unload answers 503 after the
+running replicas took it (the message says so; the same call again completes it: a repeated
+load of the same folder is a no-op in the engine). The record lives in the actor's memory: an
+actor that ends (the application was deleted, or it had no live replica for ``IDLE_EXIT_S``)
+forgets the runtime loads, so the ingresses stop accepting their names and replicas started
+later do not load them (load them again to serve them).
 """
 
 from __future__ import annotations
