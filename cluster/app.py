@@ -206,7 +206,7 @@ def build_app_from_configs(
         cluster.stream_interval,
     )
     return Ingress.options(**ingress_options(cluster)).bind(
-        replicas, hub, engine_dict, dataclasses.asdict(cluster)
+        replicas, hub, engine_dict, dataclasses.asdict(cluster), dataclasses.asdict(router)
     )
 
 

@@ -22,6 +22,7 @@ GROUPS = {
     "engine": "engine & KV cache",
     "parallel": "parallelism & placement",
     "http": "HTTP server",
+    "lora": "LoRA adapters",
     "routing": "routing",
     "logging": "logging & metrics",
 }
@@ -30,6 +31,9 @@ SECTION_GROUPS = {"engine": "engine", "cluster": "http", "router": "routing"}
 SECTION_CLASSES = {"engine": EngineConfig, "cluster": ClusterConfig, "router": RouterConfig}
 LIST = "list"
 """Row type of a comma-separated list flag (repeating the flag adds to the list)."""
+MODULES = "modules"
+"""Row type of ``--lora-modules``: one or more ``name=path`` or JSON ``{"name", "path"}``
+values after the flag (vLLM's form; repeating the flag adds to them)."""
 
 # (flag, section, field, type, help[, group]). type None marks a --x/--no-x boolean, LIST a
 # list. Help strings never state a default: ``cli_options`` appends the dataclass field's own
@@ -315,6 +319,27 @@ FLAGS = [
         "local Ray's GCS, agents and Serve controller); 0: no change.",
         "parallel",
     ),
+    # LoRA adapters
+    (
+        "--enable-lora", "engine", "enable_lora", None,
+        "Serve LoRA adapters beside the base model: a request's model may name one, and "
+        "/v1/load_lora_adapter and /v1/unload_lora_adapter change them at runtime (implied by "
+        "--lora-modules).",
+        "lora",
+    ),
+    (
+        "--lora-modules", "engine", "lora_modules", MODULES,
+        "Adapters served from the start, each name=path or JSON '{\"name\": ..., \"path\": "
+        "...}' (a PEFT folder); requests name them in model. Put the positional MODEL first.",
+        "lora",
+    ),
+    (
+        "--max-loras", "engine", "max_loras", int,
+        "Adapters on the device at once (one engine step runs at most this many distinct "
+        "adapters; the rest wait in host memory).",
+        "lora",
+    ),
+    ("--max-lora-rank", "engine", "max_lora_rank", int, "Highest adapter rank accepted.", "lora"),
     # routing
     ("--routing", "router", "policy", str, "prefix, round_robin, least_loaded or pow2.", "routing"),
     (

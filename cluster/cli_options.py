@@ -12,9 +12,10 @@ touches Ray.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
-from cluster.cli_flags import FLAGS, GROUPS, LIST, field_default, flag_rows
+from cluster.cli_flags import FLAGS, GROUPS, LIST, MODULES, field_default, flag_rows
 from cluster.config import API_KEY_ENV
 
 
@@ -24,8 +25,8 @@ def _help(section: str, field: str, kind, help_text: str) -> str:
         return help_text  # the text says what unset means
     if kind is None:
         shown = "on" if default else "off"
-    elif kind == LIST:
-        shown = ",".join(default)
+    elif kind in (LIST, MODULES):
+        shown = ",".join(map(str, default))
     else:
         shown = str(default)
     text = help_text[:-1] if help_text.endswith(".") else help_text
@@ -34,6 +35,39 @@ def _help(section: str, field: str, kind, help_text: str) -> str:
 
 def _list_arg(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def lora_module(value) -> list[str]:
+    """One ``--lora-modules`` value as ``[name, path]``: ``name=path``, vLLM's JSON
+    ``{"name": ..., "path": ...}`` (as text or, from a config file, a mapping) or a pair;
+    ``ValueError`` saying which forms are accepted."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules: {value!r} is not valid JSON ({exc.msg})") from None
+    if isinstance(value, dict):
+        name, path = value.get("name"), value.get("path")
+    elif isinstance(value, str):
+        name, sep, path = value.partition("=")
+        if not sep:
+            name = None
+    elif isinstance(value, (list, tuple)) and len(value) == 2:
+        name, path = value
+    else:
+        name = path = None
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise ValueError(
+            f'--lora-modules: {value!r} is neither name=path nor {{"name": "...", "path": "..."}}'
+        )
+    return [name.strip(), path.strip()]
+
+
+def _lora_module_arg(text: str) -> list[str]:
+    try:
+        return lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--lora-modules: ")) from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +99,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             groups[group].add_argument(
                 flag, dest=field, type=_list_arg, action="extend", default=None, help=text
             )
+        elif kind == MODULES:
+            groups[group].add_argument(
+                flag,
+                dest=field,
+                type=_lora_module_arg,
+                nargs="+",
+                action="extend",
+                default=None,
+                metavar="NAME=PATH",
+                help=text,
+            )
         else:
             groups[group].add_argument(flag, dest=field, type=kind, default=None, help=text)
 
@@ -73,6 +118,12 @@ def _coerce(key: str, kind, value):
     """A config file's value in the flag's type; ValueError naming the key."""
     if kind is None:
         ok = isinstance(value, bool)
+    elif kind == MODULES:
+        items = list(value.items()) if isinstance(value, dict) else value
+        items = [items] if isinstance(items, str) else items
+        if not isinstance(items, list):
+            raise ValueError(f"{key}: expected a list of name=path, got {value!r}")
+        return [lora_module(item) for item in items]
     elif kind == LIST:
         if isinstance(value, str):
             value = _list_arg(value)

@@ -43,7 +43,7 @@ from cluster.errors import APIError
 from cluster.serve_compat import own_internal_request_id
 from cluster.stream_items import Rejected, RejectKind
 from router.load import LoadTracker
-from router.protocol import hash_blocks
+from router.protocol import adapter_namespace, hash_blocks
 from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
 
@@ -128,8 +128,10 @@ class _Stream:
         salt,
         first: OutputDelta,
         call: _Call,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_name = lora_name
         self.prompt_ids = prompt_ids
         self.params = params
         self.salt = salt
@@ -219,10 +221,13 @@ class EngineClient:
         params: SamplingParams,
         salt,
         resume_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ):
         """Starts one engine request; returns (first output, its ``_Call``) or raises
-        APIError."""
-        hashes = hash_blocks(prompt_ids, self.block_size, self.cache_namespace, salt)
+        APIError. ``lora_name``: the LoRA adapter it runs on (None: the base model); its
+        blocks hash in the adapter's namespace, as the engine hashes them."""
+        namespace = adapter_namespace(self.cache_namespace, lora_name)
+        hashes = hash_blocks(prompt_ids, self.block_size, namespace, salt)
         # This task's calls only (prompts of one request go in parallel). Serve's request
         # router sees the call only as a pending request keyed by this id, so the load
         # tracker knows it by this key too.
@@ -240,6 +245,7 @@ class EngineClient:
                 block_hashes=hashes,
                 resume_token_ids=resume_token_ids,
                 push_to=self.push_to,
+                lora_name=lora_name,
             )
             first = await response.__anext__()
             if self.load is not None:
@@ -269,8 +275,16 @@ class EngineClient:
         self._forget(call)
         _cancel_quietly(call.response)
 
-    async def open_all(self, request_id: str, prompts: list[list[int]], params: list, salt):
-        """Starts every prompt's engine request at once; on any failure cancels the rest."""
+    async def open_all(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list,
+        salt,
+        lora_name: str | None = None,
+    ):
+        """Starts every prompt's engine request at once, on LoRA adapter ``lora_name`` (None:
+        the base model); on any failure cancels the rest."""
         sub_ids = (
             [request_id]
             if len(prompts) == 1
@@ -278,7 +292,7 @@ class EngineClient:
         )
         results = await asyncio.gather(
             *(
-                self._open_retrying(*call, salt)
+                self._open_retrying(*call, salt, lora_name)
                 for call in zip(sub_ids, prompts, params, strict=True)
             ),
             return_exceptions=True,
@@ -290,18 +304,19 @@ class EngineClient:
                     self.close(result[2])
             raise failures[0]
         return [
-            _Stream(sub_id, prompt, p, salt, first, call)
+            _Stream(sub_id, prompt, p, salt, first, call, lora_name)
             for prompt, p, (sub_id, first, call) in zip(prompts, params, results, strict=True)
         ]
 
-    async def _open_retrying(self, request_id: str, prompt_ids, params, salt):
+    async def _open_retrying(self, request_id: str, prompt_ids, params, salt, lora_name=None):
         """``_open``, re-submitted while it fails with 503 (``MAX_FAILOVERS`` times, backing off
         like a failover): a replica whose engine died answers so until Serve's health check
         replaces it. Returns (the request id used, first output, its ``_Call``)."""
         sub_id, attempt = request_id, 0
         while True:
             try:
-                return (sub_id, *(await self._open(sub_id, prompt_ids, params, salt)))
+                opened = await self._open(sub_id, prompt_ids, params, salt, lora_name=lora_name)
+                return (sub_id, *opened)
             except APIError as exc:
                 if exc.status != 503 or attempt == MAX_FAILOVERS:
                     raise
@@ -329,6 +344,7 @@ class EngineClient:
                     stream.params,
                     stream.salt,
                     resume_token_ids=list(stream.token_ids),
+                    lora_name=stream.lora_name,
                 )
                 stream.resumed_with(call)
                 return first

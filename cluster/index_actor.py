@@ -3,7 +3,8 @@
 Owns where the default (``embedded``) index lives in a cluster and how routers and replicas
 reach it. ``IndexActor`` hosts one ``router.embedded_index.EmbeddedIndex`` and, with either
 index backend, the application's ``cluster.inflight_board.InflightBoard`` (what each request
-router has in flight, shared between ingress replicas); its name is
+router has in flight, shared between ingress replicas) and the record of LoRA adapters loaded
+or unloaded at runtime (``cluster/lora_adapters.py``); its name is
 derived from the application's name (``index_actor_name``), so two applications never
 share an index and nothing uses a fixed global name. It is detached, so it outlives
 whichever replica or router process created it first; every process creates it lazily
@@ -29,6 +30,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 
 import ray
@@ -78,6 +80,10 @@ class IndexActor:
     def __init__(self, heartbeat_timeout_s: float, idle_exit_s: float = IDLE_EXIT_S) -> None:
         self._index = EmbeddedIndex(heartbeat_timeout_s=heartbeat_timeout_s)
         self._board = InflightBoard()
+        self._lora_lock = threading.Lock()
+        self._lora_changes: dict[str, str | None] = {}
+        self._lora_version = 0
+        self._lora_epoch = uuid.uuid4().hex  # a new actor's record is a new one
         self._idle_exit_s = idle_exit_s
         threading.Thread(target=self._exit_when_idle, name="index-idle-exit", daemon=True).start()
 
@@ -130,6 +136,23 @@ class IndexActor:
     def peer_view(self, router_id: str) -> tuple[LoadSnapshot, int]:
         """``peer_inflight`` and how many other routers report (``InflightBoard.view``)."""
         return self._board.view(router_id)
+
+    def lora_state(self) -> dict:
+        """The runtime LoRA record: ``{"epoch", "version", "adapters": {name: path | None}}``
+        (None: unloaded; ``cluster.lora_adapters.desired_adapters`` applies it)."""
+        with self._lora_lock:
+            return {
+                "epoch": self._lora_epoch,
+                "version": self._lora_version,
+                "adapters": dict(self._lora_changes),
+            }
+
+    def set_lora_adapter(self, name: str, path: str | None) -> dict:
+        """Records a runtime load (``path``) or unload (None); returns the new record."""
+        with self._lora_lock:
+            self._lora_changes[name] = path
+            self._lora_version += 1
+        return self.lora_state()
 
 
 def get_or_create_index_actor(app_name: str, config: RouterConfig):

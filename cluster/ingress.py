@@ -13,6 +13,9 @@ away cancels the handle calls, which aborts the engine requests and frees their 
 Each replica times its requests (``cluster.metrics_snapshots.IngressMetrics``: TTFT, queue time,
 e2e, finish reasons) and pushes the counts to the metrics hub; ``/metrics`` on any replica
 shows their sum.
+A request's ``model`` may name a LoRA adapter (``cluster/lora_adapters.py``): it runs on that
+adapter; ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change the adapters on every
+engine replica (with ``enable_lora`` only; 400 otherwise).
 Several ingress replicas may run; ``x-prefixserve-ingress`` names the one that answered. Each
 replica's app gets ``ClusterConfig.root_path`` and, with ``allowed_origins``, CORS.
 """
@@ -20,6 +23,7 @@ replica's app gets ``ClusterConfig.root_path`` and, with ``allowed_origins``, CO
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type on
 # the methods of the Serve ingress class, or it treats `request` as a query parameter.
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -39,6 +43,15 @@ from cluster.anthropic_messages import MessageEvents, MessagesRequest, message_o
 from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.engine_client import EngineClient
 from cluster.errors import APIError
+from cluster.lora_adapters import (
+    AdapterCatalog,
+    AdapterRecord,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    adapter_card,
+    load_everywhere,
+    unload_everywhere,
+)
 from cluster.metrics import (
     METRICS_PUSH_PERIOD_S,
     any_replica_serving,
@@ -66,7 +79,7 @@ from cluster.openai_responses import (
 from cluster.response_store import store_actor, tenant_of
 from cluster.responses import ResponseBuilder
 from cluster.router_context import router_context
-from cluster.serve_compat import own_address
+from cluster.serve_compat import own_address, replica_of
 from cluster.stream_items import check_item
 from cluster.tool_calls import (
     ToolPlan,
@@ -75,6 +88,7 @@ from cluster.tool_calls import (
     template_inputs,
     template_renders_tools,
 )
+from router.config import RouterConfig
 from worker import EngineConfig
 from worker.loader import load_frontend
 from worker.outputs import OutputDelta
@@ -120,7 +134,12 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 @serve.ingress(app)
 class Ingress:
     async def __init__(
-        self, engine, metrics_hub, engine_config: dict, cluster_config: dict
+        self,
+        engine,
+        metrics_hub,
+        engine_config: dict,
+        cluster_config: dict,
+        router_config: dict | None = None,
     ) -> None:
         self.engine_config = EngineConfig(**engine_config)
         self.cluster = ClusterConfig(**cluster_config)
@@ -148,6 +167,18 @@ class Ingress:
         self.accepted_names = {self.served_name}
         if self.cluster.served_model_name is None:
             self.accepted_names.add(self.engine_config.model)
+        # LoRA adapters: the engines' lora_modules and the runtime loads and unloads recorded
+        # in the application's index actor (cluster/lora_adapters.py).
+        self._engine_deployment = (engine.app_name, engine.deployment_name)
+        self._lora_record = AdapterRecord(
+            serve.get_replica_context().app_name, RouterConfig(**(router_config or {}))
+        )
+        self.lora = AdapterCatalog(
+            self.engine_config.lora_modules,
+            self._lora_record.read,
+            enabled=self.engine_config.enable_lora,
+        )
+        await self.lora.refresh()
         # The model's generation_config.json fills sampling fields a request leaves unset.
         self.tokenizer, self.generation_defaults = await asyncio.to_thread(
             load_frontend, self.engine_config
@@ -239,9 +270,14 @@ class Ingress:
             messages, body.add_generation_prompt, tools, body.chat_template_kwargs
         )
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_names:
+    async def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model, also when omitted); any
+        other name is a 404 ``model_not_found``."""
+        if model is None or model in self.accepted_names:
+            return None
+        if await self.lora.lookup(model) is None:
             raise errors.model_not_found(model)
+        return model
 
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
         for token_id in token_ids:
@@ -356,15 +392,16 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         arrival_s = time.monotonic()
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        self._check_model(body.model)
-        builder, opened = await self._open_chat(body, f"chatcmpl-{uuid.uuid4().hex}")
+        lora_name = await self._check_model(body.model)
+        builder, opened = await self._open_chat(body, f"chatcmpl-{uuid.uuid4().hex}", lora_name)
         return await self._respond(body, builder, opened, arrival_s)
 
     async def _open_chat(
-        self, body: ChatCompletionRequest, request_id: str
+        self, body: ChatCompletionRequest, request_id: str, lora_name: str | None = None
     ) -> tuple[ResponseBuilder, list]:
-        """Checks, templates and sends a chat request to an engine replica; returns the
-        builder of its response and the opened streams."""
+        """Checks, templates and sends a chat request to an engine replica (on LoRA adapter
+        ``lora_name``, None: the base model); returns the builder of its response and the
+        opened streams."""
         body.sampling_params(strict_json_schema=self.cluster.strict_json_schema)  # range checks
         tool_plan = self._tool_plan(body)
         prompt_ids = await self._chat_prompt_ids(body, tool_plan)
@@ -388,11 +425,13 @@ class Ingress:
             ),
             tool_plan,
         )
-        opened = await self.engines.open_all(request_id, [prompt_ids], [params], body.cache_salt)
+        opened = await self.engines.open_all(
+            request_id, [prompt_ids], [params], body.cache_salt, lora_name
+        )
         builder = ResponseBuilder(
             chat=True,
             request_id=request_id,
-            model=self.served_name,
+            model=lora_name or self.served_name,
             n=body.n,
             num_prompts=1,
             want_logprobs=body.logprobs,
@@ -411,7 +450,8 @@ class Ingress:
         """OpenAI's Responses API, answered by one chat request (cluster/openai_responses.py)."""
         arrival_s = time.monotonic()
         req: ResponsesRequest = await self._parse(request, ResponsesRequest)
-        self._check_model(req.model)
+        lora_name = await self._check_model(req.model)
+        model_name = lora_name or self.served_name
         tenant = tenant_of(request.headers.get("authorization"))
         history: list[dict] = []
         if req.previous_response_id is not None:
@@ -424,7 +464,7 @@ class Ingress:
             history = stored
         body = req.chat_request(history, stream=req.stream)
         response_id = new_id("resp")
-        builder, opened = await self._open_chat(body, response_id)
+        builder, opened = await self._open_chat(body, response_id, lora_name)
         conversation = history + req.input_messages()
         items, headers = self._merged(opened, arrival_s)
 
@@ -441,7 +481,7 @@ class Ingress:
             response = response_object(
                 req,
                 response_id,
-                self.served_name,
+                model_name,
                 int(time.time()),
                 output,
                 finish_reason,
@@ -449,7 +489,7 @@ class Ingress:
             )
             return JSONResponse(response, headers=headers)
 
-        stream = ResponseEvents(req, response_id, self.served_name)
+        stream = ResponseEvents(req, response_id, model_name)
         finish: list[str | None] = [None]
 
         def events_of(index: int, item: OutputDelta) -> list[str]:
@@ -476,16 +516,17 @@ class Ingress:
         """Anthropic's Messages API, answered by one chat request (anthropic_messages.py)."""
         arrival_s = time.monotonic()
         req: MessagesRequest = await self._parse(request, MessagesRequest)
-        self._check_model(req.model)
+        lora_name = await self._check_model(req.model)
+        model_name = lora_name or self.served_name
         message_id = f"msg_{uuid.uuid4().hex}"
-        builder, opened = await self._open_chat(req.chat_request(), message_id)
+        builder, opened = await self._open_chat(req.chat_request(), message_id, lora_name)
         items, headers = self._merged(opened, arrival_s)
         if not req.stream:
             await self._collect(items, builder, arrival_s)
-            message = message_object(builder.full_response(), message_id, self.served_name)
+            message = message_object(builder.full_response(), message_id, model_name)
             return JSONResponse(message, headers=headers)
 
-        stream = MessageEvents(message_id, self.served_name)
+        stream = MessageEvents(message_id, model_name)
         last: list = [None, None, False]  # the choice's state, its finish reason, started
 
         def events_of(index: int, item: OutputDelta) -> list[str]:
@@ -511,7 +552,7 @@ class Ingress:
     async def completions(self, request: Request) -> Response:
         arrival_s = time.monotonic()
         body: CompletionRequest = await self._parse(request, CompletionRequest)
-        self._check_model(body.model)
+        lora_name = await self._check_model(body.model)
         body.sampling_params(strict_json_schema=self.cluster.strict_json_schema)
         prompts, texts = [], []
         for prompt in body.prompts():
@@ -539,11 +580,13 @@ class Ingress:
                 )
             )
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        opened = await self.engines.open_all(request_id, prompts, params, body.cache_salt)
+        opened = await self.engines.open_all(
+            request_id, prompts, params, body.cache_salt, lora_name
+        )
         builder = ResponseBuilder(
             chat=False,
             request_id=request_id,
-            model=self.served_name,
+            model=lora_name or self.served_name,
             n=body.n,
             num_prompts=len(prompts),
             want_logprobs=body.logprobs is not None,
@@ -565,27 +608,85 @@ class Ingress:
             "created": 0,
             "owned_by": "prefixserve",
             "root": self.model_id,
+            "parent": None,
             "max_model_len": self.max_model_len,
         }
 
+    def _adapter_card(self, name: str, path: str) -> dict:
+        return adapter_card(name, path, self.served_name, self.max_model_len)
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
+        """The base model, then every LoRA adapter (``parent``: the base model)."""
         self._authorize(request)
-        return {"object": "list", "data": [self._model_card()]}
+        if self.lora.enabled:
+            await self.lora.refresh()
+        cards = [self._adapter_card(name, path) for name, path in self.lora.adapters.items()]
+        return {"object": "list", "data": [self._model_card(), *cards]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> dict:
         """One model's card (``client.models.retrieve``): the served name or any name the
-        server accepts for it; anything else is a 404 ``model_not_found``."""
+        server accepts for it, or a LoRA adapter's; anything else is a 404
+        ``model_not_found``."""
         self._authorize(request)
-        if model_id not in self.accepted_names:
+        if model_id in self.accepted_names:
+            return self._model_card()
+        path = await self.lora.lookup(model_id)
+        if path is None:
             raise errors.model_not_found(model_id)
-        return self._model_card()
+        return self._adapter_card(model_id, path)
+
+    # ---- LoRA adapters at runtime (cluster/lora_adapters.py) ----------------------------
+    def _require_lora(self) -> None:
+        if not self.engine_config.enable_lora:
+            raise errors.bad_request(
+                "LoRA adapters are off on this server: start it with --enable-lora (or "
+                "--lora-modules) to load adapters at runtime"
+            )
+
+    async def _engine_replicas(self) -> dict:
+        """The engine replicas serving now (those reporting to the metrics hub, alive), each
+        as a function that looks its actor up."""
+        snapshots = await self._snapshots()
+        if not snapshots:
+            raise errors.unavailable("no engine replica is serving right now; retry later")
+        app_name, deployment = self._engine_deployment
+        return {
+            replica_id: functools.partial(replica_of, app_name, deployment, replica_id)
+            for replica_id, snap in sorted(snapshots.items())
+            if snap.get("alive", False)
+        }
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime load: ``{"lora_name", "lora_path"}`` onto every engine replica."""
+        body: LoadLoRAAdapterRequest = await self._parse(request, LoadLoRAAdapterRequest)
+        self._require_lora()
+        text = await load_everywhere(
+            self.lora,
+            self._lora_record,
+            self._engine_replicas,
+            body.lora_name,
+            body.lora_path,
+            self.accepted_names,
+        )
+        return Response(text, media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime unload: ``{"lora_name"}`` from every engine replica."""
+        body: UnloadLoRAAdapterRequest = await self._parse(request, UnloadLoRAAdapterRequest)
+        self._require_lora()
+        text = await unload_everywhere(
+            self.lora, self._lora_record, self._engine_replicas, body.lora_name
+        )
+        return Response(text, media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> dict:
         body: TokenizeRequest = await self._parse(request, TokenizeRequest)
-        self._check_model(body.model)
+        await self._check_model(body.model)
         body.check()
         if body.messages is not None:
             token_ids = await self._chat_prompt_ids(body, self._tool_plan(body))
@@ -596,7 +697,7 @@ class Ingress:
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> dict:
         body: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
-        self._check_model(body.model)
+        await self._check_model(body.model)
         self._check_token_ids(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 

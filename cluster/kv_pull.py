@@ -130,13 +130,15 @@ class ReplicaKVPuller:
         block_hashes: Sequence[bytes] | None,
         prompt_token_ids: Sequence[int],
         cache_salt: str | None,
+        lora_name: str | None = None,
     ) -> dict | None:
         """Carries out ``order`` for one request; returns once the request may be added to the
         engine: the pull has finished (its result, shared by every request it served), or its
         import is queued in the engine ahead of the request (None; the engine takes commands
         in order, so the request finds the blocks), or there was nothing to pull (None).
         Never raises but ``CancelledError`` (the request's own; the pull goes on for the
-        others)."""
+        others). ``lora_name``: the request's LoRA adapter, whose KV the peer exports (its
+        block hashes are in the adapter's namespace already)."""
         num_blocks = self.blocks_to_pull(order, block_hashes, len(prompt_token_ids))
         if num_blocks == 0:  # no order; but a pull in flight may be bringing its blocks
             task = self._covering(block_hashes)
@@ -149,7 +151,7 @@ class ReplicaKVPuller:
             tokens = list(prompt_token_ids[: num_blocks * self.block_size])
             queued = asyncio.Event()
             task = asyncio.get_running_loop().create_task(
-                self._pull(order["peer_id"], hashes, tokens, cache_salt, queued)
+                self._pull(order["peer_id"], hashes, tokens, cache_salt, queued, lora_name)
             )
             for block_hash in hashes:
                 self._pulls[block_hash] = task
@@ -195,11 +197,14 @@ class ReplicaKVPuller:
         tokens: list[int],
         cache_salt: str | None,
         queued: asyncio.Event,
+        lora_name: str | None = None,
     ) -> dict:
         """The pull; ``timeout_s`` bounds it until its import is queued (the import's answer
         then comes within one engine step)."""
         start_s = time.monotonic()
-        pull = asyncio.ensure_future(self._pull_from(peer_id, hashes, tokens, cache_salt, queued))
+        pull = asyncio.ensure_future(
+            self._pull_from(peer_id, hashes, tokens, cache_salt, queued, lora_name)
+        )
         await _done_or_set(pull, queued, self.timeout_s)
         if not pull.done() and not queued.is_set():
             pull.cancel()
@@ -221,6 +226,7 @@ class ReplicaKVPuller:
         tokens: list[int],
         cache_salt: str | None,
         queued: asyncio.Event,
+        lora_name: str | None = None,
     ) -> dict:
         peer, resolve_s = self._peers.get(peer_id), 0.0
         if peer is None:
@@ -231,7 +237,9 @@ class ReplicaKVPuller:
                 return failed_pull(f"peer {peer_id} not found: {type(exc).__name__}: {exc}")
             self._peers[peer_id] = peer
             resolve_s = time.monotonic() - start_s
-        result = await self._pull_prefix(peer, hashes, tokens, cache_salt, import_queued=queued)
+        result = await self._pull_prefix(
+            peer, hashes, tokens, cache_salt, import_queued=queued, lora_name=lora_name
+        )
         result["resolve_s"] = resolve_s
         return result
 

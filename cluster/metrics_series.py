@@ -157,6 +157,12 @@ INFO_GAUGES = {
         "The replica's KV cache configuration in its labels; the value is always 1.",
         ("block_size", "kv_cache_dtype"),
     ),
+    "lora_requests_info": (
+        "Running stats on LoRA requests: the adapters with running and with waiting requests "
+        "(comma-separated) and the device slots (max_lora), in its labels; the value is "
+        "always 1. Only replicas serving LoRA adapters have it.",
+        ("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+    ),
 }
 """vLLM's ``*_info`` gauges: a replica's static configuration as labels (beside
 ``model_name`` and ``replica``) of a series whose value is 1. Each snapshot carries its own

@@ -42,12 +42,14 @@ from cluster.index_actor import make_cluster_index
 from cluster.ingress_channel import IngressChannels
 from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.kv_pull import ReplicaKVPuller
+from cluster.lora_adapters import AdapterRecord, ReplicaAdapterSync, replica_result
 from cluster.metrics import METRICS_PUSH_PERIOD_S
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.serve_compat import peer_replica, replica_of
 from cluster.stream_items import Rejected, RejectKind
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
+from worker.metrics import lora_requests_of
 from worker.outputs import EngineDeadError, EngineOverloadedError, OutputDelta
 
 # Serve routes the "ray.serve" logger into each replica's log file.
@@ -123,6 +125,19 @@ class EngineReplica:
         )
         self._channels = IngressChannels(_deliver_to)
         self._kv_publisher = None
+        self._lora_task: asyncio.Task | None = None
+        if router_config is not None and config.enable_lora:
+            # Adapters loaded at runtime before this replica started, before it serves.
+            sync = ReplicaAdapterSync(
+                self.replica_id,
+                config.lora_modules,
+                AdapterRecord(context.app_name, RouterConfig(**router_config)).read,
+                self.engine.lora_adapters,
+                self.engine.load_lora_adapter,
+                self.engine.unload_lora_adapter,
+            )
+            await sync.sync()
+            self._lora_task = asyncio.get_running_loop().create_task(sync.run_forever())
         if router_config is not None:  # KV events and heartbeats to the prefix index
             router = RouterConfig(**router_config)
             self._kv_publisher = ReplicaKVPublisher(
@@ -145,6 +160,7 @@ class EngineReplica:
         resume_token_ids: list[int] | None = None,
         kv_pull: dict | None = None,
         push_to: dict | None = None,
+        lora_name: str | None = None,
     ):
         """Streams the request's ``OutputDelta``s, each numbered (``seq``), or one
         ``Rejected``. ``block_hashes``
@@ -153,14 +169,16 @@ class EngineReplica:
         blocks from a peer first (``cluster.request_router.kv_pull_order``), set by the router,
         not the caller; ``push_to``: the calling ingress replica's address
         (``serve_compat.own_address``): the outputs between the first and the last go to it
-        through its ``IngressChannel`` instead of this call (``cluster/ingress_channel.py``)."""
+        through its ``IngressChannel`` instead of this call (``cluster/ingress_channel.py``);
+        ``lora_name``: the LoRA adapter the request runs on (None: the base model; one this
+        engine does not know is an ``INVALID`` rejection)."""
         state = _StreamState()
         channel = None
         self._in_flight.add(request_id)
         try:
             if block_hashes:  # never raises: a failed pull means a prefill
                 await self.kv_puller.before_admission(
-                    kv_pull, block_hashes, prompt_token_ids, cache_salt
+                    kv_pull, block_hashes, prompt_token_ids, cache_salt, lora_name
                 )
             stream = self.engine.generate(
                 request_id,
@@ -168,6 +186,7 @@ class EngineReplica:
                 params,
                 cache_salt=cache_salt,
                 resume_token_ids=resume_token_ids or (),
+                lora_name=lora_name,
             )
             async with contextlib.aclosing(stream):
                 async for out in stream:
@@ -188,7 +207,10 @@ class EngineReplica:
                             await channel.flushed()  # what was pushed arrives first
                         yield item
         except ValueError as exc:
-            yield await self._after_pushes(channel, RejectKind.INVALID, str(exc))
+            if lora_name is not None and lora_name not in await self._lora_names():
+                yield await self._after_pushes(channel, RejectKind.UNKNOWN_MODEL, lora_name)
+            else:
+                yield await self._after_pushes(channel, RejectKind.INVALID, str(exc))
         except EngineOverloadedError as exc:
             yield await self._after_pushes(channel, RejectKind.OVERLOADED, str(exc) or "queue full")
         except EngineDeadError as exc:
@@ -200,6 +222,13 @@ class EngineReplica:
             )
         finally:
             self._in_flight.discard(request_id)
+
+    async def _lora_names(self) -> dict[str, str]:
+        """The adapters the engine serves; empty when it cannot say (a dead engine)."""
+        try:
+            return await self.engine.lora_adapters()
+        except Exception:  # noqa: BLE001 - only tells a refusal's kind apart
+            return {}
 
     async def _after_pushes(self, channel, kind: RejectKind, message: str) -> Rejected:
         """The rejection to stream, once what was pushed for the request has arrived."""
@@ -292,17 +321,28 @@ class EngineReplica:
 
     def metrics_snapshot(self) -> dict:
         """The hub's snapshot: the engine's gauges and counters, the replica's histograms,
-        and its KV cache configuration (``cache_config_info``'s labels)."""
+        its KV cache configuration (``cache_config_info``'s labels) and, with LoRA on, the
+        adapters its requests run on (``lora_requests_info``'s labels, as vLLM's)."""
         config = self.engine.config
-        cache_config = {
-            "block_size": str(config.block_size),
-            "kv_cache_dtype": config.kv_cache_dtype,
+        engine_metrics = self.engine.metrics()
+        info = {
+            "cache_config_info": {
+                "block_size": str(config.block_size),
+                "kv_cache_dtype": config.kv_cache_dtype,
+            }
         }
+        if config.enable_lora:
+            running, waiting = lora_requests_of(engine_metrics)
+            info["lora_requests_info"] = {
+                "running_lora_adapters": ",".join(running),
+                "waiting_lora_adapters": ",".join(waiting),
+                "max_lora": str(config.max_loras),
+            }
         return self.metrics.snapshot(
-            self.engine.metrics(),
+            engine_metrics,
             alive=self.engine.is_alive(),
             model_name=self.model_name,
-            info={"cache_config_info": cache_config},
+            info=info,
         )
 
     async def export_prefix(
@@ -311,18 +351,22 @@ class EngineReplica:
         token_ids: list[int],
         cache_salt: str | None = None,
         peer_node_id: str | None = None,
+        lora_name: str | None = None,
     ):
         """The leading blocks of this prefix that this replica holds, as a ``KVPayload`` (None
         when it holds none): what a peer's ``pull_prefix`` calls. A peer on this
         node (``peer_node_id``) gets the K/V in a shared-memory file, removed by its import or
-        after ``worker.kv_transfer.SHARED_KV_TTL_S``."""
+        after ``worker.kv_transfer.SHARED_KV_TTL_S``. ``lora_name``: the adapter whose KV it
+        is (its blocks are cached under the adapter's namespace)."""
         start_s = time.monotonic()
         shared_dir = None
         if peer_node_id is not None and peer_node_id == self.node_id:
             from worker.kv_transfer import default_shared_dir
 
             shared_dir = default_shared_dir()
-        payload = await self.engine.export_prefix(block_hashes, token_ids, cache_salt, shared_dir)
+        payload = await self.engine.export_prefix(
+            block_hashes, token_ids, cache_salt, shared_dir, lora_name=lora_name
+        )
         log.debug(
             "replica %s exported %d blocks in %.3f s",
             self.replica_id,
@@ -338,6 +382,7 @@ class EngineReplica:
         token_ids: list[int],
         cache_salt: str | None = None,
         import_queued: asyncio.Event | None = None,
+        lora_name: str | None = None,
     ) -> dict:
         """Copies the blocks of this prefix that ``peer`` holds into this replica's cache, so
         the next request with it hits them instead of prefilling. ``peer``: a handle whose
@@ -348,7 +393,8 @@ class EngineReplica:
         ``export_s`` (the peer's answer arrived after this long) once it answered and
         ``import_s`` (this engine took the blocks after this much longer) once imported.
         ``import_queued`` is set once the import is queued in the engine: a request added from
-        then on finds the blocks, so it need not wait for the import's answer."""
+        then on finds the blocks, so it need not wait for the import's answer. ``lora_name``:
+        the adapter whose KV to pull (the peer exports it under the adapter's namespace)."""
         t0 = time.monotonic()
         result = {
             "imported_blocks": 0,
@@ -359,7 +405,7 @@ class EngineReplica:
         }
         try:
             payload = await peer.export_prefix.remote(
-                block_hashes, token_ids, cache_salt, self.node_id
+                block_hashes, token_ids, cache_salt, self.node_id, lora_name
             )
             result["export_s"] = time.monotonic() - t0
             if payload is not None:
@@ -377,6 +423,38 @@ class EngineReplica:
             result["error"] = f"{type(exc).__name__}: {exc}"
         result["pull_s"] = time.monotonic() - t0
         return result
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Loads LoRA adapter ``name`` from the folder ``path`` into this replica's engine
+        (the ingress's ``/v1/load_lora_adapter``, called on this replica's actor). Never
+        raises: ``cluster.lora_adapters.replica_result`` with 400 and the engine's message for
+        a folder it refuses (or LoRA off, or tensor parallelism)."""
+        try:
+            await self.engine.load_lora_adapter(name, path)
+        except ValueError as exc:
+            return replica_result(self.replica_id, 400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a dead engine answers, never raises
+            log.warning("replica %s: loading LoRA adapter %r failed", self.replica_id, name)
+            return replica_result(self.replica_id, 503, f"{type(exc).__name__}: {exc}")
+        log.info("replica %s: loaded LoRA adapter %r from %s", self.replica_id, name, path)
+        return replica_result(self.replica_id)
+
+    async def unload_lora_adapter(self, name: str) -> dict:
+        """Unloads LoRA adapter ``name`` (``/v1/unload_lora_adapter``). Never raises: 404 for
+        an adapter this engine does not serve, 409 while requests on it are queued or running,
+        400 under tensor parallelism."""
+        try:
+            await self.engine.unload_lora_adapter(name)
+        except KeyError:
+            return replica_result(self.replica_id, 404, f"no LoRA adapter named {name!r}")
+        except ValueError as exc:
+            status = 400 if self.engine.config.tensor_parallel_size > 1 else 409
+            return replica_result(self.replica_id, status, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a dead engine answers, never raises
+            log.warning("replica %s: unloading LoRA adapter %r failed", self.replica_id, name)
+            return replica_result(self.replica_id, 503, f"{type(exc).__name__}: {exc}")
+        log.info("replica %s: unloaded LoRA adapter %r", self.replica_id, name)
+        return replica_result(self.replica_id)
 
     def describe(self) -> dict:
         """What the ingress must agree on with the engine: names, limits, block size."""
@@ -423,6 +501,8 @@ class EngineReplica:
         if not hasattr(self, "_push_task"):  # __init__ failed (the engine did not start)
             return
         self._push_task.cancel()
+        if getattr(self, "_lora_task", None) is not None:
+            self._lora_task.cancel()
         self._channels.close()
         if self._drain_task is not None:
             self._drain_task.cancel()

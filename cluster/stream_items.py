@@ -26,6 +26,9 @@ class RejectKind(str, enum.Enum):
     """The engine loop died: 503 (Serve replaces the replica; the ingress may fail over)."""
     INTERNAL = "internal"
     """Anything else: 500."""
+    UNKNOWN_MODEL = "unknown_model"
+    """The request's LoRA adapter is not served there (unloaded since the ingress looked):
+    404 ``model_not_found``, the ``message`` naming the adapter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,8 @@ class Rejected:
             return errors.overloaded("engine queue full")
         if self.kind is RejectKind.DEAD:
             return errors.unavailable(f"replica unavailable: {self.message}")
+        if self.kind is RejectKind.UNKNOWN_MODEL:
+            return errors.model_not_found(self.message)
         return errors.internal(self.message)
 
 

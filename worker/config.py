@@ -83,8 +83,8 @@ _CPU_GMU_MESSAGE = (
 
 
 def parse_lora_modules(modules) -> tuple[tuple[str, str], ...]:
-    """``lora_modules`` as (name, path) pairs from a mapping, pairs, or ``name=path`` strings;
-    an empty or repeated name is a ``ValueError``."""
+    """``lora_modules`` as (name, path) pairs from a mapping, pairs, ``name=path`` strings or
+    vLLM's ``{"name": ..., "path": ...}`` objects; an empty or repeated name is a ``ValueError``."""
     items = modules.items() if isinstance(modules, dict) else modules
     pairs: list[tuple[str, str]] = []
     for item in items:
@@ -94,6 +94,12 @@ def parse_lora_modules(modules) -> tuple[tuple[str, str], ...]:
                 raise ValueError(
                     f"EngineConfig.lora_modules: {item!r} is not name=path (e.g. sql=/adapters/sql)"
                 )
+        elif isinstance(item, dict):
+            if "name" not in item or "path" not in item:
+                raise ValueError(
+                    f"EngineConfig.lora_modules: {item!r} needs the keys 'name' and 'path'"
+                )
+            name, path = item["name"], item["path"]
         else:
             name, path = item
         name, path = str(name).strip(), str(path).strip()

@@ -578,7 +578,17 @@ class LLMEngine:
             num_free_blocks=self.pool.num_free_blocks,
             num_total_blocks=self.pool.num_blocks,
             host=self._host_metrics(),
+            lora_requests=self._lora_requests() if self.runner_lora is not None else None,
         )
+
+    def _lora_requests(self) -> dict[str, tuple[int, int]]:
+        """Per adapter with requests: (running, waiting); vLLM's ``lora_requests_info``."""
+        counts: dict[str, list[int]] = {}
+        for column, queue in enumerate((self.scheduler.running, self.scheduler.waiting)):
+            for req in queue:
+                if req.lora_name is not None:
+                    counts.setdefault(req.lora_name, [0, 0])[column] += 1
+        return {name: (running, waiting) for name, (running, waiting) in counts.items()}
 
     def _host_metrics(self) -> HostTierMetrics | None:
         host = self.pool.host

@@ -74,10 +74,36 @@ class EngineMetricsSnapshot:
     num_free_blocks: int
     num_total_blocks: int
     host: HostTierMetrics | None = None
+    lora_requests: dict[str, tuple[int, int]] | None = None
+    """With LoRA on: per adapter in use, (requests running, requests waiting)."""
 
     def as_dict(self) -> dict[str, float]:
-        """Flat ``{series name: value}``; the host tier's names only when there is one."""
-        flat = {name: value for name, value in asdict(self).items() if name != "host"}
+        """Flat ``{series name: value}``; the host tier's names only when there is one, and
+        with LoRA on one ``lora_running:<adapter>`` and one ``lora_waiting:<adapter>`` count
+        per adapter in use (``lora_requests_of`` reads them back)."""
+        flat = {
+            name: value
+            for name, value in asdict(self).items()
+            if name not in ("host", "lora_requests")
+        }
         if self.host is not None:
             flat.update(asdict(self.host))
+        for name, (running, waiting) in (self.lora_requests or {}).items():
+            flat[LORA_RUNNING + name] = float(running)
+            flat[LORA_WAITING + name] = float(waiting)
         return flat
+
+
+LORA_RUNNING = "lora_running:"
+LORA_WAITING = "lora_waiting:"
+
+
+def lora_requests_of(flat: dict[str, float]) -> tuple[list[str], list[str]]:
+    """The adapters with running and with waiting requests in an ``as_dict()``, sorted."""
+    running = sorted(
+        k[len(LORA_RUNNING) :] for k, v in flat.items() if k.startswith(LORA_RUNNING) and v
+    )
+    waiting = sorted(
+        k[len(LORA_WAITING) :] for k, v in flat.items() if k.startswith(LORA_WAITING) and v
+    )
+    return running, waiting

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -23,6 +23,8 @@ class Server:
     model: str
     max_model_len: int
     max_request_body_bytes: int
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """The LoRA adapters served from the start (name -> folder)."""
 
     @property
     def headers(self) -> dict:
@@ -103,18 +105,27 @@ TINY_MAX_BODY_BYTES = 64 * 1024
 REUSE_ENV = "PREFIXSERVE_TEST_TINY_SERVER"
 
 
-def start_tiny_cluster(folder) -> tuple[Server, object]:
+def start_tiny_cluster(folder, lora: bool = False) -> tuple[Server, object]:
     """Two replicas of a tiny random llama; API key on; small limits to exercise them; tool
-    calling with ``auto`` allowed (hermes format)."""
-    from worker.testing import make_tiny_model
+    calling with ``auto`` allowed (hermes format); with ``lora``, two LoRA adapters of it
+    (``sql`` and ``chat``) served from the start."""
+    from pathlib import Path
+
+    from worker.testing import make_tiny_adapter, make_tiny_model
 
     model = make_tiny_model(folder, "llama")
+    lora_modules = {}
+    if lora:
+        parent = Path(folder).parent
+        for seed, name in enumerate(("sql", "chat"), start=1):
+            lora_modules[name] = make_tiny_adapter(model, parent / f"lora-{name}", seed=seed)
     engine = {
         "model": model,
         "num_kv_blocks": 512,
         "max_num_seqs": 16,
         "max_model_len": TINY_MAX_MODEL_LEN,
         "num_threads": 1,
+        "lora_modules": lora_modules,
     }
     cluster = {
         "num_replicas": 2,
@@ -127,7 +138,8 @@ def start_tiny_cluster(folder) -> tuple[Server, object]:
         "tool_call_parser": "hermes",
     }
     url, teardown = start_cluster(engine, cluster, "tiny")
-    return Server(url, API_KEY, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES), teardown
+    server = Server(url, API_KEY, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES, lora_modules)
+    return server, teardown
 
 
 if __name__ == "__main__":

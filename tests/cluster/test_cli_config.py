@@ -463,3 +463,45 @@ def test_deployments_run_serve_code_on_the_loop_that_receives_it(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
     ingress_env = ingress_options(cluster)["ray_actor_options"]["runtime_env"]["env_vars"]
     assert ingress_env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+
+
+def test_lora_flags_take_vllm_forms_and_reach_the_engine_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    engine, _, _ = configs_from_args(parse("/models/base"))
+    assert (engine.enable_lora, engine.lora_modules, engine.max_loras) == (False, (), 8)
+    args = parse(
+        "/models/base",
+        "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/adapters/chat"}',
+        "--lora-modules", "eq=/adapters/a=b",
+        "--max-loras", "2", "--max-lora-rank", "64",
+    )  # fmt: skip
+    engine, _, _ = configs_from_args(args)
+    assert engine.lora_modules == (
+        ("sql", "/adapters/sql"),
+        ("chat", "/adapters/chat"),
+        ("eq", "/adapters/a=b"),
+    )
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank) == (True, 2, 64)
+    engine, _, _ = configs_from_args(parse("/models/base", "--enable-lora"))
+    assert engine.enable_lora and engine.lora_modules == ()
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "lora-modules:\n  - sql=/adapters/sql\n  - {name: chat, path: /adapters/chat}\n"
+    )
+    engine, _, _ = configs_from_args(parse("/models/base", "--config", str(config)))
+    assert engine.lora_modules == (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
+    config.write_text("lora_modules: {sql: /adapters/sql}\n")
+    engine, _, _ = configs_from_args(parse("/models/base", "--config", str(config)))
+    assert engine.lora_modules == (("sql", "/adapters/sql"),)
+
+    for bad in ("sql", '{"name": "sql"}', "{not json"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "/models/base", "--lora-modules", bad])
+        assert exit_info.value.code == 2
+        assert "argument --lora-modules" in capsys.readouterr().err
+    config.write_text("lora-modules: [{name: sql}]\n")
+    assert main(["serve", "/models/base", "--config", str(config)]) == 2
+    assert "lora-modules" in capsys.readouterr().err
+    assert main(["serve", "/models/base", "--lora-modules", "a=/x", "a=/y"]) == 2
+    assert "given twice" in capsys.readouterr().err

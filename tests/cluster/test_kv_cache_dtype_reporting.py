@@ -77,7 +77,9 @@ def _snapshot(block_size: int, kv_cache_dtype: str, model_name: str = "tiny") ->
     """``EngineReplica.metrics_snapshot`` of a replica whose engine has this configuration
     (all the method reads of the replica and its engine)."""
     engine = SimpleNamespace(
-        config=SimpleNamespace(block_size=block_size, kv_cache_dtype=kv_cache_dtype),
+        config=SimpleNamespace(
+            block_size=block_size, kv_cache_dtype=kv_cache_dtype, enable_lora=False
+        ),
         metrics=dict,
         is_alive=lambda: True,
     )

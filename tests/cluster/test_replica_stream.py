@@ -23,7 +23,13 @@ class StepEngine:
     """Yields one token per step for NUM_TOKENS steps, a delta each, like the real engine."""
 
     async def generate(
-        self, request_id, prompt_token_ids, params, cache_salt=None, resume_token_ids=()
+        self,
+        request_id,
+        prompt_token_ids,
+        params,
+        cache_salt=None,
+        resume_token_ids=(),
+        lora_name=None,
     ):
         for step in range(NUM_TOKENS):
             token, last = 100 + step, step == NUM_TOKENS - 1

@@ -200,6 +200,28 @@ def test_kv_cache_dtype_reaches_the_engine_config(kv_cache_dtype) -> None:
     assert engine.kv_cache_dtype == (kv_cache_dtype or "auto")
 
 
+def test_lora_values_reach_the_engine_config() -> None:
+    """Both forms of loraModules (vLLM's name/path objects and name=path strings) and the
+    slot knobs arrive in EngineConfig; an entry of neither form fails the schema."""
+    from worker.config import EngineConfig
+
+    values = {
+        "engine": {
+            "loraModules": [{"name": "sql", "path": "/models/sql"}, "chat=/models/chat"],
+            "maxLoras": 2,
+            "maxLoraRank": 64,
+        }
+    }
+    (app,) = chart.serve_config(chart.render(values=values))["applications"]
+    engine = EngineConfig(**app["args"]["engine"])
+    assert engine.lora_modules == (("sql", "/models/sql"), ("chat", "/models/chat"))
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank) == (True, 2, 64)
+    (app,) = chart.serve_config(chart.render())["applications"]
+    assert not EngineConfig(**app["args"]["engine"]).enable_lora
+    with pytest.raises(chart.HelmError):
+        chart.render(values={"engine": {"loraModules": ["no-path"]}})
+
+
 def test_deployment_options_name_a_deployment_of_the_built_application() -> None:
     """Serve rejects options for a deployment the builder does not create."""
     from ray.serve._private.build_app import build_app as build_deployments

@@ -24,7 +24,7 @@ def tiny_server(tmp_path_factory):
         url, key, model = os.environ[REUSE_ENV].split()
         yield Server(url, key, model, TINY_MAX_MODEL_LEN, TINY_MAX_BODY_BYTES)
         return
-    server, teardown = start_tiny_cluster(tmp_path_factory.mktemp("tiny-llama"))
+    server, teardown = start_tiny_cluster(tmp_path_factory.mktemp("tiny-llama"), lora=True)
     yield server
     teardown()
 
@@ -39,4 +39,5 @@ def client(tiny_server) -> openai.OpenAI:
 
 @pytest.fixture(scope="package")
 def model(client) -> str:
+    """The base model's id (listed first, before the LoRA adapters)."""
     return client.models.list().data[0].id
