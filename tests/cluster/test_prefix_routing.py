@@ -153,12 +153,20 @@ def ray_cluster(tmp_path_factory):
     ray.shutdown()
 
 
-def _start_app(model: str, port: int, policy: str, redis_url: str | None = None) -> str:
+def _start_app(
+    model: str,
+    port: int,
+    policy: str,
+    redis_url: str | None = None,
+    lora_modules: dict[str, str] | None = None,
+) -> str:
     from ray import serve
 
     from cluster.app import build_app
 
     name = f"routing-{policy}" if redis_url is None else "routing-redis"
+    if lora_modules:
+        name = "routing-lora"
     router = {"policy": policy}
     if redis_url is not None:
         # 50 ms (the default) is tight for a Python thread on 2 busy CI cores.
@@ -171,6 +179,8 @@ def _start_app(model: str, port: int, policy: str, redis_url: str | None = None)
         "num_threads": 1,
         "block_size": BLOCK_SIZE,
     }
+    if lora_modules:
+        engine["lora_modules"] = lora_modules
     cluster = {
         "num_replicas": 2,  # and so 2 ingress replicas
         "expose_replica_headers": True,  # the tests read who served each request
@@ -465,3 +475,33 @@ def test_redis_index_routes_and_relearns_after_redis_restarts(ray_cluster, tmp_p
         serve.delete("routing-redis")
     finally:
         redis_server.stop()
+
+
+def test_an_adapters_requests_gather_on_the_replica_that_holds_it(ray_cluster, tmp_path_factory):
+    """Two LoRA adapters on 2 replicas, prompts that share no block: once an adapter's first
+    request has loaded it on one replica, the prefix policy sends its later requests there,
+    through either ingress replica (the other replica would pay the adapter's load first)."""
+    from worker.testing import write_random_adapter
+
+    model, port = ray_cluster
+    folder = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        name: write_random_adapter(model, folder / name, rank=8, seed=seed)
+        for seed, name in enumerate(("sql", "chat"))
+    }
+    url = _start_app(model, port, "prefix", lora_modules=adapters)
+    rng = random.Random(3)
+    served: dict[str, list[str]] = {name: [] for name in adapters}
+    for _ in range(4):
+        for name in adapters:
+            prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(QUESTION_TOKENS)]
+            response = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+            served[name].append(response.headers[REPLICA_HEADER])
+            time.sleep(THINK_TIME_S)
+    for name, replicas in served.items():
+        assert set(replicas) == {replicas[0]}, (name, replicas)
