@@ -343,38 +343,19 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def write_results(args, header: dict, model: str, rows: list[dict]) -> Path:
+    """The run's JSON, table and plot; their common path stem."""
     import torch
 
     from kernels.linear import cpu_description
-    from worker.loader import resolve_model
 
-    header = result_header("lora", "bench.lora", argv)
-    tmp = None
-    if args.quick:
-        from worker.testing import make_tiny_model
-
-        tmp = tempfile.TemporaryDirectory()
-        model = make_tiny_model(Path(tmp.name) / "model")
-        root = Path(tmp.name) / "adapters"
-    else:
-        model = args.model
-        root = cache_root() / "bench_lora"
-    model_path = model if Path(model).is_dir() else resolve_model(model).path
-    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-    print(f"adapters: ranks {args.ranks}, {max(args.adapters)} each, under {root}", flush=True)
-    adapters = {r: make_adapters(model_path, r, max(args.adapters), root) for r in args.ranks}
-    rows = []
-    for mode in args.modes:
-        rows += run_mode(args, mode, model, adapters, vocab)
     result = {
         **header,
         "cpu_description": cpu_description(),
         "torch_threads": torch.get_num_threads(),
         "workload": {
             "model": model if not args.quick else "tiny random llama (worker.testing)",
-            "model_name": Path(model_path).name if not args.quick else "tiny",
+            "model_name": "tiny" if args.quick else Path(args.model).name,
             "batch": args.batch,
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
@@ -393,7 +374,34 @@ def main(argv: list[str] | None = None) -> int:
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     Path(f"{stem}.md").write_text(markdown(result))
     plot(result, Path(f"{stem}.png"))
-    print(markdown(result))
+    return stem
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    from worker.loader import resolve_model
+
+    header = result_header("lora", "bench.lora", argv)
+    tmp = None
+    if args.quick:
+        from worker.testing import make_tiny_model
+
+        tmp = tempfile.TemporaryDirectory()
+        model = make_tiny_model(Path(tmp.name) / "model")
+        root = Path(tmp.name) / "adapters"
+    else:
+        model = args.model
+        root = cache_root() / "bench_lora"
+    model_path = model if Path(model).is_dir() else resolve_model(model).path
+    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    print(f"adapters: ranks {args.ranks}, {max(args.adapters)} each, under {root}", flush=True)
+    adapters = {r: make_adapters(model_path, r, max(args.adapters), root) for r in args.ranks}
+    rows = []
+    for mode in args.modes:  # the files are rewritten after each mode: a cut run keeps its cells
+        rows += run_mode(args, mode, model, adapters, vocab)
+        stem = write_results(args, header, model, rows)
+    print(markdown(json.loads(Path(f"{stem}.json").read_text())))
     print(f"wrote {stem}.json, .md and .png", flush=True)
     if tmp is not None:
         tmp.cleanup()
