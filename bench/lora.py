@@ -254,8 +254,11 @@ def markdown(result: dict) -> str:
         f"{w['prompt_tokens']}-token prompts, {w['max_tokens']} greedy tokens (EOS ignored); "
         f"median of {w['rounds']} interleaved rounds. `{result['command']}`",
         "",
-        "Each cell: output tok/s of the whole batch (share of the base model's), then the "
-        "median decode step in ms (ratio to the base's).",
+        "Each cell: output tok/s of the whole batch, median of the rounds (share of the base "
+        "model's median), the best round's (share of the base's best round), then the median "
+        "decode step in ms (ratio to the base's). The machine is shared: a round that another "
+        "process's load fell on is slow in every cell it touched, the prefill's large GEMMs most; "
+        "`rounds` in the JSON lists each round.",
         "",
     ]
     adapters = sorted({r["adapters"] for r in rows if r["adapters"]})
@@ -275,10 +278,13 @@ def markdown(result: dict) -> str:
             cells = []
             for n in adapters:
                 r = next((x for x in mrows if x["rank"] == rank and x["adapters"] == n), None)
+                if r is None:
+                    cells.append("-")
+                    continue
+                best = max(r["rounds"])
                 cells.append(
-                    "-"
-                    if r is None
-                    else f"{r['tok_s']:.1f} ({100 * r['share_of_base']:.0f}%), "
+                    f"{r['tok_s']:.1f} ({100 * r['share_of_base']:.0f}%), best {best:.1f} "
+                    f"({100 * best / max(base['rounds']):.0f}%), "
                     f"{r['decode_step_ms']} ms ({r.get('decode_step_vs_base', 0):.2f}x)"
                 )
             lines.append(f"| {rank} | " + " | ".join(cells) + " |")
@@ -299,7 +305,7 @@ def plot(result: dict, path: Path) -> None:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     adapters = sorted({r["adapters"] for r in rows if r["adapters"]})
     ranks = sorted({r["rank"] for r in rows if r["rank"]})
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 5.4), squeeze=False)
     colors = ["#7fb3d5", "#1f618d", "#a9cce3", "#154360"]
     width = 0.8 / len(ranks)
     for ax, mode in zip(axes[0], modes, strict=True):
@@ -313,14 +319,28 @@ def plot(result: dict, path: Path) -> None:
             label=f"target: {100 * TARGET_SHARE:.0f}% of base",
         )
         for k, rank in enumerate(ranks):
-            xs, ys, shares = [], [], []
+            xs, ys, shares, cell_rows = [], [], [], []
             for j, n in enumerate(adapters):
                 r = next((x for x in mrows if x["rank"] == rank and x["adapters"] == n), None)
                 if r:
                     xs.append(j + (k - (len(ranks) - 1) / 2) * width)
                     ys.append(r["tok_s"])
                     shares.append(r["share_of_base"])
-            bars = ax.bar(xs, ys, width, color=colors[k % len(colors)], label=f"rank {rank}")
+                    cell_rows.append(r)
+            spread = [
+                [y - min(r["rounds"]) for y, r in zip(ys, cell_rows, strict=True)],
+                [max(r["rounds"]) - y for y, r in zip(ys, cell_rows, strict=True)],
+            ]
+            bars = ax.bar(
+                xs,
+                ys,
+                width,
+                yerr=spread,
+                capsize=3,
+                ecolor="#888888",
+                color=colors[k % len(colors)],
+                label=f"rank {rank}",
+            )
             for bar, share in zip(bars, shares, strict=True):
                 ax.annotate(
                     f"{100 * share:.0f}%",
@@ -331,10 +351,11 @@ def plot(result: dict, path: Path) -> None:
                 )
         ax.set_xticks(range(len(adapters)), [str(n) for n in adapters])
         ax.set_xlabel(f"distinct adapters in a batch of {result['workload']['batch']}")
-        ax.set_ylabel("output tokens/s (higher is better)")
-        ax.set_ylim(0, 1.18 * base)
+        ax.set_ylabel("output tokens/s, median of rounds (whiskers: slowest, fastest)")
+        top = max([base, *(max(r["rounds"]) for r in mrows)])
+        ax.set_ylim(0, 1.15 * top)
         ax.set_title(f"{mode} mode")
-        ax.legend(loc="lower left", fontsize=8)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
     fig.suptitle(
         f"LoRA throughput, {result['workload']['model_name']}, {result['machine']}", fontsize=10
     )
