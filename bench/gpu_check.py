@@ -20,6 +20,10 @@ records its error and the next one still runs:
 4. ``engine``: ``bench.engine``'s workload (64 requests over 4 shared system prompts of
    300-500 tokens, 64 greedy tokens each) on SmolLM2's shape, deterministic and fast, with
    graphs and eager: output tokens/s and TTFT, as ``python -m bench.engine`` reports them.
+5. ``lora``: ``bench.lora``'s batch (32 requests of 64 prompt and 64 greedy tokens) on
+   SmolLM2's shape over 0, 1, 4 and 16 distinct rank-16 adapters (random, written in PEFT's
+   format without peft), deterministic: output tokens/s and the median decode step. Steps
+   with an adapter run eagerly, so the cells beside 0 also show what the graphs save.
 
 SmolLM2 on that machine is a stand-in: the real tokenizer (``--tokenizer-dir``: its
 ``config.json`` and tokenizer files, carried there) and random weights of the real shape,
@@ -424,6 +428,43 @@ def engine_runs(model: str, dry_run: bool, budget: Budget) -> list[dict]:
     return rows
 
 
+def lora_runs(model: str, work: Path, dry_run: bool, budget: Budget) -> list[dict]:
+    """Phase 5 (see the module docstring): one engine, the cells in order of adapters."""
+    from bench.lora import make_prompts, run_batch
+    from worker import LLM
+    from worker.testing import write_random_adapter
+
+    rank, counts = 16, (0, 1, 4, 16)
+    batch, max_tokens = (8, 8) if dry_run else (32, 64)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    paths = {
+        f"a{i}": write_random_adapter(model, work / f"adapter{i}", rank=rank, seed=i)
+        for i in range(max(counts))
+    }
+    llm = LLM(
+        model,
+        lora_modules=paths,
+        max_loras=max(counts),
+        max_lora_rank=rank,
+        max_num_seqs=batch,
+        num_kv_blocks=batch * (-(-(64 + max_tokens) // BLOCK_SIZE) + 1) + 16,
+        enable_prefix_caching=False,
+    )
+    prompts = make_prompts(batch, 64, vocab, seed=0)
+    run_batch(llm, prompts, [f"a{i % max(counts)}" for i in range(batch)], 2)  # fill the slots
+    rows = []
+    for n in counts:
+        if budget.left() < 20:
+            log("lora: out of time")
+            break
+        names = [None] * batch if n == 0 else [f"a{i % n}" for i in range(batch)]
+        row = run_batch(llm, prompts, names, max_tokens)
+        row.update(distinct_adapters=n, rank=rank, batch=batch)
+        log(f"lora: {n} adapters, {row['tok_s']:.0f} tok/s")
+        rows.append(row)
+    return rows
+
+
 def engine_profile(model: str, out_dir: Path) -> dict:
     """One deterministic run of the engine workload with graphs under cProfile: where the
     host's time goes, by function (``engine_profile.txt`` in ``out_dir``)."""
@@ -476,6 +517,11 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(
             f"engine det={int(r['deterministic'])} graphs={int(r['graphs'])}: "
             f"{r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms"
+        )
+    for r in result.get("lora", []):
+        lines.append(
+            f"lora {r['distinct_adapters']:2d} adapters (rank {r['rank']}, batch {r['batch']}): "
+            f"{r['tok_s']:.0f} tok/s, decode step {r['decode_step_ms'] or 0:.1f} ms"
         )
     for phase, err in result.get("errors", {}).items():
         lines.append(f"FAILED {phase}: {err.splitlines()[-1] if err else ''}")
@@ -617,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         result["decode_steps"] = steps
     if stand_in:
         phase("engine", lambda: engine_runs(stand_in["folder"], args.dry_run, budget))
+    if stand_in:
+        phase("lora", lambda: lora_runs(stand_in["folder"], work, args.dry_run, budget))
     if stand_in and args.profile_engine:
         phase("engine_profile", lambda: engine_profile(stand_in["folder"], args.out_dir))
     out_path.write_text(json.dumps(result, indent=2))

@@ -245,18 +245,52 @@ def _fuse(
 @dataclass
 class LoRABatch:
     """One step's rows grouped by adapter: ``groups[k] = (rows, slot)`` in adapter-id order,
-    ``slot[layer][group] = (A, B)`` prepared for the backend's linear."""
+    ``slot[layer][group] = (A, B)`` prepared for the backend's linear.
+
+    ``add_delta`` gathers every adapter row once (``order``: the groups' rows back to back),
+    runs each group's two linears on its own contiguous slice of that gather, and adds all the
+    deltas back in one ``index_add_``: one gather and one scatter per call rather than one of
+    each per adapter. Each group's linears see exactly the rows they saw one group at a time,
+    and every row is added to once, so a row's bits are unchanged."""
 
     groups: list[tuple[torch.Tensor, list[dict]]]
+    order: torch.Tensor = None
+    """Every group's rows back to back (built from ``groups`` when not given)."""
+    starts: tuple[int, ...] = ()
+    """Where each group's rows begin in ``order``, and its end."""
+
+    def __post_init__(self):
+        if self.order is None:
+            self.order = torch.cat([rows for rows, _ in self.groups])
+        if not self.starts:
+            ends = [0]
+            for rows, _ in self.groups:
+                ends.append(ends[-1] + rows.shape[0])
+            self.starts = tuple(ends)
+        self._subsets: dict[tuple[int, ...], torch.Tensor] = {}
 
     def add_delta(self, linear, x: torch.Tensor, out: torch.Tensor, layer: int, group: str) -> None:
         """``out[rows] += linear(linear(x[rows], A), B)`` for each adapter targeting ``group``."""
-        for rows, slot in self.groups:
-            pair = slot[layer].get(group)
-            if pair is None:
-                continue
-            delta = linear(linear(x.index_select(0, rows), pair[0]), pair[1])
-            out.index_add_(0, rows, delta)
+        present = [
+            (k, pair)
+            for k, (_, slot) in enumerate(self.groups)
+            if (pair := slot[layer].get(group)) is not None
+        ]
+        if not present:
+            return
+        gathered = x.index_select(0, self.order)
+        starts = self.starts
+        deltas = [
+            linear(linear(gathered[starts[k] : starts[k + 1]], a), b) for k, (a, b) in present
+        ]
+        if len(present) == len(self.groups):
+            rows = self.order
+        else:
+            key = tuple(k for k, _ in present)
+            rows = self._subsets.get(key)
+            if rows is None:
+                rows = self._subsets[key] = torch.cat([self.groups[k][0] for k in key])
+        out.index_add_(0, rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas))
 
 
 class LoRAManager:
