@@ -49,6 +49,7 @@ from cluster.serve_compat import peer_replica, replica_of
 from cluster.stream_items import Rejected, RejectKind
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
+from worker.kv_payload import default_shared_dir
 from worker.metrics import lora_requests_of
 from worker.outputs import EngineDeadError, EngineOverloadedError, OutputDelta
 
@@ -361,8 +362,6 @@ class EngineReplica:
         start_s = time.monotonic()
         shared_dir = None
         if peer_node_id is not None and peer_node_id == self.node_id:
-            from worker.kv_transfer import default_shared_dir
-
             shared_dir = default_shared_dir()
         payload = await self.engine.export_prefix(
             block_hashes, token_ids, cache_salt, shared_dir, lora_name=lora_name
