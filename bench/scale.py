@@ -84,12 +84,12 @@ one colour per policy, real solid, simulated dashed), rewritten after every cell
 interrupted run keeps its cells. Progress lines go to stderr as each cell starts and ends.
 
 A cell takes ~2.5 minutes at 8 replicas (startup 65-110 s, ``--idle-s``, ~45 s of arrivals
-and the last requests' decode) and 4.5-6 minutes at 16 (startup 120-225 s, ~55 s of
-arrivals). What bounds the size on a 2-core, 24 GiB machine: memory first (each engine
-replica is a Ray actor plus its engine process: the machine's used memory after startup was
-7.1-8.5 GB at 8 replicas and 12.0-14.8 GB at 16, 0.6-0.95 GB more per replica, so 32 need
-~22-30 GB), then startup (the replicas start one after another on 2 cores) and the host's
-cores: the idle replicas' stats polls, metrics pushes and KV-event heartbeats (~0.024
+and the last requests' decode), ~4 at 16 (startup ~80 s) and ~6.5 at 32 (startup ~160 s).
+What bounds the size on a 2-core, 24 GiB machine: memory first (each engine replica is a Ray
+actor, which loads no torch, plus its engine process: the machine's used memory after
+startup was 8.0 GB at 16 replicas and 13.9 GB at 32, ~0.37 GB more per replica, so 48 fit
+and 64 do not), then startup (the replicas start one after another on 2 cores) and the
+host's cores: the idle replicas' stats polls, metrics pushes and KV-event heartbeats (~0.02
 CPU-s/s each) and the streamed load share the 2 cores with the load generator, whose sends
 run late once they are saturated (``send_lateness_p99_s``).
 
@@ -150,10 +150,10 @@ PREEMPTIONS = "prefixserve:num_preemptions_total"
 METRICS_SETTLE_S = 2.5
 """After the load, before reading ``/metrics``: the replicas and ingresses push their metrics
 to the hub every second, so the last requests' lookups and preemptions are in."""
-MB_PER_REPLICA = 950
-"""Memory a cluster takes per engine replica on the sim engine: the machine's used memory grew
-by up to ~950 MB per replica from 8 to 16 replicas (7.1 to 14.8 GB), which also covers the
-rest of the cluster at these sizes; ``--mb-per-replica`` overrides it."""
+MB_PER_REPLICA = 500
+"""Memory a cluster takes per engine replica on the sim engine, the rest of the cluster
+included: the machine's used memory after startup was 13.9 GB at 32 replicas (436 MB each)
+and grew by ~370 MB per replica from 16 to 32; ``--mb-per-replica`` overrides it."""
 MEMORY_HEADROOM_MB = 1000
 
 
