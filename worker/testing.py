@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from worker.loader import resolve_model
+from worker.lora import TARGET_MODULES, module_shapes
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -75,15 +76,7 @@ def make_tiny_adapter(
     *,
     rank: int = 8,
     alpha: int = 16,
-    targets: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ),
+    targets: tuple[str, ...] = TARGET_MODULES,
     seed: int = 0,
     use_rslora: bool = False,
 ) -> str:
@@ -113,15 +106,7 @@ def write_random_adapter(
     *,
     rank: int = 16,
     alpha: int = 32,
-    targets: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ),
+    targets: tuple[str, ...] = TARGET_MODULES,
     seed: int = 0,
     std: float = 0.02,
 ) -> str:
@@ -133,7 +118,6 @@ def write_random_adapter(
 
     from safetensors.torch import save_file
 
-    from worker.lora import module_shapes
     from worker.models.llama import ModelSpec
 
     spec = ModelSpec.from_hf_config(json.loads((Path(model_folder) / "config.json").read_text()))
