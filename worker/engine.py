@@ -306,7 +306,7 @@ class LLMEngine:
     @property
     def runner_lora(self):
         """The runner's ``LoRAManager``, or None without ``enable_lora``."""
-        return getattr(self.runner, "lora", None)
+        return self.runner.lora
 
     def lora_adapters(self) -> dict[str, str]:
         """Every adapter this engine serves: name -> the folder it was read from."""
