@@ -33,6 +33,17 @@ class Status(enum.Enum):
 
 
 class Request:
+    __slots__ = (
+        "request_id", "index", "prompt_token_ids", "all_token_ids", "output_token_ids",
+        "params", "lora_name", "lora_id", "seed", "block_size", "status",
+        "num_computed_tokens", "num_cached_tokens", "num_cached_tokens_seen", "blocks",
+        "block_ids", "detokenizer", "max_total_tokens", "output_counts", "_counts_outputs",
+        "logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "arrival_time",
+        "first_token_time", "first_scheduled_time", "num_preemptions", "num_prefill_skips",
+        "grammar", "_salt", "block_hashes", "__weakref__",
+    )  # fmt: skip
+    """Every step reads a running request's fields: slots keep those reads short."""
+
     def __init__(
         self,
         *,
@@ -72,9 +83,14 @@ class Request:
         last ranked it (shortest-first order ranks the waiting requests it may admit); what
         the replica's stats leave out of its queued prefill tokens."""
         self.blocks: list[Block] = []
+        self.block_ids: list[int] = []
+        """``blocks``' ids, kept beside them by the scheduler (what each step's block table
+        reads, without walking the blocks)."""
         self.detokenizer = detokenizer
         self.max_total_tokens = max_total_tokens
         self.output_counts: Counter[int] = Counter()
+        """How often each token was sampled; kept only for the penalties that read it."""
+        self._counts_outputs = bool(params.presence_penalty or params.frequency_penalty)
         self.logprobs: list = []
         self.prompt_logprobs: list | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None
@@ -131,7 +147,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-        self.output_counts[token_id] += 1
+        if self._counts_outputs:
+            self.output_counts[token_id] += 1
         if len(self.all_token_ids) % self.block_size == 0:
             self._extend_hashes()
 

@@ -126,7 +126,7 @@ class Scheduler:
                 break
             if req in preempted_now:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             if not self._grow_or_preempt(req, num_new, batch, preempted_now):
                 continue
             batch.requests.append(req)
@@ -153,13 +153,15 @@ class Scheduler:
         self, batch: ScheduledBatch, prefilling: list[Request], budget: int, preempted_now: set
     ) -> None:
         """Prefill work for ``prefill_order="shortest_first"`` (see the module docstring)."""
-        in_flight = self._blocks_in_flight()
         # Waiting requests compete only while a seat is free and no one was preempted this step,
         # and only the first max_num_seqs of them (a bounded look-ahead keeps a step's planning
         # cost flat in the queue depth).
         seats_free = len(self.running) < self.config.max_num_seqs and not preempted_now
         lookahead = self.config.max_num_seqs if seats_free else 0
         window = list(itertools.islice(self.waiting, lookahead))
+        if not window and not prefilling:  # decodes only: nothing more to plan
+            return
+        in_flight = self._blocks_in_flight() if window else set()
 
         def priority(req: Request) -> tuple[bool, int, float]:
             starving = req.num_prefill_skips >= MAX_PREFILL_SKIPS
@@ -221,19 +223,21 @@ class Scheduler:
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Make ``req`` hold blocks for ``num_computed_tokens + num_new`` tokens."""
-        needed = cdiv(req.num_computed_tokens + num_new, self.pool.block_size) - len(req.blocks)
+        needed = cdiv(req.num_computed_tokens + num_new, self.pool.block_size) - len(req.block_ids)
         if needed <= 0:
             return True
         try:
-            req.blocks += self.pool.allocate(needed)
+            fresh = self.pool.allocate(needed)
         except NoFreeBlocksError:
             return False
+        req.blocks += fresh
+        req.block_ids += [b.block_id for b in fresh]
         return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.pool.free(req.blocks)
-        req.blocks = []
+        req.blocks, req.block_ids = [], []
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -283,6 +287,7 @@ class Scheduler:
             return None
         self.waiting.remove(req)
         req.blocks = hits + fresh
+        req.block_ids = [b.block_id for b in req.blocks]
         req.num_computed_tokens = num_hit_tokens
         req.status = Status.RUNNING
         if req.num_cached_tokens is None:
@@ -314,10 +319,21 @@ class Scheduler:
         for req, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
             before = req.num_computed_tokens // bs
             req.num_computed_tokens += num_new
-            for i in range(before, min(req.num_computed_tokens // bs, len(req.block_hashes))):
+            filled = req.num_computed_tokens // bs
+            if filled == before:  # most decodes: no block filled
+                continue
+            for i in range(before, min(filled, len(req.block_hashes))):
                 self.pool.cache_block(
                     req.blocks[i], req.block_hashes[i], req.all_token_ids[i * bs : (i + 1) * bs]
                 )
+
+    def check_invariants(self) -> None:
+        """The block pool's invariants (``BlockPool.check_invariants``), and every queued or
+        running request's ``block_ids`` naming its blocks; an ``AssertionError`` if not."""
+        self.pool.check_invariants()
+        for req in (*self.running, *self.waiting):
+            if req.block_ids != [b.block_id for b in req.blocks]:
+                raise AssertionError(f"{req.request_id}: block_ids disagree with its blocks")
 
     def finish(self, req: Request) -> None:
         if req.status == Status.RUNNING:
@@ -325,5 +341,5 @@ class Scheduler:
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
         self.pool.free(req.blocks)
-        req.blocks = []
+        req.blocks, req.block_ids = [], []
         req.status = Status.FINISHED

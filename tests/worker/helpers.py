@@ -54,7 +54,7 @@ def run(engine: LLMEngine, prompts: dict | None = None, *, check_invariants: boo
             if out.finished:
                 done[out.request_id] = out
         if check_invariants:
-            engine.pool.check_invariants()
+            engine.scheduler.check_invariants()
     return done
 
 

@@ -82,7 +82,7 @@ def step(sched: Scheduler) -> ScheduledBatch:
         req.append_token(next(_token_ids))
         if req.max_tokens_reached():
             sched.finish(req)
-    sched.pool.check_invariants()
+    sched.check_invariants()
     return batch
 
 

@@ -60,7 +60,7 @@ def test_random_load_with_eviction_and_preemption(engines, test_seed):
                 live.discard(out.request_id)
                 if out.outputs[0].finish_reason != FinishReason.ABORT:
                     finished[out.request_id] = out.token_ids
-        tight.pool.check_invariants()
+        tight.scheduler.check_invariants()
         steps += 1
     assert not live and not tight.has_unfinished(), (
         f"seed {test_seed}: requests left after {steps} steps"

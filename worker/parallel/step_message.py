@@ -54,18 +54,29 @@ class StepInputs:
 
 def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
     """Rank 0: the step's inputs, and the indices of the requests that sample."""
-    inputs = StepInputs([], [], [], [], [])
-    sampling_reqs = []
-    for i, (req, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
-        start = req.num_computed_tokens
-        inputs.token_ids.extend(req.all_token_ids[start : start + num_new])
-        inputs.starts.append(start)
-        inputs.counts.append(num_new)
-        inputs.tables.append([b.block_id for b in req.blocks])
-        inputs.adapters.append(req.lora_id)
-        if start + num_new == req.num_tokens:
-            inputs.sampling_rows.append(len(inputs.token_ids) - 1)
+    token_ids: list[int] = []
+    starts = [req.num_computed_tokens for req in batch.requests]
+    sampling_rows: list[int] = []
+    sampling_reqs: list[int] = []
+    for i, (req, start, num_new) in enumerate(
+        zip(batch.requests, starts, batch.num_new_tokens, strict=True)
+    ):
+        tokens = req.all_token_ids
+        if num_new == 1:  # a decode: one token, no slice
+            token_ids.append(tokens[start])
+        else:
+            token_ids += tokens[start : start + num_new]
+        if start + num_new == len(tokens):
+            sampling_rows.append(len(token_ids) - 1)
             sampling_reqs.append(i)
+    inputs = StepInputs(
+        token_ids,
+        starts,
+        list(batch.num_new_tokens),
+        [req.block_ids[:] for req in batch.requests],
+        sampling_rows,
+        [req.lora_id for req in batch.requests],
+    )
     return inputs, sampling_reqs
 
 
