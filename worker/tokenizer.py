@@ -150,6 +150,15 @@ class Tokenizer:
         return byte_level_table(backend)
 
     @functools.cached_property
+    def token_text(self) -> list[str | None] | None:
+        """With ``token_bytes``: each token's text where its bytes are whole UTF-8 on their own
+        (most tokens), None where they end mid-character or are not UTF-8. A detokenizer with
+        no bytes pending takes such a token's text as it is, without decoding."""
+        if self.token_bytes is None:
+            return None
+        return [_whole_utf8(b) for b in self.token_bytes]
+
+    @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:
         """Ids ``skip_special_tokens`` drops: the added tokens marked special."""
         backend = getattr(self._tok, "backend_tokenizer", None)
@@ -203,6 +212,13 @@ class Tokenizer:
         return self.encode(text)
 
 
+def _whole_utf8(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class IncrementalDetokenizer:
     """Text deltas for one output sequence, with stop strings checked across token edges."""
 
@@ -225,10 +241,14 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._token_bytes = tokenizer.token_bytes
         if self._token_bytes is not None:
+            self._token_text = tokenizer.token_text
             self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
             self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self._pending = ""
             """Decoded text ending in U+FFFD, held until a token makes it end otherwise."""
+            self._clean = True
+            """No text pending and no bytes buffered in ``_utf8``: a whole token's text
+            (``Tokenizer.token_text``) is the new text as it is."""
             return
         self._ids: list[int] = list(prompt_token_ids[-_PREFIX_WINDOW_TOKENS:])
         self._prefix_offset = 0
@@ -256,14 +276,19 @@ class IncrementalDetokenizer:
     def _add_byte_level(self, token_id: int) -> None:
         if token_id in self._skipped or not 0 <= token_id < len(self._token_bytes):
             return
-        text = self._pending + self._utf8.decode(self._token_bytes[token_id])
-        if text.endswith(_REPLACEMENT_CHAR) or not text:
-            self._pending = text
+        text = self._token_text[token_id] if self._clean else None
+        if text is None:  # part of a character, or after one: through the UTF-8 decoder
+            text = self._pending + self._utf8.decode(self._token_bytes[token_id])
+            self._pending = text if text.endswith(_REPLACEMENT_CHAR) or not text else ""
+            self._clean = not self._pending and not self._utf8.getstate()[0]
+            if self._pending:
+                return
+        if not text:
             return
-        self._pending = ""
         start = len(self.text)
         self.text += text
-        self._check_stop(start)
+        if self._stop:
+            self._check_stop(start)
 
     def _check_stop(self, new_start: int) -> None:
         window_start = max(0, new_start - self._holdback_chars)
