@@ -52,7 +52,7 @@ from worker.parallel.workers import (
     threads_per_rank,
 )
 from worker.prompt_logprobs import prompt_logit_rows, record_prompt_logprobs
-from worker.request import Request
+from worker.request import Request, Status
 from worker.request_checks import check_resume, validate_request
 from worker.sampler import Sampler, SampleResult
 from worker.sampling_params import SamplingParams
@@ -105,7 +105,7 @@ class LLMEngine:
             )
         self.model_path = resolved.path
         self.tokenizer = load_tokenizer(config, model_path=resolved.path, chat_template=False)
-        if self.tokenizer.token_bytes is None:  # built now, not inside a request's first step
+        if self.tokenizer.token_text is None:  # built now, not inside a request's first step
             log.info("detokenizing by windows of decoded tokens (not a byte-level tokenizer)")
         simulated = config.engine == "sim"
         if simulated:
@@ -417,15 +417,26 @@ class LLMEngine:
             req: self._append(req, res, now)
             for req, res in zip(sampling_reqs, results, strict=True)
         }
+        self.metrics.generation_tokens_total += len(added)
         self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - t0)
         self._collect_events()
         advanced = []
-        for rid in {r.request_id for r in batch.requests}:
+        seen: set[str] = set()
+        for req in batch.requests:
+            rid = req.request_id
+            if rid in seen:
+                continue
+            seen.add(rid)
             group = self._groups.get(rid)
             if group is None:
                 continue
-            done = all(r.is_finished for r in group)
-            new = {r: added[r] for r in group if r in added}
+            if len(group) == 1:  # most requests: one sequence
+                only = group[0]
+                done = only.status is Status.FINISHED
+                new = {only: added[only]} if only in added else {}
+            else:
+                done = all(r.is_finished for r in group)
+                new = {r: added[r] for r in group if r in added}
             advanced.append((rid, group, new, done))
             if done:
                 del self._groups[rid]
@@ -440,7 +451,6 @@ class LLMEngine:
         is_first = req.first_token_time is None
         if is_first:
             req.first_token_time = now
-        self.metrics.generation_tokens_total += 1
         req.detokenizer.add_token(token)
         self._check_stop(req, token)
         if req.grammar is not None and req.finish_reason is None and req.grammar.advance(token):

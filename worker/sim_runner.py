@@ -167,6 +167,9 @@ class SimModelRunner:
         self.lora = make_manager(
             config, spec, torch.device("cpu"), lambda weight: weight, load_seconds=self._lora_load_s
         )
+        self.waits_for_device = True
+        """False: a step returns as soon as its host work is done, without waiting out the
+        forward pass's predicted time (``bench/engine_host.py`` measures host work so)."""
 
     def _lora_load_s(self, adapter: AdapterWeights) -> float:
         """A slot's fill on the simulated device: the adapter's bytes over the profile's
@@ -223,11 +226,15 @@ class SimModelRunner:
         for req, table, begin, count in zip(
             batch.requests, inputs.tables, inputs.starts, inputs.counts, strict=True
         ):
-            span = range(begin, begin + count)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            positions.extend(span)
+            if count == 1:
+                slots.append(table[begin // bs] * bs + begin % bs)
+                positions.append(begin)
+            else:
+                span = range(begin, begin + count)
+                slots.extend(table[p // bs] * bs + p % bs for p in span)
+                positions.extend(span)
             if extra_rows:
-                row_owner.extend((req, p) for p in span)
+                row_owner.extend((req, p) for p in range(begin, begin + count))
             if count == 1 and begin >= len(req.prompt_token_ids):
                 decode_seqs += 1
                 decode_context += begin + 1
@@ -255,6 +262,6 @@ class SimModelRunner:
         )
         self._owed_load_s = 0.0
         wait_s = forward_s - (time.perf_counter() - start_s)
-        if wait_s > 0:
+        if wait_s > 0 and self.waits_for_device:
             time.sleep(wait_s)
         return SimLogits(tokens, extra, self.vocab_size), sampling_idx
