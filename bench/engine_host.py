@@ -1,16 +1,26 @@
 """The engine's own host time per decode step, measured with the simulated engine.
 
-    python -m bench.engine_host [--batch 64 256] [--steps 100] [--profile gpu] [--out-dir DIR]
+    python -m bench.engine_host [--batch 64 256] [--steps 100] [--repeats 5] [--profile gpu]
 
 With ``engine="sim"`` the forward pass is a wait (``worker/sim_runner.py``), so the CPU time a
 step takes (``time.process_time``, which a wait does not advance) is the engine's host work
 alone: scheduling, input preparation, sampling, stop checks and detokenizing, building the
-outputs. Per batch size: ``batch`` requests of 32-token prompts, 128 greedy output tokens
-with EOS ignored, all admitted and past their prefill before the measured steps; then
-``--steps`` decode steps, each timed on its own. Reports the median and p90 CPU-ms per step
-and CPU-us per token, beside the profile's own step time (the device time a GPU would take),
-and writes ``bench/results/engine_host_cpu_<UTC date><--tag>.json`` and a ``.png`` of host
-against device time per step.
+streamed outputs (``LLMEngine.step_deltas``, what a server steps). Per batch size: ``batch``
+requests of 32-token prompts, 128 greedy output tokens with EOS ignored, all admitted and
+past their prefill before the measured steps; then ``--steps`` decode steps, each timed on
+its own, two ways:
+
+- **device wait slept**: each step sleeps out the profile's forward-pass time, as the
+  simulated engine does when it serves. On a VM the sleeping CPU comes back with cold caches
+  (and, on a shared host, after other tenants), so this figure is the larger and the noisier;
+- **no device wait**: steps back to back (``SimModelRunner.waits_for_device = False``), the
+  caches warm, as on a GPU host whose engine thread spins in the device sync.
+
+Each way runs ``--repeats`` times on a fresh engine; a row reports the median of the
+repeats' median CPU-ms per step, their range, the p90 and CPU-us per token, beside the
+profile's own step time (the device time a GPU would take). Writes
+``bench/results/engine_host_cpu_<UTC date><--tag>.json`` and a ``.png`` of host against
+device time per step.
 
 A GPU engine whose host time per step exceeds its device time idles the GPU: the ratio in
 the table says how far this engine is from keeping the profile's device busy.
@@ -29,12 +39,14 @@ from bench.result_files import result_header, result_stem
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.sampling_params import SamplingParams
+from worker.sim_model import load_profile
 
 PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 128
 
 
-def measure(batch: int, steps: int, profile: str, model: str) -> dict:
+def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -> list[float]:
+    """CPU-ms of each of ``steps`` decode steps of a fresh engine running ``batch`` requests."""
     config = EngineConfig(
         model=model,
         engine="sim",
@@ -44,6 +56,7 @@ def measure(batch: int, steps: int, profile: str, model: str) -> dict:
         device="cpu",
     )
     engine = LLMEngine(config)
+    engine.runner.waits_for_device = wait
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
     rng = random.Random(0)
     for i in range(batch):
@@ -52,26 +65,33 @@ def measure(batch: int, steps: int, profile: str, model: str) -> dict:
     while any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
-        engine.step()  # admission and prefill, not measured
-    steps = min(steps, OUTPUT_TOKENS - 2)
+        engine.step_deltas()  # admission and prefill, not measured
     cpu_ms = []
-    for _ in range(steps):
+    for _ in range(min(steps, OUTPUT_TOKENS - 2)):
         start_s = time.process_time()
-        engine.step()
+        engine.step_deltas()
         cpu_ms.append((time.process_time() - start_s) * 1000)
-    running = len(engine.scheduler.running)
+    assert len(engine.scheduler.running) == batch, "every request decodes in every step"
+    return cpu_ms
+
+
+def measure(batch: int, steps: int, repeats: int, profile: str, model: str) -> dict:
+    row: dict = {"batch": batch, "steps": steps, "repeats": repeats}
+    for wait, key in ((True, "host_cpu_ms_per_step"), (False, "no_wait_host_cpu_ms_per_step")):
+        runs = [_step_cpu_ms(batch, steps, profile, model, wait) for _ in range(repeats)]
+        medians = sorted(statistics.median(run) for run in runs)
+        row[f"{key}_p50"] = round(statistics.median(medians), 3)
+        row[f"{key}_p50_range"] = [round(medians[0], 3), round(medians[-1], 3)]
+        row[f"{key}_p90"] = round(statistics.quantiles(sum(runs, []), n=10)[-1], 3)
+    row["host_cpu_us_per_token_p50"] = round(row["host_cpu_ms_per_step_p50"] * 1000 / batch, 1)
+    row["no_wait_host_cpu_us_per_token_p50"] = round(
+        row["no_wait_host_cpu_ms_per_step_p50"] * 1000 / batch, 1
+    )
     context = PROMPT_TOKENS + OUTPUT_TOKENS // 2
-    device_ms = engine.runner.profile.step_seconds(0, running, running * context) * 1000
-    median_ms = statistics.median(cpu_ms)
-    return {
-        "batch": batch,
-        "steps": steps,
-        "host_cpu_ms_per_step_p50": round(median_ms, 3),
-        "host_cpu_ms_per_step_p90": round(statistics.quantiles(cpu_ms, n=10)[-1], 3),
-        "host_cpu_us_per_token_p50": round(median_ms * 1000 / batch, 1),
-        "device_ms_per_step": round(device_ms, 3),
-        "host_over_device": round(median_ms / device_ms, 2),
-    }
+    step_s = load_profile(profile).step_seconds(0, batch, batch * context)
+    row["device_ms_per_step"] = round(step_s * 1000, 3)
+    row["host_over_device"] = round(row["host_cpu_ms_per_step_p50"] / row["device_ms_per_step"], 2)
+    return row
 
 
 def plot(rows: list[dict], profile: str, cpu: str, path) -> None:
@@ -82,15 +102,22 @@ def plot(rows: list[dict], profile: str, cpu: str, path) -> None:
 
     labels = [f"batch {r['batch']}" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([i - 0.2 for i in x], [r["host_cpu_ms_per_step_p50"] for r in rows], 0.4,
-           label="engine host CPU (p50)")  # fmt: skip
-    ax.bar([i + 0.2 for i in x], [r["device_ms_per_step"] for r in rows], 0.4,
+    bars = (
+        ("host_cpu_ms_per_step", "engine host CPU, device wait slept (p50)", -0.27),
+        ("no_wait_host_cpu_ms_per_step", "engine host CPU, no device wait (p50)", 0.0),
+    )
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key, label, shift in bars:
+        p50 = [r[f"{key}_p50"] for r in rows]
+        low = [r[f"{key}_p50"] - r[f"{key}_p50_range"][0] for r in rows]
+        high = [r[f"{key}_p50_range"][1] - r[f"{key}_p50"] for r in rows]
+        ax.bar([i + shift for i in x], p50, 0.27, yerr=[low, high], capsize=3, label=label)
+    ax.bar([i + 0.27 for i in x], [r["device_ms_per_step"] for r in rows], 0.27,
            label=f"device time ({profile} profile)")  # fmt: skip
     ax.set_xticks(list(x), labels)
-    ax.set_ylabel("ms per decode step")
+    ax.set_ylabel("ms per decode step (bars: range over repeats)")
     ax.set_title(f"Engine host time per decode step\n{cpu}", fontsize=9)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -104,16 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5, help="fresh engines per way and batch")
     parser.add_argument("--profile", default="gpu", help="sim profile (worker/sim_profiles.json)")
     parser.add_argument("--model", default="smollm2", help="its tokenizer and vocabulary")
     parser.add_argument("--tag", default="", help="appended to the result file's name")
     args = parser.parse_args(argv)
     rows = []
     for batch in args.batch:
-        row = measure(batch, args.steps, args.profile, args.model)
+        row = measure(batch, args.steps, args.repeats, args.profile, args.model)
         print(
-            f"batch {batch}: host {row['host_cpu_ms_per_step_p50']} CPU-ms/step "
-            f"({row['host_cpu_us_per_token_p50']} us/token), device "
+            f"batch {batch}: host {row['host_cpu_ms_per_step_p50']} CPU-ms/step with the device "
+            f"wait slept, {row['no_wait_host_cpu_ms_per_step_p50']} without; device "
             f"{row['device_ms_per_step']} ms/step",
             file=sys.stderr,
         )
@@ -123,13 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     stem = result_stem("engine_host", "cpu", args.tag)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, args.profile, result["cpu"], stem.with_suffix(".png"))
-    print("| batch | host CPU-ms/step p50 | p90 | us/token | device ms/step | host/device |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| batch | host CPU-ms/step p50 (range), wait slept | p90 | no wait p50 (range) | p90 |"
+        " us/token slept / no wait | device ms/step | host/device |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        slept, warm = "host_cpu_ms_per_step", "no_wait_host_cpu_ms_per_step"
         print(
-            f"| {r['batch']} | {r['host_cpu_ms_per_step_p50']} | {r['host_cpu_ms_per_step_p90']}"
-            f" | {r['host_cpu_us_per_token_p50']} | {r['device_ms_per_step']} |"
-            f" {r['host_over_device']} |"
+            f"| {r['batch']} | {r[slept + '_p50']} ({r[slept + '_p50_range'][0]}-"
+            f"{r[slept + '_p50_range'][1]}) | {r[slept + '_p90']} | {r[warm + '_p50']} "
+            f"({r[warm + '_p50_range'][0]}-{r[warm + '_p50_range'][1]}) | {r[warm + '_p90']} |"
+            f" {r['host_cpu_us_per_token_p50']} / {r['no_wait_host_cpu_us_per_token_p50']} |"
+            f" {r['device_ms_per_step']} | {r['host_over_device']} |"
         )
     print(f"wrote {stem}.json and .png", file=sys.stderr)
     return 0
