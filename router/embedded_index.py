@@ -20,13 +20,37 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.index_types import Clock, Match, ReplicaId
-from router.liveness import Action, ApplyOutcome, StreamState, decide, heartbeat_state, outcome_of
+from router.liveness import (
+    Action,
+    ApplyOutcome,
+    StreamState,
+    decide,
+    heartbeat_state,
+    outcome_of,
+)
 from router.protocol import BlockHash, EventKind, KVEventBatch, Tier
 
 # Prune a replica's expired speculative entries once it tracks this many, then again only
 # when the table has doubled since: a prune is O(entries), so this keeps
 # ``record_speculative`` amortized O(1) even when many entries are still live.
 SPECULATIVE_PRUNE_MIN_ENTRIES = 4096
+
+
+Change = tuple
+"""One change an index made, as ``EmbeddedIndex.replay`` takes it: ``("apply", batch, now)``,
+``("heartbeat", replica_id, epoch, now)``, ``("speculate", replica_id, block_hashes, expiry,
+now)``, ``("remove", replica_id)`` or ``("sweep", now)``; ``now`` is the clock reading the
+change used (``router/index_journal.py`` records them)."""
+
+
+@dataclass(frozen=True)
+class IndexState:
+    """Everything an ``EmbeddedIndex`` holds, as plain values (``export_state``)."""
+
+    entries: dict[ReplicaId, tuple[set, set, dict, int]]
+    """Per replica: device hashes, host hashes, speculative hash -> expiry, prune mark."""
+    streams: dict[ReplicaId, StreamState]
+    deadline: dict[ReplicaId, float]
 
 
 @dataclass
@@ -118,33 +142,39 @@ class EmbeddedIndex:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         with self._lock:
             now = self._clock()
-            entries = self._entries.get(replica_id)
-            if entries is None:
-                return  # never heard of: it could not count anyway, and nothing would free it
-            expiry = now + ttl_s
-            for block_hash in block_hashes:
-                entries.speculative[block_hash] = expiry
-            if len(entries.speculative) > entries.prune_at_entries:
-                entries.speculative = {h: t for h, t in entries.speculative.items() if t > now}
-                entries.prune_at_entries = max(
-                    SPECULATIVE_PRUNE_MIN_ENTRIES, 2 * len(entries.speculative)
-                )
+            self._speculate_locked(replica_id, block_hashes, now + ttl_s, now)
+
+    def _speculate_locked(
+        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], expiry: float, now: float
+    ) -> None:
+        entries = self._entries.get(replica_id)
+        if entries is None:
+            return  # never heard of: it could not count anyway, and nothing would free it
+        for block_hash in block_hashes:
+            entries.speculative[block_hash] = expiry
+        if len(entries.speculative) > entries.prune_at_entries:
+            entries.speculative = {h: t for h, t in entries.speculative.items() if t > now}
+            entries.prune_at_entries = max(
+                SPECULATIVE_PRUNE_MIN_ENTRIES, 2 * len(entries.speculative)
+            )
 
     # -------------------------------------------------------------------------- liveness
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
         with self._lock:
-            now = self._clock() if now is None else now
-            self._sweep_locked(now)
-            state = self._streams.get(replica_id)
-            if state is not None and epoch < state.epoch:
-                return False  # a late heartbeat of an engine that has since restarted
-            drop, new_state = heartbeat_state(state, epoch)
-            if drop and replica_id in self._entries:
-                self._entries[replica_id].clear()
-            self._streams[replica_id] = new_state
-            self._entries.setdefault(replica_id, _ReplicaEntries())
-            self._deadline[replica_id] = now + self.heartbeat_timeout_s
-            return True
+            return self._heartbeat_locked(replica_id, epoch, self._clock() if now is None else now)
+
+    def _heartbeat_locked(self, replica_id: ReplicaId, epoch: int, now: float) -> bool:
+        self._sweep_locked(now)
+        state = self._streams.get(replica_id)
+        if state is not None and epoch < state.epoch:
+            return False  # a late heartbeat of an engine that has since restarted
+        drop, new_state = heartbeat_state(state, epoch)
+        if drop and replica_id in self._entries:
+            self._entries[replica_id].clear()
+        self._streams[replica_id] = new_state
+        self._entries.setdefault(replica_id, _ReplicaEntries())
+        self._deadline[replica_id] = now + self.heartbeat_timeout_s
+        return True
 
     def replicas(self) -> list[ReplicaId]:
         with self._lock:
@@ -164,6 +194,51 @@ class EmbeddedIndex:
         for replica_id in dead:
             self._forget_locked(replica_id)
         return dead
+
+    # ------------------------------------------------------------- copies (index_journal.py)
+    def export_state(self) -> IndexState:
+        """A copy of everything the index holds, for ``import_state`` elsewhere."""
+        with self._lock:
+            return self._export_locked()
+
+    def _export_locked(self) -> IndexState:
+        entries = {
+            replica_id: (set(e.device), set(e.host), dict(e.speculative), e.prune_at_entries)
+            for replica_id, e in self._entries.items()
+        }
+        return IndexState(entries, dict(self._streams), dict(self._deadline))
+
+    def import_state(self, state: IndexState) -> None:
+        """Replaces what the index holds with ``state`` (``export_state`` of another)."""
+        with self._lock:
+            self._entries = {
+                replica_id: _ReplicaEntries(set(device), set(host), dict(speculative), prune_at)
+                for replica_id, (device, host, speculative, prune_at) in state.entries.items()
+            }
+            self._streams = dict(state.streams)
+            self._deadline = dict(state.deadline)
+
+    def replay(self, changes: Sequence[Change]) -> None:
+        """Makes the changes another index made, each with the clock reading it used
+        (``Change``); the same changes on the same state give the same state."""
+        with self._lock:
+            for change in changes:
+                kind, args = change[0], change[1:]
+                if kind == "apply":
+                    batch, now = args
+                    self._apply_locked(batch, now)
+                elif kind == "heartbeat":
+                    replica_id, epoch, now = args
+                    self._heartbeat_locked(replica_id, epoch, now)
+                elif kind == "speculate":
+                    replica_id, block_hashes, expiry, now = args
+                    self._speculate_locked(replica_id, block_hashes, expiry, now)
+                elif kind == "remove":
+                    self._forget_locked(args[0])
+                elif kind == "sweep":
+                    self._sweep_locked(args[0])
+                else:
+                    raise ValueError(f"unknown index change {kind!r}")
 
     def _forget_locked(self, replica_id: ReplicaId) -> None:
         # Forgetting the stream too means a replica that comes back must re-announce.

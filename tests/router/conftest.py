@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from router.embedded_index import EmbeddedIndex
+from router.index_journal import JournaledIndex
 from router.redis_index import RedisIndex
 from tests.ports import free_port
 
@@ -106,7 +107,7 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture(params=["embedded", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=["embedded", "journaled", pytest.param("redis", marks=pytest.mark.redis)])
 def make_index(request, clock):
     """Factory of fresh, empty indexes of one backend sharing the test's fake clock."""
     created = []
@@ -114,6 +115,8 @@ def make_index(request, clock):
     def factory(heartbeat_timeout_s: float = 10.0, model_id: str | None = None):
         if request.param == "embedded":
             return EmbeddedIndex(heartbeat_timeout_s=heartbeat_timeout_s, clock=clock)
+        if request.param == "journaled":  # what the index actor hosts: the same contract
+            return JournaledIndex(heartbeat_timeout_s=heartbeat_timeout_s, clock=clock)
         url = request.getfixturevalue("redis_url")
         # A fresh namespace per index isolates tests without flushing the shared server.
         index = RedisIndex(

@@ -1,0 +1,144 @@
+"""Copies of one embedded prefix index in other processes: ``JournaledIndex`` and
+``IndexMirror``.
+
+A routing decision that asks a shared index across processes pays a round trip, and at
+dozens of replicas on a busy node that round trip is most of the decision. So the shared
+index keeps a journal and each router keeps a copy it reads locally:
+
+- ``JournaledIndex`` is an ``EmbeddedIndex`` that numbers every change it makes (a batch of
+  KV events applied, a heartbeat, a speculative entry, a replica removed, a sweep) and keeps
+  the newest ``max_changes`` of them with the clock reading each used
+  (``embedded_index.Change``). ``changes_since(instance_id, cursor)`` answers with the changes
+  after ``cursor``, or with a copy of the whole state when the cursor belongs to another
+  instance (a re-created index) or is older than the journal reaches.
+- ``IndexMirror`` holds an ``EmbeddedIndex`` of its own and brings it up to date from such an
+  answer (``catch_up``). Replaying the same changes with the same clock readings on the same
+  state gives the same state, so after a catch-up the mirror's ``match`` answers what the
+  journaled index answered at the moment it replied (liveness compared with this process's
+  clock, which on another node is only as close as the clocks are).
+
+How it fails: nothing here does I/O. An answer for an unknown cursor is a full copy, never an
+error; a malformed change is a ``ValueError`` from ``EmbeddedIndex.replay``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.embedded_index import Change, EmbeddedIndex, IndexState
+from router.index_types import Clock, ReplicaId
+from router.liveness import ApplyOutcome
+from router.protocol import BlockHash, KVEventBatch
+
+MAX_JOURNAL_CHANGES = 8192
+"""Changes a ``JournaledIndex`` keeps: a mirror further behind gets a full copy instead."""
+
+
+@dataclass(frozen=True)
+class JournalAnswer:
+    """What ``JournaledIndex.changes_since`` answers: exactly one of ``changes`` and ``state``."""
+
+    instance_id: str
+    cursor: int
+    """The number of the next change: the mirror asks from here next time."""
+    changes: tuple[Change, ...] | None = None
+    state: IndexState | None = None
+
+
+class JournaledIndex(EmbeddedIndex):
+    """An ``EmbeddedIndex`` that journals its changes for mirrors; thread-safe."""
+
+    def __init__(
+        self,
+        heartbeat_timeout_s: float = 10.0,
+        clock: Clock = time.time,
+        max_changes: int = MAX_JOURNAL_CHANGES,
+    ) -> None:
+        super().__init__(heartbeat_timeout_s, clock)
+        self.instance_id = uuid.uuid4().hex
+        self._journal: deque[Change] = deque(maxlen=max_changes)
+        self._next_change = 0
+
+    def _record(self, change: Change) -> None:
+        self._journal.append(change)
+        self._next_change += 1
+
+    def apply(self, batch: KVEventBatch) -> ApplyOutcome:
+        with self._lock:
+            return self._apply_recorded(batch, self._clock())
+
+    def apply_many(self, batches: Sequence[KVEventBatch]) -> list[ApplyOutcome]:
+        with self._lock:
+            now = self._clock()
+            return [self._apply_recorded(batch, now) for batch in batches]
+
+    def _apply_recorded(self, batch: KVEventBatch, now: float) -> ApplyOutcome:
+        outcome = self._apply_locked(batch, now)
+        if outcome != ApplyOutcome.IGNORED:  # an ignored batch changed nothing
+            self._record(("apply", batch, now))
+        return outcome
+
+    def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
+        with self._lock:
+            now = self._clock() if now is None else now
+            self._record(("heartbeat", replica_id, epoch, now))  # sweeps even when refused
+            return self._heartbeat_locked(replica_id, epoch, now)
+
+    def record_speculative(
+        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        with self._lock:
+            now = self._clock()
+            hashes = tuple(block_hashes)
+            self._record(("speculate", replica_id, hashes, now + ttl_s, now))
+            self._speculate_locked(replica_id, hashes, now + ttl_s, now)
+
+    def remove_replica(self, replica_id: ReplicaId) -> None:
+        with self._lock:
+            self._record(("remove", replica_id))
+            self._forget_locked(replica_id)
+
+    def sweep(self, now: float | None = None) -> list[ReplicaId]:
+        with self._lock:
+            now = self._clock() if now is None else now
+            self._record(("sweep", now))
+            return self._sweep_locked(now)
+
+    def changes_since(self, instance_id: str | None, cursor: int | None) -> JournalAnswer:
+        """The changes after ``cursor`` of this instance, or the whole state when the journal
+        cannot answer that (``instance_id`` not this one's, or ``cursor`` out of its reach);
+        either taken under one hold of the lock, so the answer and its cursor agree."""
+        with self._lock:
+            first = self._next_change - len(self._journal)
+            reachable = cursor is not None and first <= cursor <= self._next_change
+            if instance_id == self.instance_id and reachable:
+                changes = tuple(itertools.islice(self._journal, cursor - first, None))
+                return JournalAnswer(self.instance_id, self._next_change, changes=changes)
+            return JournalAnswer(self.instance_id, self._next_change, state=self._export_locked())
+
+
+class IndexMirror:
+    """A local copy of a ``JournaledIndex`` elsewhere; reads it as an ``EmbeddedIndex``."""
+
+    def __init__(self, heartbeat_timeout_s: float, clock: Clock = time.time) -> None:
+        self.index = EmbeddedIndex(heartbeat_timeout_s, clock)
+        self.instance_id: str | None = None
+        self.cursor: int | None = None
+        self._lock = threading.Lock()
+
+    def catch_up(self, answer: JournalAnswer) -> None:
+        """Applies ``changes_since``'s answer to the cursor this mirror asked from."""
+        with self._lock:
+            if answer.state is not None:
+                self.index.import_state(answer.state)
+            else:
+                self.index.replay(answer.changes or ())
+            self.instance_id, self.cursor = answer.instance_id, answer.cursor
