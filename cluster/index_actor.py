@@ -1,11 +1,12 @@
 """The embedded prefix index as one Ray actor per Serve application, and its client.
 
 Owns where the default (``embedded``) index lives in a cluster and how routers and replicas
-reach it. ``IndexActor`` hosts one ``router.embedded_index.EmbeddedIndex`` and, with either
-index backend, the application's ``cluster.inflight_board.InflightBoard`` (what each request
-router has in flight, shared between ingress replicas) and the record of LoRA adapters loaded
-or unloaded at runtime (``cluster/lora_adapters.py``); its name is
-derived from the application's name (``index_actor_name``), so two applications never
+reach it. ``IndexActor`` hosts one embedded prefix index (``router.index_journal.
+JournaledIndex``) and, with either index backend, the application's
+``cluster.inflight_board.InflightBoard`` (what each request router has in flight, shared
+between ingress replicas) and the record of LoRA adapters loaded or unloaded at runtime
+(``cluster/lora_adapters.py``); its name is derived from the application's name
+(``index_actor_name``), so two applications never
 share an index and nothing uses a fixed global name. It is detached, so it outlives
 whichever replica or router process created it first; every process creates it lazily
 with ``get_if_exists``, and it is registered with the Serve controller so that
@@ -13,10 +14,11 @@ with ``get_if_exists``, and it is registered with the Serve controller so that
 report (the application was deleted) it ends itself.
 
 ``ActorIndexClient`` is a synchronous ``PrefixIndex`` over the actor, for threads that may
-block (the replica's publisher thread, the speculative writer), with ``match_async`` for
-the router's lookup, awaited on its event loop: lookups wait at most
+block (the replica's publisher thread, the speculative writer): lookups wait at most
 ``RouterConfig.redis_socket_timeout_s`` (at least ``MIN_ACTOR_LOOKUP_TIMEOUT_S``) and
-writes ``redis_write_timeout_s``.
+writes ``redis_write_timeout_s``. The index is a ``router.index_journal.JournaledIndex``:
+request routers read their own copy of it, and of the board, refreshed through ``sync``
+(``cluster/index_mirror.py``), not the actor on every decision.
 
 How it fails: every Ray failure (timeout, dead or unreachable actor, actor not yet created)
 becomes ``IndexUnavailableError``, which ``router.index.FallbackIndex`` turns into routing
@@ -26,7 +28,6 @@ grows, which tells a replica's publisher to re-announce everything it holds.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ import ray
 from cluster.inflight_board import InflightBoard
 from cluster.serve_compat import check_serve_internals, register_shutdown_cleanup, serve_namespace
 from router.config import RouterConfig
-from router.embedded_index import EmbeddedIndex
+from router.index_journal import JournalAnswer, JournaledIndex
 from router.index_types import IndexUnavailableError, Match, ReplicaId
 from router.liveness import ApplyOutcome
 from router.load import LoadSnapshot
@@ -75,10 +76,11 @@ def index_actor_name(app_name: str) -> str:
 
 @ray.remote(num_cpus=0, max_concurrency=INDEX_ACTOR_MAX_CONCURRENCY)
 class IndexActor:
-    """One ``EmbeddedIndex`` shared by every process of an application."""
+    """One embedded index (journaled, for the routers' copies) shared by every process of
+    an application."""
 
     def __init__(self, heartbeat_timeout_s: float, idle_exit_s: float = IDLE_EXIT_S) -> None:
-        self._index = EmbeddedIndex(heartbeat_timeout_s=heartbeat_timeout_s)
+        self._index = JournaledIndex(heartbeat_timeout_s=heartbeat_timeout_s)
         self._board = InflightBoard()
         self._lora_lock = threading.Lock()
         self._lora_changes: dict[str, str | None] = {}
@@ -136,6 +138,15 @@ class IndexActor:
     def peer_view(self, router_id: str) -> tuple[LoadSnapshot, int]:
         """``peer_inflight`` and how many other routers report (``InflightBoard.view``)."""
         return self._board.view(router_id)
+
+    def sync(
+        self, instance_id: str | None, cursor: int | None, router_id: str, with_index: bool
+    ) -> tuple[JournalAnswer | None, LoadSnapshot, int]:
+        """What a router's ``cluster.index_mirror.ActorMirror`` copies, in one call: the
+        index's changes since ``cursor`` (``JournaledIndex.changes_since``; None without
+        ``with_index``), the other routers' requests and how many other routers report."""
+        answer = self._index.changes_since(instance_id, cursor) if with_index else None
+        return (answer, *self._board.view(router_id))
 
     def lora_state(self) -> dict:
         """The runtime LoRA record: ``{"epoch", "version", "adapters": {name: path | None}}``
@@ -217,19 +228,6 @@ class ActorIndexClient:
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
         return self._call("match", self.lookup_timeout_s, list(block_hashes))
-
-    async def match_async(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
-        """``match`` awaited on the caller's event loop: the router's lookup without a thread
-        hop. Until the actor is resolved (first call, or after a failure) the lookup runs in
-        a worker thread, since resolving it blocks on the GCS."""
-        actor = self._actor
-        if actor is None:
-            return await asyncio.to_thread(self.match, block_hashes)
-        try:
-            ref = actor.match.remote(list(block_hashes))
-            return await asyncio.wait_for(ref, self.lookup_timeout_s)
-        except _CALL_FAILURES as exc:
-            raise self._unavailable("match", self.lookup_timeout_s, exc) from exc
 
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
         return self._call("heartbeat", self.write_timeout_s, replica_id, epoch, now)

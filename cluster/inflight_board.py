@@ -6,37 +6,36 @@ router (``cluster.request_router``), and each tracks only the requests *it* sent
 second. Two routers deciding within that second each see a replica as idle and both send to
 it: with two ingress replicas and three engine replicas, least-loaded routing left one
 replica idle 14-32% of a run while another queued. Here each router publishes its tracker's
-``LoadSnapshot``, and reads the others' beside every index lookup, so a decision sees what
-every router sent, a round trip old instead of a stats period old.
+``LoadSnapshot`` and reads the others', so a decision sees what every router sent, a sync
+period old (``cluster/index_mirror.py``) instead of a stats period old.
 
 - ``InflightBoard``: the shared state, plain Python. One ``LoadSnapshot`` per router,
   replaced by each report with a newer sequence number (reports of a router may arrive out of
   order: the actor is threaded) and dropped ``ttl_s`` after it arrived unless refreshed, so a
-  router that died stops counting. ``peers(router_id)`` merges the other routers' snapshots.
-- ``LocalBoardClient``: a router's client of an ``InflightBoard`` in the same process.
-- ``ActorBoardClient``: a router's client of the board the application's index actor hosts
-  (``cluster.index_actor.IndexActor``, with either index backend). ``changed()`` is cheap
-  (sets an event); a daemon thread sends the newest snapshot, coalescing bursts (at most one
-  per ``MIN_PUBLISH_INTERVAL_S``), and re-sends it every ``REFRESH_S`` so it does not expire
-  (an empty one too: it says this router exists).
+  router that died stops counting. ``view(router_id)`` merges the other routers' snapshots
+  and counts them.
+- ``LocalBoardClient``: a router's client of an ``InflightBoard`` in the same process (a
+  router driven without Ray): reports each change and reads the board directly.
+- ``ActorBoardClient``: a router's publisher to the board the application's index actor
+  hosts (``cluster.index_actor.IndexActor``, with either index backend). ``changed()`` is
+  cheap (sets an event); a daemon thread sends the newest snapshot, coalescing bursts (at
+  most one per ``MIN_PUBLISH_INTERVAL_S``), and re-sends it every ``REFRESH_S`` so it does
+  not expire (an empty one too: it says this router exists). The router reads the others'
+  through its ``ActorMirror``, which tells this client how many other routers there are
+  (``note_peers``).
 
-A router alone on its board (one ingress replica, the default) has nobody to tell and
-nothing to read: when the board's answer says no other router reports, the client stops
-sending per change (only the refreshes go) and answers ``peers`` with an empty snapshot
-without a round trip for ``ALONE_RECHECK_S``, after which it asks again. So a second router
-is seen within that long, and sees the first one's requests as of its last refresh (at most
-``REFRESH_S`` old, like the replicas' stats) until the first one notices it too.
+A router alone on its board (one ingress replica, the default) has nobody to tell: while the
+last sync counted no other router, the client sends no snapshot per change, only the
+refreshes. So a second router is seen within a sync, and sees the first one's requests as
+of its last refresh (at most ``REFRESH_S`` old, like the replicas' stats) until the first
+one's next sync notices it too.
 
-How it fails: an unreachable actor (dead, slow, not yet created) makes ``peers`` return
-None after at most the lookup timeout (the router then decides on its own requests beside
-the replicas' stats: ``router.load.replica_load`` prices the others from the stats), logged
-once per outage; a failed publish is dropped, and the next change or refresh sends the
-whole snapshot again.
+How it fails: a failed publish is logged once per outage and dropped; the next change or
+refresh sends the whole snapshot again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
@@ -54,9 +53,6 @@ BOARD_TTL_S = 10.0
 """A router's snapshot stops counting this long after it arrived unless refreshed."""
 REFRESH_S = 3.0
 """A router re-sends a non-empty snapshot this often (well inside ``BOARD_TTL_S``)."""
-ALONE_RECHECK_S = 1.0
-"""A router that saw no other router on the board asks again after this long, not per
-decision (module docstring)."""
 MIN_PUBLISH_INTERVAL_S = 0.01
 """A router sends at most one snapshot per this many seconds; the changes in between go in
 the next. A snapshot holds every request in flight, so at hundreds of decisions and first
@@ -125,40 +121,32 @@ class LocalBoardClient:
     def peers(self) -> LoadSnapshot:
         return self._board.peers(self.router_id)
 
-    async def peers_async(self) -> LoadSnapshot:
-        return self.peers()
-
     def close(self) -> None:
         self._board.report(self.router_id, next(self._seq), LoadSnapshot(), BOARD_TTL_S)
 
 
 class ActorBoardClient:
-    """One router's client of the board in the application's index actor.
+    """One router's publisher to the board in the application's index actor.
 
-    ``get_actor`` returns the actor handle (created if needed); ``lookup_timeout_s`` bounds
-    ``peers``; ``router_id`` names what it publishes (the tracker's id: two routers of one
-    process publishing one tracker count once, and never as each other's peer).
-    Thread-safe."""
+    ``get_actor`` returns the actor handle (created if needed); ``router_id`` names what it
+    publishes (the tracker's id: two routers of one process publishing one tracker count
+    once, and never as each other's peer). Thread-safe."""
 
     def __init__(
         self,
         get_actor: Callable[[], object],
         snapshot: Callable[[], LoadSnapshot],
-        lookup_timeout_s: float,
         router_id: str | None = None,
     ) -> None:
         self.router_id = router_id or uuid.uuid4().hex
         self._get_actor = get_actor
         self._snapshot = snapshot
-        self._lookup_timeout_s = lookup_timeout_s
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._actor = None
         self._down = False
         self._alone = False
-        """The board's last answer named no other router (module docstring); False until an
-        answer says so."""
-        self._recheck_at_s = 0.0
+        """The last sync counted no other router (module docstring); False until one says so."""
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -186,52 +174,13 @@ class ActorBoardClient:
         if not self._alone:
             self._changed.set()
 
-    def peers(self) -> LoadSnapshot | None:
-        """The other routers' requests (None when the board does not answer); an empty
-        snapshot without a round trip while this router is alone (module docstring)."""
-        if self._still_alone():
-            return LoadSnapshot()
-        try:
-            ref = self._handle().peer_view.remote(self.router_id)
-            answer, num_others = ray.get(ref, timeout=self._lookup_timeout_s)
-        except Exception as exc:  # any Ray failure: decide without the peers
-            self._failed("lookup", exc)
-            return None
-        return self._answered(answer, num_others)
-
-    async def peers_async(self) -> LoadSnapshot | None:
-        """``peers`` awaited on the caller's event loop (no thread, no blocking ``ray.get``);
-        a worker thread only while the actor is unresolved (resolving it blocks)."""
-        if self._still_alone():
-            return LoadSnapshot()
-        actor = self._actor
-        if actor is None:
-            return await asyncio.to_thread(self.peers)
-        try:
-            ref = actor.peer_view.remote(self.router_id)
-            answer, num_others = await asyncio.wait_for(ref, self._lookup_timeout_s)
-        except Exception as exc:  # any Ray failure or the timeout: decide without the peers
-            self._failed("lookup", exc)
-            return None
-        return self._answered(answer, num_others)
-
-    def _still_alone(self) -> bool:
-        """No other router reported at the last answer, and it is not time to ask again."""
-        return self._alone and time.monotonic() < self._recheck_at_s
-
-    def _answered(self, answer: LoadSnapshot, num_others: int) -> LoadSnapshot:
-        """Notes that the board answered and whether other routers read it (module
-        docstring); returns ``answer``."""
-        if self._down:
-            self._down = False
-            log.warning("in-flight board reachable again")
+    def note_peers(self, num_others: int) -> None:
+        """How many other routers the board counted at the last sync: with none, changes wait
+        for the refresh; when one appears, what is in flight goes to the board at once."""
         was_alone, self._alone = self._alone, num_others == 0
-        if self._alone:
-            self._recheck_at_s = time.monotonic() + ALONE_RECHECK_S
-        elif was_alone:  # someone reads the board now: publish what is in flight
+        if was_alone and not self._alone:
             log.info("in-flight board: %d other router(s); publishing every change", num_others)
             self._changed.set()
-        return answer
 
     def _send(self, snapshot: LoadSnapshot) -> None:
         if not ray.is_initialized():  # this process left its cluster: nobody to tell, and a
@@ -242,6 +191,10 @@ class ActorBoardClient:
             )
         except Exception as exc:
             self._failed("report", exc)
+            return
+        if self._down:
+            self._down = False
+            log.warning("in-flight board reachable again")
 
     def _publish_loop(self) -> None:
         while not self._stop.is_set():

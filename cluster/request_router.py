@@ -7,8 +7,9 @@ the base model; ``request_adapter``) and prompt length from the call's arguments
 ``router.policy.ReplicaView`` per candidate (its Serve routing stats,
 ``EngineReplica.record_routing_stats``, and its load from ``router.load``: the process's
 ``LoadTracker``, shared with the ingress's client through ``cluster.router_context``, merged
-with what the other ingress replicas' routers track, read from ``cluster.inflight_board``
-beside the index lookup) and lets ``Router`` decide: one index lookup, the configured policy
+with what the other ingress replicas' routers track, read from this router's copy of the
+index actor, ``cluster.index_mirror``) and lets ``Router`` decide: one index lookup (in that
+copy, with the embedded index: no round trip), the configured policy
 (``prefix`` by default, which also prices loading the adapter on a replica whose stats'
 ``lora_adapters`` lack it, or ``round_robin``/``least_loaded``/``pow2``), a speculative entry
 for the chosen replica. Then it tells the tracker (``decided``, and Serve's ``routed`` and
@@ -22,19 +23,20 @@ With ``kv_pull_tokens_per_s`` set, a choice priced with a pull from a peer (``De
 (``kv_pull_order``) before Serve sends it, so the chosen replica pulls what it was priced
 with (``EngineReplica.generate``); each routing attempt rewrites or removes it.
 
-How it fails: the lookup is awaited on Serve's event loop (a worker thread for a Redis
-index) with a short timeout (see ``cluster.index_actor``); an unreachable index makes the
-decision by load alone, logged once and counted (reason ``fallback``) until the index
-answers again. With the Redis backend the Redis keys are namespaced by model, which the
-ingress of this process puts in its ``RouterContext`` once a replica has described itself;
+How it fails: a Redis lookup is awaited on Serve's event loop (in a worker thread) with a
+short timeout; an unreachable index, or a copy of the embedded one that stopped syncing
+(``cluster.index_mirror.STALE_AFTER_S``), makes the decision by load alone, logged once and
+counted (reason ``fallback``) until the index answers again. With the Redis backend the
+Redis keys are namespaced by model, which the ingress of this process puts in its
+``RouterContext`` once a replica has described itself;
 until then (and in a process with no ingress) the policy decides without matches (by load;
-the ``prefix`` policy then settles ties by rendezvous on the first block). An unreachable
-in-flight board leaves the other routers' requests to the replicas' stats (logged once).
+the ``prefix`` policy then settles ties by rendezvous on the first block). An index actor
+that stops answering leaves the other routers' requests to the replicas' stats (logged
+once).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import threading
@@ -44,11 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.index_actor import (
-    MIN_ACTOR_LOOKUP_TIMEOUT_S,
-    get_or_create_index_actor,
-    make_cluster_index,
-)
+from cluster.index_actor import ActorIndexClient, get_or_create_index_actor, make_cluster_index
+from cluster.index_mirror import ActorMirror, MirroredIndex
 from cluster.inflight_board import ActorBoardClient, LocalBoardClient
 from cluster.metrics import register_request_router
 from cluster.router_context import RouterContext, router_context
@@ -153,7 +152,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.load: LoadTracker = self.context.load
         self.load.add_listener(self._load_changed)
         self._board = board
-        """Shares ``load``'s snapshots with the other ingress replicas' routers."""
+        """A board in this process, given (a router driven without Ray)."""
+        self._mirror: ActorMirror | None = None
+        """In Ray: this router's copy of the index actor's index and board (``_get_mirror``)."""
+        self._publisher: ActorBoardClient | None = None
+        """In Ray: shares ``load``'s snapshots with the other ingress replicas' routers."""
         self._board_lock = threading.Lock()
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
@@ -169,37 +172,53 @@ class PrefixAwareRequestRouter(RequestRouter):
             model_id = self.context.model_id
             if not model_id:
                 return None  # the ingress has not named the model yet
+        mirror = self._get_mirror()
         with self._router_lock:
             if self._router is None:
-                index = make_cluster_index(self.app_name, self.config, model_id)
+                if mirror is not None and mirror.index is not None:  # the embedded index
+                    writer = ActorIndexClient(self.app_name, self.config)
+                    index = MirroredIndex(mirror, writer)
+                else:
+                    index = make_cluster_index(self.app_name, self.config, model_id)
                 self._router = Router(self.config, model_id, index=index, metrics=self.metrics)
         return self._router
 
-    def _get_board(self):
-        """This router's client of the application's in-flight board, created on first use
-        in Ray; None outside a Ray cluster (nobody to share with)."""
-        if self._board is not None or not ray.is_initialized():
-            return self._board
+    def _get_mirror(self) -> ActorMirror | None:
+        """This router's copy of the application's index actor and its board publisher,
+        created together on first use in Ray; None outside a Ray cluster or with a board
+        given (nobody else to share with)."""
+        if self._mirror is not None or self._board is not None or not ray.is_initialized():
+            return self._mirror
         app_name = self.app_name
         with self._board_lock:
-            if self._board is None:
-                self._board = ActorBoardClient(
-                    lambda: get_or_create_index_actor(app_name, self.config),
-                    self.load.snapshot,
-                    max(self.config.redis_socket_timeout_s, MIN_ACTOR_LOOKUP_TIMEOUT_S),
-                    router_id=self.load.tracker_id,
+            if self._mirror is None:
+
+                def get_actor():
+                    return get_or_create_index_actor(app_name, self.config)
+
+                board = ActorBoardClient(get_actor, self.load.snapshot, self.load.tracker_id)
+                self._mirror = ActorMirror(
+                    get_actor,
+                    self.config,
+                    self.load.tracker_id,
+                    with_index=self.config.index_backend == "embedded",
+                    on_peers=board.note_peers,
                 )
-        return self._board
+                self._publisher = board
+        return self._mirror
 
     def _load_changed(self) -> None:
-        if self._board is not None:
-            self._board.changed()
+        board = self._board if self._board is not None else self._publisher
+        if board is not None:
+            board.changed()
 
-    async def _peer_load(self) -> LoadSnapshot | None:
+    def _peer_load(self) -> LoadSnapshot | None:
         """The other routers' requests; empty for a router outside a Serve deployment (it
-        has no peers), None when the board does not answer."""
-        board = self._get_board()
-        return LoadSnapshot() if board is None else await board.peers_async()
+        has no peers), None when the index actor's copy is stale (or the board is silent)."""
+        mirror = self._get_mirror()
+        if mirror is not None:
+            return mirror.peers()
+        return LoadSnapshot() if self._board is None else self._board.peers()
 
     def _views(
         self, replicas: list[RunningReplica], peers: LoadSnapshot | None = None
@@ -226,10 +245,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         lora_name = request_adapter(pending_request)
         router = self._get_router()
         lookup = Lookup({})
-        if router is not None and hashes:  # index and board round trips, together
-            lookup, peers = await asyncio.gather(router.lookup_async(hashes), self._peer_load())
-        else:
-            peers = await self._peer_load()
+        if router is not None and hashes:  # the embedded index's copy answers without a wait
+            lookup = await router.lookup_async(hashes)
+        peers = self._peer_load()
         # From here to the tracker's entry nothing awaits: concurrent decisions (a burst) each
         # see the ones before them, in the views and in the router's recent decisions.
         views = self._views(candidate_replicas, peers)
@@ -298,8 +316,9 @@ class PrefixAwareRequestRouter(RequestRouter):
     def close(self) -> None:
         self.load.remove_listener(self._load_changed)
         self._removals.shutdown(wait=False)
-        if self._board is not None:
-            self._board.close()
+        for shared in (self._board, self._publisher, self._mirror):
+            if shared is not None:
+                shared.close()
         if self._router is not None:
             self._router.close()
 

@@ -9,7 +9,6 @@ only what the board tells it about the other's decisions.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import pytest
@@ -113,99 +112,11 @@ def test_a_router_sharing_a_board_sends_to_the_replica_the_other_left_idle(polic
         assert num_spread < 12
 
 
-def test_an_unreachable_board_means_no_peers_logged_once_and_retried():
-    """The actor cannot be found (``ray.get_actor``'s ``ValueError``): the router decides on
-    its own requests, warns once, and asks for the actor again on the next call."""
-    from cluster.inflight_board import ActorBoardClient
-
-    attempts = []
-
-    def get_actor():
-        attempts.append(1)
-        raise ValueError("Failed to look up actor 'prefixserve-index:app'")
-
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
-
-    records = Records()
-    serve_log = logging.getLogger("ray.serve")  # Serve's logger does not propagate to root
-    serve_log.addHandler(records)
-    client = ActorBoardClient(get_actor, lambda: snapshot(a=[(1.0, 16)]), lookup_timeout_s=0.1)
-    try:
-        assert client.peers() is None  # not {}: the router must know it lacks the peers
-        assert client.peers() is None
-    finally:
-        client.close()
-        serve_log.removeHandler(records)
-    warnings = [m for m in records.messages if "in-flight board" in m]
-    assert len(warnings) == 1, warnings
-    assert len(attempts) >= 2  # not cached as dead: each call resolves the actor again
-
-
 def test_the_board_view_counts_other_routers_even_with_empty_snapshots():
     board = InflightBoard(FakeClock())
     board.report("r1", 1, LoadSnapshot(), ttl_s=10.0)
     assert board.view("r2") == (LoadSnapshot(), 1)
     assert board.view("r1") == (LoadSnapshot(), 0)
-
-
-class _BoardActor:
-    """The index actor's board methods, answered in this process (``ray.get`` patched to
-    pass values through), counting the round trips."""
-
-    def __init__(self, board: InflightBoard) -> None:
-        self.board = board
-        self.num_views = 0
-        outer = self
-
-        class _Method:
-            def __init__(self, fn):
-                self.remote = fn
-
-        def view(router_id):
-            outer.num_views += 1
-            return board.view(router_id)
-
-        self.peer_view = _Method(view)
-        self.report_inflight = _Method(board.report)
-
-
-def test_a_router_alone_on_the_board_skips_round_trips_until_another_router_reports(
-    monkeypatch,
-):
-    """One ingress replica: after one answer naming no other router, ``peers`` is ``{}``
-    without a round trip and changes are not published; once another router reports, the
-    next recheck sees it, and this router's in-flight requests reach the board at once."""
-    from cluster import inflight_board
-    from cluster.inflight_board import ActorBoardClient
-
-    monkeypatch.setattr(inflight_board.ray, "get", lambda ref, timeout=None: ref)
-    monkeypatch.setattr(inflight_board.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
-    board = InflightBoard()
-    actor = _BoardActor(board)
-    mine, theirs = snapshot(x=[(1.0, 16)]), snapshot(y=[(2.0, 8)])
-    client = ActorBoardClient(lambda: actor, lambda: mine, lookup_timeout_s=1.0)
-    try:
-        assert client.peers() == LoadSnapshot() and actor.num_views == 1
-        assert client.peers() == LoadSnapshot() and actor.num_views == 1  # alone: no round trip
-        client.changed()
-        time.sleep(0.1)
-        assert board.view("observer") == (LoadSnapshot(), 0)  # nobody reads: nothing published
-        board.report("other", 1, theirs, ttl_s=10.0)
-        assert client.peers() == theirs and actor.num_views == 2
-        deadline = time.monotonic() + 2.0
-        while board.peers("other") != mine:
-            assert time.monotonic() < deadline, "the router never published once seen"
-            time.sleep(0.01)
-        assert client.peers() == theirs and actor.num_views == 3
-    finally:
-        client.close()
 
 
 def test_a_board_client_outside_a_ray_cluster_sends_nothing(monkeypatch):
@@ -215,7 +126,7 @@ def test_a_board_client_outside_a_ray_cluster_sends_nothing(monkeypatch):
 
     looked_up = []
     mine = snapshot(x=[(1.0, 16)])
-    client = ActorBoardClient(lambda: looked_up.append(1), lambda: mine, lookup_timeout_s=0.1)
+    client = ActorBoardClient(lambda: looked_up.append(1), lambda: mine)
     try:
         client._send(mine)
         assert looked_up == []
@@ -224,61 +135,13 @@ def test_a_board_client_outside_a_ray_cluster_sends_nothing(monkeypatch):
     assert looked_up == []
 
 
-def test_awaited_board_reads_skip_round_trips_while_alone_and_time_out_to_none(monkeypatch):
-    """``peers_async`` (what the request router awaits on Serve's loop): the same answers as
-    ``peers`` without a thread once the actor is known, ``{}`` with no call while alone, and
-    None when the board does not answer in time."""
-    from cluster import inflight_board
-    from cluster.inflight_board import ActorBoardClient
-
-    board = InflightBoard()
-    calls = []
-    stall = False
-
-    class Actor:
-        class peer_view:  # noqa: N801 - the actor method's name
-            @staticmethod
-            async def remote(router_id):
-                calls.append(router_id)
-                if stall:
-                    await asyncio.sleep(10)
-                return board.view(router_id)
-
-        class report_inflight:  # noqa: N801
-            @staticmethod
-            def remote(*args):
-                board.report(*args)
-
-    monkeypatch.setattr(inflight_board.ray, "get", lambda ref, timeout=None: asyncio.run(ref))
-    monkeypatch.setattr(inflight_board.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(inflight_board, "ALONE_RECHECK_S", 0.05)
-    client = ActorBoardClient(lambda: Actor, LoadSnapshot, lookup_timeout_s=0.2)
-    theirs = snapshot(y=[(2.0, 8)])
-
-    async def main():
-        nonlocal stall
-        empty = LoadSnapshot()
-        assert await client.peers_async() == empty and len(calls) == 1  # resolves the actor
-        assert await client.peers_async() == empty and len(calls) == 1  # alone: no call
-        board.report("other", 1, theirs, ttl_s=10.0)
-        await asyncio.sleep(0.06)
-        assert await client.peers_async() == theirs and len(calls) == 2
-        stall = True
-        assert await client.peers_async() is None
-
-    try:
-        asyncio.run(main())
-    finally:
-        client.close()
-
-
 class SilentBoard:
     """A board client whose reads never answer (the index actor down or too slow)."""
 
     def changed(self) -> None:
         pass
 
-    async def peers_async(self) -> None:
+    def peers(self) -> None:
         return None
 
     def close(self) -> None:
