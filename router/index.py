@@ -153,7 +153,8 @@ class FallbackIndex:
         self, block_hashes: Sequence[BlockHash]
     ) -> dict[ReplicaId, Match] | None:
         """``match_or_none`` without blocking the caller's event loop: awaited on it when the
-        store has a ``match_async`` (the index actor's client: one awaited call, no thread),
+        store has a ``match_async`` (a router's copy of the index actor's index,
+        ``cluster.index_mirror.MirroredIndex``: no round trip, no thread),
         else ``match_or_none`` in a worker thread."""
         match_async = getattr(self.inner, "match_async", None)
         if match_async is None:
