@@ -92,12 +92,22 @@ class EmbeddedIndex:
     # ----------------------------------------------------------------------------- events
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
         with self._lock:
-            return self._apply_locked(batch, self._clock())
+            return self._apply_noted(batch, self._clock())
 
     def apply_many(self, batches: Sequence[KVEventBatch]) -> list[ApplyOutcome]:
         with self._lock:
             now = self._clock()
-            return [self._apply_locked(batch, now) for batch in batches]
+            return [self._apply_noted(batch, now) for batch in batches]
+
+    def _changed(self, change: Change) -> None:
+        """Hears each change the public methods make, under the lock, before it is made;
+        nothing here (``router.index_journal.JournaledIndex`` keeps them)."""
+
+    def _apply_noted(self, batch: KVEventBatch, now: float) -> ApplyOutcome:
+        outcome = self._apply_locked(batch, now)
+        if outcome != ApplyOutcome.IGNORED:  # an ignored batch changed nothing
+            self._changed(("apply", batch, now))
+        return outcome
 
     def _apply_locked(self, batch: KVEventBatch, now: float) -> ApplyOutcome:
         action, new_state = decide(self._streams.get(batch.replica_id), batch)
@@ -142,7 +152,9 @@ class EmbeddedIndex:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         with self._lock:
             now = self._clock()
-            self._speculate_locked(replica_id, block_hashes, now + ttl_s, now)
+            hashes = tuple(block_hashes)
+            self._changed(("speculate", replica_id, hashes, now + ttl_s, now))
+            self._speculate_locked(replica_id, hashes, now + ttl_s, now)
 
     def _speculate_locked(
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], expiry: float, now: float
@@ -161,7 +173,9 @@ class EmbeddedIndex:
     # -------------------------------------------------------------------------- liveness
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
         with self._lock:
-            return self._heartbeat_locked(replica_id, epoch, self._clock() if now is None else now)
+            now = self._clock() if now is None else now
+            self._changed(("heartbeat", replica_id, epoch, now))  # it sweeps even if refused
+            return self._heartbeat_locked(replica_id, epoch, now)
 
     def _heartbeat_locked(self, replica_id: ReplicaId, epoch: int, now: float) -> bool:
         self._sweep_locked(now)
@@ -183,11 +197,14 @@ class EmbeddedIndex:
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
         with self._lock:
+            self._changed(("remove", replica_id))
             self._forget_locked(replica_id)
 
     def sweep(self, now: float | None = None) -> list[ReplicaId]:
         with self._lock:
-            return self._sweep_locked(self._clock() if now is None else now)
+            now = self._clock() if now is None else now
+            self._changed(("sweep", now))
+            return self._sweep_locked(now)
 
     def _sweep_locked(self, now: float) -> list[ReplicaId]:
         dead = [r for r, deadline in self._deadline.items() if deadline <= now]

@@ -28,13 +28,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.embedded_index import Change, EmbeddedIndex, IndexState
-from router.index_types import Clock, ReplicaId
-from router.liveness import ApplyOutcome
-from router.protocol import BlockHash, KVEventBatch
+from router.index_types import Clock
 
 MAX_JOURNAL_CHANGES = 8192
 """Changes a ``JournaledIndex`` keeps: a mirror further behind gets a full copy instead."""
@@ -65,52 +62,9 @@ class JournaledIndex(EmbeddedIndex):
         self._journal: deque[Change] = deque(maxlen=max_changes)
         self._next_change = 0
 
-    def _record(self, change: Change) -> None:
+    def _changed(self, change: Change) -> None:
         self._journal.append(change)
         self._next_change += 1
-
-    def apply(self, batch: KVEventBatch) -> ApplyOutcome:
-        with self._lock:
-            return self._apply_recorded(batch, self._clock())
-
-    def apply_many(self, batches: Sequence[KVEventBatch]) -> list[ApplyOutcome]:
-        with self._lock:
-            now = self._clock()
-            return [self._apply_recorded(batch, now) for batch in batches]
-
-    def _apply_recorded(self, batch: KVEventBatch, now: float) -> ApplyOutcome:
-        outcome = self._apply_locked(batch, now)
-        if outcome != ApplyOutcome.IGNORED:  # an ignored batch changed nothing
-            self._record(("apply", batch, now))
-        return outcome
-
-    def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
-        with self._lock:
-            now = self._clock() if now is None else now
-            self._record(("heartbeat", replica_id, epoch, now))  # sweeps even when refused
-            return self._heartbeat_locked(replica_id, epoch, now)
-
-    def record_speculative(
-        self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
-    ) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        with self._lock:
-            now = self._clock()
-            hashes = tuple(block_hashes)
-            self._record(("speculate", replica_id, hashes, now + ttl_s, now))
-            self._speculate_locked(replica_id, hashes, now + ttl_s, now)
-
-    def remove_replica(self, replica_id: ReplicaId) -> None:
-        with self._lock:
-            self._record(("remove", replica_id))
-            self._forget_locked(replica_id)
-
-    def sweep(self, now: float | None = None) -> list[ReplicaId]:
-        with self._lock:
-            now = self._clock() if now is None else now
-            self._record(("sweep", now))
-            return self._sweep_locked(now)
 
     def changes_since(self, instance_id: str | None, cursor: int | None) -> JournalAnswer:
         """The changes after ``cursor`` of this instance, or the whole state when the journal
