@@ -13,7 +13,7 @@ away cancels the handle calls, which aborts the engine requests and frees their 
 Each replica times its requests (``cluster.metrics_snapshots.IngressMetrics``: TTFT, queue time,
 e2e, finish reasons) and pushes the counts to the metrics hub; ``/metrics`` on any replica
 shows their sum.
-A request's ``model`` may name a LoRA adapter (``cluster/lora_adapters.py``): it runs on that
+A request's ``model`` may name a LoRA adapter (``cluster/model_catalog.py``): it runs on that
 adapter; ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change the adapters on every
 engine replica (with ``enable_lora`` only; 400 otherwise).
 Several ingress replicas may run; ``x-prefixserve-ingress`` names the one that answered. Each
@@ -48,9 +48,6 @@ from cluster.lora_adapters import (
     AdapterRecord,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
-    adapter_card,
-    load_everywhere,
-    unload_everywhere,
 )
 from cluster.metrics import (
     METRICS_PUSH_PERIOD_S,
@@ -59,6 +56,7 @@ from cluster.metrics import (
 )
 from cluster.metrics_render import render_prometheus
 from cluster.metrics_snapshots import IngressMetrics, sum_ingress_snapshots
+from cluster.model_catalog import ModelCatalog
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -163,22 +161,26 @@ class Ingress:
             push_to=own_address() if self.cluster.push_outputs else None,
             load=routing.load,
         )
-        self.served_name = self.cluster.served_model_name or self.model_id
-        self.accepted_names = {self.served_name}
-        if self.cluster.served_model_name is None:
-            self.accepted_names.add(self.engine_config.model)
-        # LoRA adapters: the engines' lora_modules and the runtime loads and unloads recorded
-        # in the application's index actor (cluster/lora_adapters.py).
+        # The base model's names and the LoRA adapters: the engines' lora_modules and the
+        # runtime loads and unloads recorded in the application's index actor.
         self._engine_deployment = (engine.app_name, engine.deployment_name)
-        self._lora_record = AdapterRecord(
+        record = AdapterRecord(
             serve.get_replica_context().app_name, RouterConfig(**(router_config or {}))
         )
-        self.lora = AdapterCatalog(
-            self.engine_config.lora_modules,
-            self._lora_record.read,
-            enabled=self.engine_config.enable_lora,
+        adapters = AdapterCatalog(
+            self.engine_config.lora_modules, record.read, enabled=self.engine_config.enable_lora
         )
-        await self.lora.refresh()
+        self.model_catalog = ModelCatalog(
+            served_name=self.cluster.served_model_name or self.model_id,
+            model_id=self.model_id,
+            max_model_len=self.max_model_len,
+            adapters=adapters,
+            record=record,
+            engine_replicas=self._engine_replicas,
+            other_names=() if self.cluster.served_model_name else (self.engine_config.model,),
+        )
+        self.served_name = self.model_catalog.served_name
+        await adapters.refresh()
         # The model's generation_config.json fills sampling fields a request leaves unset.
         self.tokenizer, self.generation_defaults = await asyncio.to_thread(
             load_frontend, self.engine_config
@@ -269,15 +271,6 @@ class Ingress:
         return await self._apply_template(
             messages, body.add_generation_prompt, tools, body.chat_template_kwargs
         )
-
-    async def _check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter ``model`` names (None: the base model, also when omitted); any
-        other name is a 404 ``model_not_found``."""
-        if model is None or model in self.accepted_names:
-            return None
-        if await self.lora.lookup(model) is None:
-            raise errors.model_not_found(model)
-        return model
 
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
         for token_id in token_ids:
@@ -392,7 +385,7 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         arrival_s = time.monotonic()
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        lora_name = await self._check_model(body.model)
+        lora_name = await self.model_catalog.resolve(body.model)
         builder, opened = await self._open_chat(body, f"chatcmpl-{uuid.uuid4().hex}", lora_name)
         return await self._respond(body, builder, opened, arrival_s)
 
@@ -450,7 +443,7 @@ class Ingress:
         """OpenAI's Responses API, answered by one chat request (cluster/openai_responses.py)."""
         arrival_s = time.monotonic()
         req: ResponsesRequest = await self._parse(request, ResponsesRequest)
-        lora_name = await self._check_model(req.model)
+        lora_name = await self.model_catalog.resolve(req.model)
         model_name = lora_name or self.served_name
         tenant = tenant_of(request.headers.get("authorization"))
         history: list[dict] = []
@@ -516,7 +509,7 @@ class Ingress:
         """Anthropic's Messages API, answered by one chat request (anthropic_messages.py)."""
         arrival_s = time.monotonic()
         req: MessagesRequest = await self._parse(request, MessagesRequest)
-        lora_name = await self._check_model(req.model)
+        lora_name = await self.model_catalog.resolve(req.model)
         model_name = lora_name or self.served_name
         message_id = f"msg_{uuid.uuid4().hex}"
         builder, opened = await self._open_chat(req.chat_request(), message_id, lora_name)
@@ -552,7 +545,7 @@ class Ingress:
     async def completions(self, request: Request) -> Response:
         arrival_s = time.monotonic()
         body: CompletionRequest = await self._parse(request, CompletionRequest)
-        lora_name = await self._check_model(body.model)
+        lora_name = await self.model_catalog.resolve(body.model)
         body.sampling_params(strict_json_schema=self.cluster.strict_json_schema)
         prompts, texts = [], []
         for prompt in body.prompts():
@@ -601,28 +594,11 @@ class Ingress:
         )
         return await self._respond(body, builder, opened, arrival_s)
 
-    def _model_card(self) -> dict:
-        return {
-            "id": self.served_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "prefixserve",
-            "root": self.model_id,
-            "parent": None,
-            "max_model_len": self.max_model_len,
-        }
-
-    def _adapter_card(self, name: str, path: str) -> dict:
-        return adapter_card(name, path, self.served_name, self.max_model_len)
-
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         """The base model, then every LoRA adapter (``parent``: the base model)."""
         self._authorize(request)
-        if self.lora.enabled:
-            await self.lora.refresh()
-        cards = [self._adapter_card(name, path) for name, path in self.lora.adapters.items()]
-        return {"object": "list", "data": [self._model_card(), *cards]}
+        return {"object": "list", "data": await self.model_catalog.cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> dict:
@@ -630,21 +606,9 @@ class Ingress:
         server accepts for it, or a LoRA adapter's; anything else is a 404
         ``model_not_found``."""
         self._authorize(request)
-        if model_id in self.accepted_names:
-            return self._model_card()
-        path = await self.lora.lookup(model_id)
-        if path is None:
-            raise errors.model_not_found(model_id)
-        return self._adapter_card(model_id, path)
+        return await self.model_catalog.card(model_id)
 
-    # ---- LoRA adapters at runtime (cluster/lora_adapters.py) ----------------------------
-    def _require_lora(self) -> None:
-        if not self.engine_config.enable_lora:
-            raise errors.bad_request(
-                "LoRA adapters are off on this server: start it with --enable-lora (or "
-                "--lora-modules) to load adapters at runtime"
-            )
-
+    # ---- LoRA adapters at runtime (cluster/model_catalog.py) ----------------------------
     async def _engine_replicas(self) -> dict:
         """The engine replicas serving now (those reporting to the metrics hub, alive), each
         as a function that looks its actor up."""
@@ -662,31 +626,20 @@ class Ingress:
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's runtime load: ``{"lora_name", "lora_path"}`` onto every engine replica."""
         body: LoadLoRAAdapterRequest = await self._parse(request, LoadLoRAAdapterRequest)
-        self._require_lora()
-        text = await load_everywhere(
-            self.lora,
-            self._lora_record,
-            self._engine_replicas,
-            body.lora_name,
-            body.lora_path,
-            self.accepted_names,
-        )
+        text = await self.model_catalog.load_adapter(body.lora_name, body.lora_path)
         return Response(text, media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
         """vLLM's runtime unload: ``{"lora_name"}`` from every engine replica."""
         body: UnloadLoRAAdapterRequest = await self._parse(request, UnloadLoRAAdapterRequest)
-        self._require_lora()
-        text = await unload_everywhere(
-            self.lora, self._lora_record, self._engine_replicas, body.lora_name
-        )
+        text = await self.model_catalog.unload_adapter(body.lora_name)
         return Response(text, media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> dict:
         body: TokenizeRequest = await self._parse(request, TokenizeRequest)
-        await self._check_model(body.model)
+        await self.model_catalog.resolve(body.model)
         body.check()
         if body.messages is not None:
             token_ids = await self._chat_prompt_ids(body, self._tool_plan(body))
@@ -697,7 +650,7 @@ class Ingress:
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> dict:
         body: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
-        await self._check_model(body.model)
+        await self.model_catalog.resolve(body.model)
         self._check_token_ids(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
