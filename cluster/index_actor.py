@@ -135,10 +135,6 @@ class IndexActor:
     def peer_inflight(self, router_id: str) -> LoadSnapshot:
         return self._board.peers(router_id)
 
-    def peer_view(self, router_id: str) -> tuple[LoadSnapshot, int]:
-        """``peer_inflight`` and how many other routers report (``InflightBoard.view``)."""
-        return self._board.view(router_id)
-
     def sync(
         self, instance_id: str | None, cursor: int | None, router_id: str, with_index: bool
     ) -> tuple[JournalAnswer | None, LoadSnapshot, int]:

@@ -112,7 +112,7 @@ class ActorMirror:
             raise ValueError("this mirror copies no index")
         if not self.fresh():
             raise IndexUnavailableError(f"the index copy is over {STALE_AFTER_S:.0f} s old")
-        return self.index.index.match(block_hashes)
+        return self.index.match(block_hashes)
 
     def peers(self) -> LoadSnapshot | None:
         """The other routers' requests as of the last sync; None when stale or not yet had."""
@@ -196,7 +196,7 @@ class MirroredIndex:
     def record_speculative(
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
     ) -> None:
-        self.mirror.index.index.record_speculative(replica_id, block_hashes, ttl_s)
+        self.mirror.index.record_speculative(replica_id, block_hashes, ttl_s)
         self.writer.record_speculative(replica_id, block_hashes, ttl_s)
 
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
@@ -212,7 +212,7 @@ class MirroredIndex:
         self.writer.remove_replica(replica_id)
 
     def replicas(self) -> list[ReplicaId]:
-        return self.mirror.index.index.replicas()
+        return self.mirror.index.replicas()
 
     def sweep(self, now: float | None = None) -> list[ReplicaId]:
         return self.writer.sweep(now)

@@ -11,8 +11,8 @@ index keeps a journal and each router keeps a copy it reads locally:
   (``embedded_index.Change``). ``changes_since(instance_id, cursor)`` answers with the changes
   after ``cursor``, or with a copy of the whole state when the cursor belongs to another
   instance (a re-created index) or is older than the journal reaches.
-- ``IndexMirror`` holds an ``EmbeddedIndex`` of its own and brings it up to date from such an
-  answer (``catch_up``). Replaying the same changes with the same clock readings on the same
+- ``IndexMirror`` is an ``EmbeddedIndex`` brought up to date from such an answer
+  (``catch_up``). Replaying the same changes with the same clock readings on the same
   state gives the same state, so after a catch-up the mirror's ``match`` answers what the
   journaled index answered at the moment it replied (liveness compared with this process's
   clock, which on another node is only as close as the clocks are).
@@ -24,7 +24,6 @@ error; a malformed change is a ``ValueError`` from ``EmbeddedIndex.replay``.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import uuid
 from collections import deque
@@ -79,20 +78,20 @@ class JournaledIndex(EmbeddedIndex):
             return JournalAnswer(self.instance_id, self._next_change, state=self._export_locked())
 
 
-class IndexMirror:
-    """A local copy of a ``JournaledIndex`` elsewhere; reads it as an ``EmbeddedIndex``."""
+class IndexMirror(EmbeddedIndex):
+    """A local copy of a ``JournaledIndex`` elsewhere: an ``EmbeddedIndex`` that
+    ``catch_up`` brings up to date. One catch-up at a time (each answer is replayed onto the
+    cursor it was asked from); reads any time."""
 
     def __init__(self, heartbeat_timeout_s: float, clock: Clock = time.time) -> None:
-        self.index = EmbeddedIndex(heartbeat_timeout_s, clock)
+        super().__init__(heartbeat_timeout_s, clock)
         self.instance_id: str | None = None
         self.cursor: int | None = None
-        self._lock = threading.Lock()
 
     def catch_up(self, answer: JournalAnswer) -> None:
         """Applies ``changes_since``'s answer to the cursor this mirror asked from."""
-        with self._lock:
-            if answer.state is not None:
-                self.index.import_state(answer.state)
-            else:
-                self.index.replay(answer.changes or ())
-            self.instance_id, self.cursor = answer.instance_id, answer.cursor
+        if answer.state is not None:
+            self.import_state(answer.state)
+        else:
+            self.replay(answer.changes or ())
+        self.instance_id, self.cursor = answer.instance_id, answer.cursor

@@ -15,9 +15,9 @@ REPLICAS = ("a", "b", "c")
 
 
 def _same(mirror: IndexMirror, index: JournaledIndex, queries) -> None:
-    assert mirror.index.replicas() == index.replicas()
+    assert mirror.replicas() == index.replicas()
     for blocks in queries:
-        assert mirror.index.match(blocks) == index.match(blocks)
+        assert mirror.match(blocks) == index.match(blocks)
 
 
 def _random_change(rng: random.Random, index: JournaledIndex, seqs: dict, blocks, clock) -> None:
@@ -78,10 +78,10 @@ def test_an_answer_is_replayed_once_however_often_asked(clock):
     index.apply(batch("a", 0, stored(blocks)))
     mirror = IndexMirror(5.0, clock)
     mirror.catch_up(index.changes_since(None, None))  # a full copy
-    assert mirror.index.match(blocks)["a"].device_blocks == 4
+    assert mirror.match(blocks)["a"].device_blocks == 4
     index.apply(batch("a", 1, removed(blocks[2:])))
     mirror.catch_up(index.changes_since(mirror.instance_id, mirror.cursor))
     again = index.changes_since(mirror.instance_id, mirror.cursor)
     assert again.changes == ()  # nothing new: nothing replayed twice
     mirror.catch_up(again)
-    assert mirror.index.match(blocks)["a"].device_blocks == 2
+    assert mirror.match(blocks)["a"].device_blocks == 2
