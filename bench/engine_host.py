@@ -29,11 +29,15 @@ the table says how far this engine is from keeping the profile's device busy.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from bench.result_files import result_header, result_stem
 from worker.config import EngineConfig
@@ -43,6 +47,19 @@ from worker.sim_model import load_profile
 
 PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 128
+
+
+def _admit(engine: LLMEngine, batch: int) -> None:
+    """Adds ``batch`` requests and steps them past their prefill (not measured)."""
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
+    rng = random.Random(0)
+    for i in range(batch):
+        prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
+        engine.add_request(f"r{i}", prompt, params)
+    while any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step_deltas()
 
 
 def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -> list[float]:
@@ -57,15 +74,7 @@ def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -
     )
     engine = LLMEngine(config)
     engine.runner.waits_for_device = wait
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
-    rng = random.Random(0)
-    for i in range(batch):
-        prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
-        engine.add_request(f"r{i}", prompt, params)
-    while any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running) or (
-        engine.scheduler.waiting
-    ):
-        engine.step_deltas()  # admission and prefill, not measured
+    _admit(engine, batch)
     cpu_ms = []
     for _ in range(min(steps, OUTPUT_TOKENS - 2)):
         start_s = time.process_time()
@@ -73,6 +82,83 @@ def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -
         cpu_ms.append((time.process_time() - start_s) * 1000)
     assert len(engine.scheduler.running) == batch, "every request decodes in every step"
     return cpu_ms
+
+
+def device_steps(
+    model: str,
+    batch: int,
+    steps: int,
+    device: str,
+    deterministic: bool = True,
+    profile_to: Path | None = None,
+) -> dict:
+    """A real engine's decode steps on ``device``, each split into host time and device wait.
+
+    The engine's runner is wrapped so that after it launches a step's forward pass the wrapper
+    waits for the device (``torch.cuda.synchronize``) and times that wait; the sampler's own
+    copy of the sampled ids then finds the device idle. A step's wall time minus that wait is
+    the host's share: the time the device sits idle, waiting for the engine. On the CPU the
+    forward pass runs inside the launch, so the wait is zero and the host share includes it
+    (a dry run of the code, not a figure). ``profile_to``: write a cProfile of the measured
+    steps there, by own time and by cumulative time."""
+    import torch
+
+    config = EngineConfig(
+        model=model,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * PROMPT_TOKENS),
+        num_kv_blocks=batch * (-(-(PROMPT_TOKENS + OUTPUT_TOKENS) // 16) + 1) + 64,
+        device=device,
+        deterministic=deterministic,
+    )
+    engine = LLMEngine(config)
+    execute = engine.runner.execute
+    waits_s: list[float] = []
+
+    def timed_execute(*args, **kwargs):
+        out = execute(*args, **kwargs)
+        if device.startswith("cuda"):
+            start_s = time.perf_counter()
+            torch.cuda.synchronize()
+            waits_s.append(time.perf_counter() - start_s)
+        else:
+            waits_s.append(0.0)
+        return out
+
+    engine.runner.execute = timed_execute
+    _admit(engine, batch)
+    walls_ms, waits_ms = [], []
+    profiler = cProfile.Profile() if profile_to else None
+    if profiler:
+        profiler.enable()
+    for _ in range(min(steps, OUTPUT_TOKENS - 2)):
+        waits_s.clear()
+        start_s = time.perf_counter()
+        engine.step_deltas()
+        walls_ms.append((time.perf_counter() - start_s) * 1000)
+        waits_ms.append(sum(waits_s) * 1000)
+    if profiler:
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(40)
+        profile_to.write_text(text.getvalue())
+    assert len(engine.scheduler.running) == batch, "every request decodes in every step"
+    hosts_ms = [wall - wait for wall, wait in zip(walls_ms, waits_ms, strict=True)]
+    wall, host = statistics.median(walls_ms), statistics.median(hosts_ms)
+    return {
+        "batch": batch,
+        "steps": len(walls_ms),
+        "deterministic": deterministic,
+        "graphs": engine.runner.step_graphs is not None,
+        "step_ms_p50": round(wall, 3),
+        "device_wait_ms_p50": round(statistics.median(waits_ms), 3),
+        "host_ms_p50": round(host, 3),
+        "host_ms_p90": round(statistics.quantiles(hosts_ms, n=10)[-1], 3),
+        "host_share_of_step": round(host / wall, 3) if wall else 0.0,
+        "tokens_per_s": round(batch / wall * 1000, 1) if wall else 0.0,
+    }
 
 
 def measure(batch: int, steps: int, repeats: int, profile: str, model: str) -> dict:

@@ -24,6 +24,9 @@ records its error and the next one still runs:
    SmolLM2's shape over 0, 1, 4 and 16 distinct rank-16 adapters (random, written in PEFT's
    format without peft), deterministic: output tokens/s and the median decode step. Steps
    with an adapter run eagerly, so the cells beside 0 also show what the graphs save.
+6. ``engine_host``: the engine's decode steps on SmolLM2's shape at batch 64 and 256
+   (``bench.engine_host.device_steps``), deterministic and fast: each step's wall time split
+   into the wait for the device and the host's share, the time the GPU idles on the engine.
 
 SmolLM2 on that machine is a stand-in: the real tokenizer (``--tokenizer-dir``: its
 ``config.json`` and tokenizer files, carried there) and random weights of the real shape,
@@ -465,6 +468,26 @@ def lora_runs(model: str, work: Path, dry_run: bool, budget: Budget) -> list[dic
     return rows
 
 
+def engine_host_runs(model: str, device: str, dry_run: bool, budget: Budget) -> list[dict]:
+    """Phase 6 (see the module docstring): the engine's decode steps at batch 64 and 256,
+    each split into the host's time and the wait for the device (``bench.engine_host``)."""
+    from bench.engine_host import device_steps
+
+    rows = []
+    for batch in (4, 8) if dry_run else (64, 256):
+        for deterministic in (True, False):
+            if budget.left() < 20:
+                log("engine_host: out of time")
+                return rows
+            row = device_steps(model, batch, 8 if dry_run else 100, device, deterministic)
+            log(
+                f"engine host: batch {batch} det={int(deterministic)}: step {row['step_ms_p50']}"
+                f" ms, host {row['host_ms_p50']} ms ({row['host_share_of_step']:.0%})"
+            )
+            rows.append(row)
+    return rows
+
+
 def engine_profile(model: str, out_dir: Path) -> dict:
     """One deterministic run of the engine workload with graphs under cProfile: where the
     host's time goes, by function (``engine_profile.txt`` in ``out_dir``)."""
@@ -665,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
         phase("engine", lambda: engine_runs(stand_in["folder"], args.dry_run, budget))
     if stand_in:
         phase("lora", lambda: lora_runs(stand_in["folder"], work, args.dry_run, budget))
+    if stand_in:
+        phase(
+            "engine_host",
+            lambda: engine_host_runs(stand_in["folder"], device, args.dry_run, budget),
+        )
     if stand_in and args.profile_engine:
         phase("engine_profile", lambda: engine_profile(stand_in["folder"], args.out_dir))
     out_path.write_text(json.dumps(result, indent=2))

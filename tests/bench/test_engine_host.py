@@ -21,3 +21,14 @@ def test_rows_report_both_ways_and_the_file_is_written(smollm2_path, tmp_path, m
         assert 0 < low <= row[f"{key}_p50"] <= high
     assert row["device_ms_per_step"] > 0
     assert (tmp_path / "engine_host.png").stat().st_size > 0
+
+
+def test_device_steps_split_each_step_and_profile(tiny_models, tmp_path):
+    """The real engine's split on the CPU: no device to wait for, so the host's share is the
+    whole step; every measured step decodes every request; the profile is written."""
+    profile = tmp_path / "steps.txt"
+    row = engine_host.device_steps(tiny_models["llama"], 4, 5, "cpu", True, profile)
+    assert row["batch"] == 4 and row["steps"] == 5 and not row["graphs"]
+    assert row["device_wait_ms_p50"] == 0 and row["host_ms_p50"] == row["step_ms_p50"] > 0
+    assert row["host_share_of_step"] == 1.0
+    assert "step_deltas" in profile.read_text() or "_advance" in profile.read_text()
