@@ -124,6 +124,11 @@ class IndexActor:
     ) -> None:
         self._index.record_speculative(replica_id, block_hashes, ttl_s)
 
+    def record_speculative_many(
+        self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
+    ) -> None:
+        self._index.record_speculative_many(entries, ttl_s)
+
     def sweep(self, now: float | None = None) -> list[ReplicaId]:
         return self._index.sweep(now)
 
@@ -240,6 +245,12 @@ class ActorIndexClient:
         self._call(
             "record_speculative", self.write_timeout_s, replica_id, list(block_hashes), ttl_s
         )
+
+    def record_speculative_many(
+        self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
+    ) -> None:
+        entries = [(replica_id, list(hashes)) for replica_id, hashes in entries]
+        self._call("record_speculative_many", self.write_timeout_s, entries, ttl_s)
 
     def sweep(self, now: float | None = None) -> list[ReplicaId]:
         return self._call("sweep", self.write_timeout_s, now)

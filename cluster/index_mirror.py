@@ -196,8 +196,13 @@ class MirroredIndex:
     def record_speculative(
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
     ) -> None:
-        self.mirror.index.record_speculative(replica_id, block_hashes, ttl_s)
-        self.writer.record_speculative(replica_id, block_hashes, ttl_s)
+        self.record_speculative_many([(replica_id, block_hashes)], ttl_s)
+
+    def record_speculative_many(
+        self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
+    ) -> None:
+        self.mirror.index.record_speculative_many(entries, ttl_s)
+        self.writer.record_speculative_many(entries, ttl_s)
 
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
         return self.writer.apply(batch)

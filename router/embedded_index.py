@@ -148,13 +148,19 @@ class EmbeddedIndex:
     def record_speculative(
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
     ) -> None:
+        self.record_speculative_many([(replica_id, block_hashes)], ttl_s)
+
+    def record_speculative_many(
+        self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         with self._lock:
             now = self._clock()
-            hashes = tuple(block_hashes)
-            self._changed(("speculate", replica_id, hashes, now + ttl_s, now))
-            self._speculate_locked(replica_id, hashes, now + ttl_s, now)
+            for replica_id, block_hashes in entries:
+                hashes = tuple(block_hashes)
+                self._changed(("speculate", replica_id, hashes, now + ttl_s, now))
+                self._speculate_locked(replica_id, hashes, now + ttl_s, now)
 
     def _speculate_locked(
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], expiry: float, now: float

@@ -69,6 +69,13 @@ class PrefixIndex(Protocol):
         """Count ``block_hashes`` as held on the replica's device for ``ttl_s`` seconds."""
         ...
 
+    def record_speculative_many(
+        self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
+    ) -> None:
+        """``record_speculative`` of each (replica, block hashes) entry, in order, in one
+        call (one round trip where the store is remote)."""
+        ...
+
     def sweep(self, now: float | None = None) -> list[ReplicaId]:
         """Remove the entries of dead replicas; returns the ids removed."""
         ...
@@ -189,6 +196,11 @@ class FallbackIndex:
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
     ) -> None:
         self._call(self.inner.record_speculative, replica_id, block_hashes, ttl_s, default=None)
+
+    def record_speculative_many(
+        self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
+    ) -> None:
+        self._call(self.inner.record_speculative_many, entries, ttl_s, default=None)
 
     def sweep(self, now: float | None = None) -> list[ReplicaId]:
         return self._call(self.inner.sweep, now, default=[])

@@ -208,14 +208,28 @@ class RedisIndex:
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float
     ) -> None:
         """Entries count for at least ``ttl_s`` and at most one bucket width longer."""
+        self.record_speculative_many([(replica_id, block_hashes)], ttl_s)
+
+    def record_speculative_many(
+        self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
+    ) -> None:
+        """One pipeline of the speculative script, one entry per call."""
         if not 0 < ttl_s <= SPEC_BUCKETS_AHEAD * self.speculative_bucket_s:
             raise ValueError(
                 f"ttl_s must be in (0, {SPEC_BUCKETS_AHEAD} * speculative_bucket_s], got {ttl_s}"
             )
-        if block_hashes:
-            self._run(
-                self._speculative, self._clock(), replica_id, repr(ttl_s), _joined(block_hashes)
-            )
+        entries = [(replica_id, hashes) for replica_id, hashes in entries if hashes]
+        if not entries:
+            return
+        context = self._context(self._clock())
+        try:
+            pipe = self._writer.pipeline(transaction=False)
+            for replica_id, hashes in entries:
+                args = [*context, replica_id, repr(ttl_s), _joined(hashes)]
+                self._speculative(keys=[self._replicas_key], args=args, client=pipe)
+            pipe.execute()
+        except _UNAVAILABLE as exc:
+            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
 
     # -------------------------------------------------------------------------- liveness
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:

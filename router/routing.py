@@ -48,11 +48,15 @@ logger = logging.getLogger(__name__)
 SPECULATIVE_QUEUE_SIZE = 1024
 # How long the writer thread blocks on an empty queue before checking for ``close``.
 WRITER_POLL_S = 0.1
+# The most entries one write carries: what queued while the previous write was out goes in
+# the next one (one round trip to a remote index for a burst of decisions).
+SPECULATIVE_BATCH = 64
 
 
 class _SpeculativeWriter:
     """Records speculative entries in a daemon thread, started on first use, in order; calls
-    ``landed`` with each entry's decision number once written (or failed, or empty)."""
+    ``landed`` with each entry's decision number once written (or failed, or empty). Entries
+    that queue while a write is out go together in the next (``record_speculative_many``)."""
 
     def __init__(
         self,
@@ -89,20 +93,32 @@ class _SpeculativeWriter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                item = self._queue.get(timeout=WRITER_POLL_S)
+                items = [self._queue.get(timeout=WRITER_POLL_S)]
             except queue.Empty:
                 continue
-            self._write(*item)
-            self._queue.task_done()
+            while len(items) < SPECULATIVE_BATCH:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._write_many(items)
+            for _ in items:
+                self._queue.task_done()
 
     def _write(self, replica_id: str, block_hashes: Sequence[BlockHash], seq: int) -> None:
+        self._write_many([(replica_id, block_hashes, seq)])
+
+    def _write_many(self, items: list[tuple[str, Sequence[BlockHash], int]]) -> None:
+        entries = [(replica_id, hashes) for replica_id, hashes, _ in items if hashes]
         try:
-            if block_hashes:
-                self._index.record_speculative(replica_id, block_hashes, self._ttl_s)
+            if entries:
+                self._index.record_speculative_many(entries, self._ttl_s)
         except Exception:  # a bug must not kill the thread and leave flush() hanging
-            logger.exception("speculative entry for %s failed", replica_id)
+            replicas = ", ".join(sorted({replica_id for replica_id, _ in entries}))
+            logger.exception("speculative entry for %s failed", replicas)
         finally:
-            self._landed(seq)
+            for _, _, seq in items:
+                self._landed(seq)
 
     def flush(self) -> None:
         self._queue.join()

@@ -47,6 +47,7 @@ class _Actor:
 
         self.sync = _Method(sync)
         self.record_speculative = _Method(self.index.record_speculative)
+        self.record_speculative_many = _Method(self.index.record_speculative_many)
         self.report_inflight = _Method(self.board.report)
 
     def _check(self) -> None:

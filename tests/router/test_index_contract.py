@@ -167,6 +167,32 @@ def test_speculative_entries_count_on_device_until_they_expire(make_index, clock
         index.record_speculative("a", blocks, ttl_s=0)
 
 
+def test_speculative_entries_in_one_call_count_as_written_one_by_one(make_index, clock):
+    """``record_speculative_many``: every entry counts, each for its own replica; an empty
+    entry and an unknown replica are skipped without failing the others."""
+    index = make_index()
+    blocks, other = chain(6), chain(4, first_token=50)
+    for rid in ("a", "b"):
+        index.heartbeat(rid, 0)
+    index.apply(batch("a", 0, stored(blocks[:1])))
+    index.record_speculative_many(
+        [("a", blocks[1:4]), ("b", other), ("b", []), ("nobody", blocks), ("b", blocks[:2])],
+        ttl_s=5.0,
+    )
+    assert index.match(blocks) == {"a": Match(4, 0), "b": Match(2, 0)}
+    assert index.match(other) == {"b": Match(4, 0)}
+    index.record_speculative_many([], ttl_s=5.0)
+    for step_s in (5.1, 5.1):
+        clock.advance(step_s)
+        for rid in ("a", "b"):
+            index.heartbeat(rid, 0)
+    for rid in ("a", "b"):
+        index.heartbeat(rid, 0)
+    assert index.match(blocks) == {"a": Match(1, 0)}
+    with pytest.raises(ValueError, match="ttl_s"):
+        index.record_speculative_many([("a", blocks)], ttl_s=0)
+
+
 def test_index_survives_pickling(make_index):
     index = make_index()
     blocks = chain(3)

@@ -4,6 +4,8 @@ a Redis outage."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 
@@ -193,11 +195,40 @@ def test_a_failing_speculative_write_is_logged_and_flush_returns(redis_url, capl
     index.heartbeat("a", 0)
     caplog.set_level(logging.ERROR, logger="router.routing")
     router.route_tokens(prompt(18), views("a"))
+    router.flush()
     router.route_tokens(prompt(19), views("a"))
     router.flush()  # returns: the writer thread survived the first failure
     assert len([r for r in caplog.records if "speculative entry" in r.getMessage()]) == 2
     router.close()
     index.close()
+
+
+def test_entries_queued_during_a_write_go_together_in_the_next():
+    """The writer's batching: while one write is out, later decisions queue, and the next
+    write carries them all in one call, in order; each decision is landed once."""
+    from router.metrics import RouterMetrics
+    from router.routing import _SpeculativeWriter
+
+    release, calls, landed = threading.Event(), [], []
+
+    class SlowIndex:
+        def record_speculative_many(self, entries, ttl_s):
+            calls.append([replica for replica, _ in entries])
+            release.wait(5)
+
+    writer = _SpeculativeWriter(SlowIndex(), 5.0, RouterMetrics(), landed.append)
+    writer.submit("a", [1], 0)
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for seq, replica in enumerate("bcd", start=1):
+        writer.submit(replica, [seq], seq)
+    writer.submit("e", [], 4)  # an empty entry is landed, not written
+    release.set()
+    writer.flush()
+    writer.close()
+    assert calls == [["a"], ["b", "c", "d"]]
+    assert landed == [0, 1, 2, 3, 4]
 
 
 class _AwaitableIndex:
