@@ -49,14 +49,14 @@ PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 128
 
 
-def _admit(engine: LLMEngine, batch: int) -> None:
+def _admit(engine: LLMEngine, batch: int, prompt_tokens: int = PROMPT_TOKENS) -> None:
     """Adds ``batch`` requests and steps them past their prefill (not measured)."""
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
     rng = random.Random(0)
     for i in range(batch):
-        prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
+        prompt = [rng.randrange(1000, 40000) for _ in range(prompt_tokens)]
         engine.add_request(f"r{i}", prompt, params)
-    while any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running) or (
+    while any(r.num_computed_tokens < prompt_tokens for r in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
         engine.step_deltas()
@@ -91,6 +91,7 @@ def device_steps(
     device: str,
     deterministic: bool = True,
     profile_to: Path | None = None,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict:
     """A real engine's decode steps on ``device``, each split into host time and device wait.
 
@@ -100,14 +101,15 @@ def device_steps(
     the host's share: the time the device sits idle, waiting for the engine. On the CPU the
     forward pass runs inside the launch, so the wait is zero and the host share includes it
     (a dry run of the code, not a figure). ``profile_to``: write a cProfile of the measured
-    steps there, by own time and by cumulative time."""
+    steps there, by own time and by cumulative time. ``prompt_tokens``: each request's prompt
+    (the decode steps' context is that plus the tokens decoded so far)."""
     import torch
 
     config = EngineConfig(
         model=model,
         max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, batch * PROMPT_TOKENS),
-        num_kv_blocks=batch * (-(-(PROMPT_TOKENS + OUTPUT_TOKENS) // 16) + 1) + 64,
+        max_num_batched_tokens=max(2048, min(batch * prompt_tokens, 8192)),
+        num_kv_blocks=batch * (-(-(prompt_tokens + OUTPUT_TOKENS) // 16) + 1) + 64,
         device=device,
         deterministic=deterministic,
     )
@@ -126,7 +128,7 @@ def device_steps(
         return out
 
     engine.runner.execute = timed_execute
-    _admit(engine, batch)
+    _admit(engine, batch, prompt_tokens)
     walls_ms, waits_ms = [], []
     profiler = cProfile.Profile() if profile_to else None
     if profiler:
@@ -149,6 +151,7 @@ def device_steps(
     wall, host = statistics.median(walls_ms), statistics.median(hosts_ms)
     return {
         "batch": batch,
+        "prompt_tokens": prompt_tokens,
         "steps": len(walls_ms),
         "deterministic": deterministic,
         "graphs": engine.runner.step_graphs is not None,

@@ -28,9 +28,11 @@ that on the CPU, where the same padded buffers run eagerly (``capture=False``; t
 kernels for decodes, the Triton interpreter for mixed steps). In fast mode cuBLAS may pick
 another kernel for the padded row count, as in vLLM and SGLang.
 
-The block-table buffer is ``max_num_seqs x max_blocks_per_seq`` wide; a step writes only the
+The block-table buffer is ``max_num_seqs x max_blocks_per_seq`` wide; a step copies only the
 columns its longest table needs (attention reads a sequence's blocks up to its length, never
-past them), so a step's host work grows with the batch, not with the context limit.
+past them), from a host copy that keeps each row's table between steps and writes only its new
+block ids (``worker/block_tables.py``), so a step's host work grows with the batch, not with
+the context.
 
 How it fails: a capture error propagates out of the runner's construction, at startup, with
 ``--enforce-eager`` named as the way to run without graphs. The logits a step returns are a
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionMetadata
+from worker.block_tables import BlockTableRows
 from worker.parallel.step_message import StepInputs
 
 log = logging.getLogger(__name__)
@@ -139,6 +142,8 @@ class StepGraphs:
         self.block_tables = torch.zeros(
             max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev
         )
+        self.table_rows = BlockTableRows(max_num_seqs, max_blocks_per_seq, pin=dev.type == "cuda")
+        """The tables' host side, kept between steps: a step writes only new block ids."""
         self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=dev)
         self.decode_query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
@@ -225,11 +230,12 @@ class StepGraphs:
         if not shape.decode:
             self.query_start_loc.copy_(torch.tensor(all_qsl, dtype=torch.int32))
             self.logits_indices[: shape.rows].copy_(torch.tensor(rows, dtype=torch.long))
-        width = max(-(-length // bs) for length in lens)
-        tables = [t[:width] + [0] * (width - len(t[:width])) for t in inputs.tables]
+        rows = self.table_rows
+        width = max(rows.write(inputs.tables), 1)
         if shape.decode:
-            tables.extend([[0] * width] * (shape.seqs - num_seqs))
-        self.block_tables[: len(tables), :width].copy_(torch.tensor(tables, dtype=torch.int32))
+            rows.clear(range(num_seqs, shape.seqs))
+        used = shape.seqs if shape.decode else num_seqs
+        self.block_tables[:used, :width].copy_(rows.host[:used, :width])
         if shape.decode:
             all_qsl = list(range(shape.seqs + 1))
         return all_qsl, all_lens

@@ -31,6 +31,7 @@ from kernels.attention import AttentionMetadata, exact_tile_rows
 from kernels.kv_quant import kv_format
 from kernels.linear import log_tile_choices
 from kernels.ops import select_backend
+from worker.block_tables import BlockTableRows
 from worker.config import EngineConfig
 from worker.cuda_graphs import StepGraphs
 from worker.lora import make_manager
@@ -152,6 +153,10 @@ class ModelRunner:
                 spec.head_dim, config.torch_dtype
             )  # the attention's probe, logged now, not mid-step
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self._table_rows = BlockTableRows(
+            config.max_num_seqs, self.max_blocks_per_seq, pin=self.device.type == "cuda"
+        )
+        """Eager steps' block tables, kept between steps (``worker/block_tables.py``)."""
         self.num_blocks = comm.min_int(self._decide_num_blocks())
         dtype = self.ops.kv_format.cache_dtype(config.torch_dtype)
         # One tensor [layers, K/V, (cache layout of the backend)]: a block's KV across all layers
@@ -369,14 +374,14 @@ class ModelRunner:
         for table, start, count in zip(tables, starts, counts, strict=True):
             qsl.append(qsl[-1] + count)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + count))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        width = max(self._table_rows.write(tables), 1)
+        block_tables = self._table_rows.host[: len(tables), :width]
         lens = [s + c for s, c in zip(starts, counts, strict=True)]
         dev = self.device
         return AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev, copy=True).contiguous(),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc_list=qsl,
             seq_lens_list=lens,

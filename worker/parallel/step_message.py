@@ -46,6 +46,9 @@ class StepInputs:
     starts: list[int]
     counts: list[int]
     tables: list[list[int]]
+    """Per sequence, its block table: the sequence's own list, not a copy (rank 0: the
+    request's ``block_ids``; a worker: its ``StepDecoder``'s). Such a list only grows in place;
+    any other change makes a new list, which is what ``worker/block_tables.py`` relies on."""
     sampling_rows: list[int]
     """Rows of ``token_ids`` whose logits are returned (a sequence's last known token)."""
     adapters: list[int] = field(default_factory=list)
@@ -73,7 +76,7 @@ def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
         token_ids,
         starts,
         list(batch.num_new_tokens),
-        [req.block_ids[:] for req in batch.requests],
+        [req.block_ids for req in batch.requests],
         sampling_rows,
         [req.lora_id for req in batch.requests],
     )
@@ -85,12 +88,14 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self._keys = itertools.count()
-        self._sent: dict[int, tuple[Request, int, list[int]]] = {}
-        """id(request) -> (request, key, table as the workers hold it); the request is kept so
-        its id cannot be reused while the entry lives."""
+        self._sent: dict[int, tuple[Request, int, list[int], int]] = {}
+        """id(request) -> (request, key, the table list last sent, how many of its ids the
+        workers hold); the request is kept so its id cannot be reused while the entry lives.
+        A table list only grows in place (``StepInputs.tables``), so the same list with at
+        least as many ids extends what the workers hold."""
 
     def encode(self, batch: ScheduledBatch, inputs: StepInputs) -> torch.Tensor:
-        dropped = [key for req, key, _ in self._sent.values() if req.is_finished]
+        dropped = [entry[1] for entry in self._sent.values() if entry[0].is_finished]
         self._sent = {k: v for k, v in self._sent.items() if not v[0].is_finished}
         body: list[int] = []
         offset = 0
@@ -103,12 +108,12 @@ class StepEncoder:
             strict=True,
         ):
             entry = self._sent.get(id(req))
-            if entry is not None and table[: len(entry[2])] == entry[2]:
-                key, mode, block_ids = entry[1], TableMode.APPEND, table[len(entry[2]) :]
+            if entry is not None and entry[2] is table and len(table) >= entry[3]:
+                key, mode, block_ids = entry[1], TableMode.APPEND, table[entry[3] :]
             else:
                 key = entry[1] if entry is not None else next(self._keys)
                 mode, block_ids = TableMode.REPLACE, table
-            self._sent[id(req)] = (req, key, table)
+            self._sent[id(req)] = (req, key, table, len(table))
             samples = int(start + num_new == req.num_tokens)
             body += [key, start, num_new, samples, lora_id, int(mode), len(block_ids), *block_ids]
             body += inputs.token_ids[offset : offset + num_new]
@@ -153,7 +158,7 @@ class StepDecoder:
             inputs.starts.append(start)
             inputs.counts.append(num_new)
             inputs.adapters.append(lora_id)
-            inputs.tables.append(list(self.tables[key]))
+            inputs.tables.append(self.tables[key])
             if samples:
                 inputs.sampling_rows.append(len(inputs.token_ids) - 1)
         if pos != len(words):
