@@ -49,6 +49,13 @@ class Sampler:
         anywhere), whose ids are the step's one copy to the host; only the other rows (and
         rows that want logprobs) are copied whole."""
         plain = [i for i, req in enumerate(requests) if self._plain_greedy(req)]
+        if (
+            plain
+            and len(plain) == len(requests)
+            and all(r.params.logprobs is None for r in requests)
+        ):
+            # The common decode step: one argmax over every row, one copy of the ids.
+            return [SampleResult(t, None) for t in torch.argmax(logits, dim=-1).tolist()]
         greedy = {}
         if plain:
             rows = logits if len(plain) == len(requests) else logits[plain]

@@ -73,6 +73,8 @@ def output_delta(
     the step gave it, its finish if it ended); the timestamps with a first token or the
     finish, the prompt logprobs with choice 0's first token."""
     first = group[0]
+    if len(group) == 1 and len(added) == 1:  # most requests: one sequence, one new token
+        return _one_choice_delta(request_id, first, added[first], finished)
     choices = []
     any_first = False
     for req, step in added.items():
@@ -105,6 +107,36 @@ def output_delta(
         finished,
         metrics=group_timestamps(group, finished) if any_first or finished else None,
         prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _one_choice_delta(
+    request_id: str, req: Request, step: StepDelta, finished: bool
+) -> OutputDelta:
+    """``output_delta`` of a one-sequence request the step advanced: the same fields, built
+    without the group's loops (a server's deltas are nearly all of this kind)."""
+    ended = req.finish_reason is not None
+    logprobs = None
+    if req.params.logprobs is not None:
+        logprobs = req.logprobs[-len(step.token_ids) :] if step.token_ids else []
+    choice = ChoiceDelta(
+        req.index,
+        step.token_ids,
+        step.text,
+        logprobs,
+        req.finish_reason,
+        req.stop_reason,
+        req.detokenizer.text if ended else None,
+    )
+    is_first = step.is_first
+    return OutputDelta(
+        request_id,
+        len(req.prompt_token_ids),
+        req.num_cached_tokens or 0,
+        [choice],
+        finished,
+        metrics=group_timestamps([req], finished) if is_first or finished else None,
+        prompt_logprobs=req.prompt_logprobs if is_first else None,
     )
 
 
