@@ -164,6 +164,46 @@ def device_steps(
     }
 
 
+def graph_inputs_ms(batch: int, context_tokens: int, steps: int = 50) -> float:
+    """Host time of writing one decode step's inputs into ``StepGraphs``' static buffers (the
+    CPU's eager run of the padded buffers, with a forward pass that does nothing): ``batch``
+    sequences at ``context_tokens`` each, their tables growing by a block every 16 steps as
+    a decode's do. Median ms per step."""
+    import torch
+
+    from worker.cuda_graphs import StepGraphs
+    from worker.parallel.step_message import StepInputs
+
+    block_size = 16
+    vocab = 8
+    graphs = StepGraphs(
+        lambda ids, positions, meta, rows: torch.zeros(len(rows), vocab),
+        max_num_seqs=batch,
+        max_num_batched_tokens=2048,
+        max_blocks_per_seq=-(-(context_tokens + steps) // block_size) + 1,
+        block_size=block_size,
+        vocab_size=vocab,
+        device=torch.device("cpu"),
+        capture=False,
+        mixed=False,
+    )
+    blocks = -(-context_tokens // block_size)
+    tables = [list(range(i * 4096, i * 4096 + blocks)) for i in range(batch)]
+    times_ms = []
+    for step in range(steps):
+        position = context_tokens + step
+        for table in tables:
+            if position // block_size >= len(table):
+                table.append(table[-1] + 1)
+        inputs = StepInputs(
+            [1] * batch, [position] * batch, [1] * batch, tables, list(range(batch))
+        )
+        start_s = time.perf_counter()
+        graphs.run(inputs, graphs.shape_for(inputs))
+        times_ms.append((time.perf_counter() - start_s) * 1000)
+    return statistics.median(times_ms)
+
+
 def measure(batch: int, steps: int, repeats: int, profile: str, model: str) -> dict:
     row: dict = {"batch": batch, "steps": steps, "repeats": repeats}
     for wait, key in ((True, "host_cpu_ms_per_step"), (False, "no_wait_host_cpu_ms_per_step")):
@@ -224,7 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="gpu", help="sim profile (worker/sim_profiles.json)")
     parser.add_argument("--model", default="smollm2", help="its tokenizer and vocabulary")
     parser.add_argument("--tag", default="", help="appended to the result file's name")
+    parser.add_argument(
+        "--graph-inputs",
+        type=int,
+        nargs="*",
+        metavar="CONTEXT",
+        default=None,
+        help="instead: time writing a decode step's graph inputs at these contexts (tokens)",
+    )
     args = parser.parse_args(argv)
+    if args.graph_inputs is not None:
+        for context in args.graph_inputs or [160, 2048]:
+            for batch in args.batch:
+                ms = graph_inputs_ms(batch, context)
+                print(f"batch {batch}, context {context}: graph inputs {ms:.3f} ms per step")
+        return 0
     rows = []
     for batch in args.batch:
         row = measure(batch, args.steps, args.repeats, args.profile, args.model)

@@ -25,8 +25,9 @@ records its error and the next one still runs:
    format without peft), deterministic: output tokens/s and the median decode step. Steps
    with an adapter run eagerly, so the cells beside 0 also show what the graphs save.
 6. ``engine_host``: the engine's decode steps on SmolLM2's shape at batch 64 and 256
-   (``bench.engine_host.device_steps``), deterministic and fast: each step's wall time split
-   into the wait for the device and the host's share, the time the GPU idles on the engine.
+   (``bench.engine_host.device_steps``), deterministic and fast, after 32-token prompts and
+   (deterministic) after 2000-token ones: each step's wall time split into the wait for the
+   device and the host's share, the time the GPU idles on the engine.
 
 SmolLM2 on that machine is a stand-in: the real tokenizer (``--tokenizer-dir``: its
 ``config.json`` and tokenizer files, carried there) and random weights of the real shape,
@@ -474,17 +475,28 @@ def engine_host_runs(model: str, device: str, dry_run: bool, budget: Budget) -> 
     from bench.engine_host import device_steps
 
     rows = []
-    for batch in (4, 8) if dry_run else (64, 256):
-        for deterministic in (True, False):
-            if budget.left() < 20:
-                log("engine_host: out of time")
-                return rows
-            row = device_steps(model, batch, 8 if dry_run else 100, device, deterministic)
-            log(
-                f"engine host: batch {batch} det={int(deterministic)}: step {row['step_ms_p50']}"
-                f" ms, host {row['host_ms_p50']} ms ({row['host_share_of_step']:.0%})"
-            )
-            rows.append(row)
+    cells = [(4, 40, True), (8, 200, False)] if dry_run else [
+        (64, 32, True), (64, 32, False), (256, 32, True), (256, 32, False),
+        (64, 2000, True), (256, 2000, True),
+    ]  # fmt: skip
+    for batch, prompt_tokens, deterministic in cells:
+        if budget.left() < 20:
+            log("engine_host: out of time")
+            return rows
+        row = device_steps(
+            model,
+            batch,
+            8 if dry_run else 100,
+            device,
+            deterministic,
+            prompt_tokens=prompt_tokens,
+        )
+        log(
+            f"engine host: batch {batch}, {prompt_tokens}-token prompts, det="
+            f"{int(deterministic)}: step {row['step_ms_p50']} ms, host {row['host_ms_p50']} ms"
+            f" ({row['host_share_of_step']:.0%})"
+        )
+        rows.append(row)
     return rows
 
 

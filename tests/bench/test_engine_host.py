@@ -32,3 +32,8 @@ def test_device_steps_split_each_step_and_profile(tiny_models, tmp_path):
     assert row["device_wait_ms_p50"] == 0 and row["host_ms_p50"] == row["step_ms_p50"] > 0
     assert row["host_share_of_step"] == 1.0
     assert "step_deltas" in profile.read_text() or "_advance" in profile.read_text()
+
+
+def test_graph_inputs_are_timed_per_step():
+    """The graph-input timing runs the padded buffers eagerly on the CPU and gives a time."""
+    assert engine_host.graph_inputs_ms(4, 40, steps=20) > 0
