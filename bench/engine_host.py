@@ -204,6 +204,37 @@ def graph_inputs_ms(batch: int, context_tokens: int, steps: int = 50) -> float:
     return statistics.median(times_ms)
 
 
+def detokenize_us_per_token(model: str, num_tokens: int, stop: list[str]) -> list[dict]:
+    """The detokenizer's cost per token along one long output (``num_tokens`` random token
+    ids, each added and its delta taken, as the engine does per step), by stretch of the
+    output: a cost that grows along it would be paid again for every token."""
+    from worker.loader import load_tokenizer
+    from worker.tokenizer import IncrementalDetokenizer
+
+    tokenizer = load_tokenizer(model)
+    rng = random.Random(0)
+    ids = [rng.randrange(1000, 40000) for _ in range(num_tokens)]
+    detok = IncrementalDetokenizer(tokenizer, [], stop)
+    marks = sorted({min(num_tokens, m) for m in (1000, num_tokens // 4, num_tokens // 2)})
+    marks.append(num_tokens)
+    rows, done, start_s = [], 0, time.perf_counter()
+    for i, token in enumerate(ids, start=1):
+        detok.add_token(token)
+        detok.take_delta(False)
+        if i == marks[len(rows)]:
+            now_s = time.perf_counter()
+            rows.append(
+                {
+                    "tokens": f"{done}-{i}",
+                    "us_per_token": round((now_s - start_s) / (i - done) * 1e6, 2),
+                }
+            )
+            done, start_s = i, now_s
+            if len(rows) == len(marks):
+                break
+    return rows
+
+
 def measure(batch: int, steps: int, repeats: int, profile: str, model: str) -> dict:
     row: dict = {"batch": batch, "steps": steps, "repeats": repeats}
     for wait, key in ((True, "host_cpu_ms_per_step"), (False, "no_wait_host_cpu_ms_per_step")):
@@ -272,7 +303,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="instead: time writing a decode step's graph inputs at these contexts (tokens)",
     )
+    parser.add_argument(
+        "--detokenize",
+        type=int,
+        metavar="TOKENS",
+        default=None,
+        help="instead: the detokenizer's us per token along one output of TOKENS tokens",
+    )
     args = parser.parse_args(argv)
+    if args.detokenize is not None:
+        for stop in ([], ["\n\nUser:"]):
+            for row in detokenize_us_per_token(args.model, args.detokenize, stop):
+                print(
+                    f"stop strings {stop}: tokens {row['tokens']}: {row['us_per_token']} us/token"
+                )
+        return 0
     if args.graph_inputs is not None:
         for context in args.graph_inputs or [160, 2048]:
             for batch in args.batch:

@@ -235,9 +235,12 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
         self._holdback_chars = max((len(s) for s in self._stop), default=1) - 1
-        self.text = ""
-        """All decoded text so far, including any held-back tail."""
-        self._emitted = 0
+        self._handed_out: list[str] = []
+        """The text ``take_delta`` returned so far, in pieces (joined only when ``text`` is
+        read: appending to one long string would copy it for every token)."""
+        self._tail = ""
+        """Decoded text not handed out yet: the newest text and the held-back characters
+        that may start a stop string. Stop strings are searched for here only."""
         self.stop_reason: str | None = None
         self._token_bytes = tokenizer.token_bytes
         if self._token_bytes is not None:
@@ -254,6 +257,13 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
+    @property
+    def text(self) -> str:
+        """All decoded text so far, including any held-back tail."""
+        if len(self._handed_out) > 1:
+            self._handed_out = ["".join(self._handed_out)]
+        return (self._handed_out[0] if self._handed_out else "") + self._tail
+
     def add_token(self, token_id: int) -> None:
         """Decode one more token; sets ``stop_reason`` when a stop string appears."""
         if self.stop_reason is not None:
@@ -268,8 +278,8 @@ class IncrementalDetokenizer:
         full = self._tok.decode(self._ids[self._prefix_offset :], self._skip_special)
         if full.endswith(_REPLACEMENT_CHAR) or len(full) <= len(prefix):
             return  # an incomplete character (or nothing visible yet): wait for more bytes
-        start = len(self.text)
-        self.text += full[len(prefix) :]
+        start = len(self._tail)
+        self._tail += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._check_stop(start)
 
@@ -285,29 +295,28 @@ class IncrementalDetokenizer:
                 return
         if not text:
             return
-        start = len(self.text)
-        self.text += text
+        start = len(self._tail)
+        self._tail += text
         if self._stop:
             self._check_stop(start)
 
     def _check_stop(self, new_start: int) -> None:
+        """``new_start``: where the new text begins in ``_tail``. A stop string that ends in
+        it starts at most ``_holdback_chars`` before it, text never handed out."""
         window_start = max(0, new_start - self._holdback_chars)
         for s in self._stop:
-            idx = self.text.find(s, window_start)
+            idx = self._tail.find(s, window_start)
             if idx != -1:
                 self.stop_reason = s
-                self.text = self.text[: idx + len(s)] if self._include_stop else self.text[:idx]
+                self._tail = self._tail[: idx + len(s)] if self._include_stop else self._tail[:idx]
                 return
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out; keeps the possible start of a stop string unless finished."""
-        end = (
-            len(self.text)
-            if finished or self.stop_reason
-            else len(self.text) - self._holdback_chars
-        )
-        if end <= self._emitted:
+        tail = self._tail
+        end = len(tail) if finished or self.stop_reason else len(tail) - self._holdback_chars
+        if end <= 0:
             return ""
-        delta = self.text[self._emitted : end]
-        self._emitted = end
+        delta, self._tail = tail[:end], tail[end:]
+        self._handed_out.append(delta)
         return delta

@@ -37,3 +37,9 @@ def test_device_steps_split_each_step_and_profile(tiny_models, tmp_path):
 def test_graph_inputs_are_timed_per_step():
     """The graph-input timing runs the padded buffers eagerly on the CPU and gives a time."""
     assert engine_host.graph_inputs_ms(4, 40, steps=20) > 0
+
+
+def test_detokenize_cost_is_reported_by_stretch_of_the_output(smollm2_path):
+    rows = engine_host.detokenize_us_per_token("smollm2", 2000, ["\n\nUser:"])
+    assert [r["tokens"] for r in rows] == ["0-500", "500-1000", "1000-2000"]
+    assert all(r["us_per_token"] > 0 for r in rows)

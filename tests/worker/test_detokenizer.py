@@ -117,3 +117,22 @@ def test_other_decoders_take_the_window():
     wordpiece = RustTokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     wordpiece.decoder = decoders.WordPiece()
     assert byte_level_table(wordpiece) is None
+
+
+def test_a_long_output_keeps_its_stop_check_and_pending_text_short(tok):
+    """Thousands of tokens in: the deltas still add up to the text, a stop string split over
+    tokens near the end is still found and cut, and the text held between steps stays a few
+    characters (handed-out text is never searched or copied again, so a token costs the same
+    at the end of a long output as at its start)."""
+    body = "The quick brown fox jumps over the lazy dog. " * 300
+    deltas, d = stream(tok, body + "Ans" + "wer: done, then more text", stop=["Answer:"])
+    assert d.stop_reason == "Answer:"
+    assert d.text == body and "".join(deltas) == body
+    held = []
+    d = IncrementalDetokenizer(tok, [], ["Answer:"])
+    for t in tok.encode(body):
+        d.add_token(t)
+        d.take_delta(False)
+        held.append(len(d._tail))
+    assert max(held) <= len("Answer:") - 1 + 16
+    assert d.text == body
