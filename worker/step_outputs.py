@@ -73,32 +73,16 @@ def output_delta(
     the step gave it, its finish if it ended); the timestamps with a first token or the
     finish, the prompt logprobs with choice 0's first token."""
     first = group[0]
-    if len(group) == 1 and len(added) == 1:  # most requests: one sequence, one new token
-        return _one_choice_delta(request_id, first, added[first], finished)
-    choices = []
-    any_first = False
-    for req, step in added.items():
-        ended = req.finish_reason is not None
-        logprobs = None
-        if req.params.logprobs is not None:
-            logprobs = req.logprobs[-len(step.token_ids) :] if step.token_ids else []
-        choices.append(
-            ChoiceDelta(
-                req.index,
-                step.token_ids,
-                step.text,
-                logprobs,
-                req.finish_reason,
-                req.stop_reason,
-                req.detokenizer.text if ended else None,
-            )
+    if len(group) == 1 and len(added) == 1:  # most requests: one sequence, no loops
+        step = added[first]
+        choices = [choice_delta(first, step)]
+        any_first = first_in_added = step.is_first
+    else:
+        choices = sorted(
+            (choice_delta(req, step) for req, step in added.items()), key=lambda c: c.index
         )
-        any_first = any_first or step.is_first
-    if len(choices) > 1:
-        choices.sort(key=lambda c: c.index)
-    prompt_logprobs = None
-    if first.prompt_logprobs is not None and first in added and added[first].is_first:
-        prompt_logprobs = first.prompt_logprobs
+        any_first = any(step.is_first for step in added.values())
+        first_in_added = first in added and added[first].is_first
     return OutputDelta(
         request_id,
         len(first.prompt_token_ids),
@@ -106,20 +90,17 @@ def output_delta(
         choices,
         finished,
         metrics=group_timestamps(group, finished) if any_first or finished else None,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=first.prompt_logprobs if first_in_added else None,
     )
 
 
-def _one_choice_delta(
-    request_id: str, req: Request, step: StepDelta, finished: bool
-) -> OutputDelta:
-    """``output_delta`` of a one-sequence request the step advanced: the same fields, built
-    without the group's loops (a server's deltas are nearly all of this kind)."""
+def choice_delta(req: Request, step: StepDelta) -> ChoiceDelta:
+    """What ``step`` gave one sequence, with its logprobs, and its finish if it ended."""
     ended = req.finish_reason is not None
     logprobs = None
     if req.params.logprobs is not None:
         logprobs = req.logprobs[-len(step.token_ids) :] if step.token_ids else []
-    choice = ChoiceDelta(
+    return ChoiceDelta(
         req.index,
         step.token_ids,
         step.text,
@@ -127,16 +108,6 @@ def _one_choice_delta(
         req.finish_reason,
         req.stop_reason,
         req.detokenizer.text if ended else None,
-    )
-    is_first = step.is_first
-    return OutputDelta(
-        request_id,
-        len(req.prompt_token_ids),
-        req.num_cached_tokens or 0,
-        [choice],
-        finished,
-        metrics=group_timestamps([req], finished) if is_first or finished else None,
-        prompt_logprobs=req.prompt_logprobs if is_first else None,
     )
 
 
