@@ -60,8 +60,3 @@ class BlockTableRows:
         for row in rows:
             self._mirrors[row] = None
             self._written[row] = 0
-
-    def forget(self) -> None:
-        """Mirror nothing (the next write writes every table whole)."""
-        self._mirrors = [None] * len(self._mirrors)
-        self._written = [0] * len(self._written)
