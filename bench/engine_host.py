@@ -1,6 +1,8 @@
 """The engine's own host time per decode step, measured with the simulated engine.
 
     python -m bench.engine_host [--batch 64 256] [--steps 100] [--repeats 5] [--profile gpu]
+    python -m bench.engine_host --graph-inputs [CONTEXT ...]   # graph-input writes per step
+    python -m bench.engine_host --detokenize TOKENS            # detokenizer cost along an output
 
 With ``engine="sim"`` the forward pass is a wait (``worker/sim_runner.py``), so the CPU time a
 step takes (``time.process_time``, which a wait does not advance) is the engine's host work
