@@ -163,6 +163,6 @@ class Request:
 
     def max_tokens_reached(self) -> bool:
         limit = self.params.max_tokens
-        return (limit is not None and len(self.output_token_ids) >= limit) or len(
-            self.all_token_ids
-        ) >= self.max_total_tokens
+        if limit is not None and len(self.output_token_ids) >= limit:
+            return True
+        return len(self.all_token_ids) >= self.max_total_tokens
