@@ -76,13 +76,13 @@ def output_delta(
     if len(group) == 1 and len(added) == 1:  # most requests: one sequence, no loops
         step = added[first]
         choices = [choice_delta(first, step)]
-        any_first = first_in_added = step.is_first
+        any_first = choice0_first_token = step.is_first
     else:
         choices = sorted(
             (choice_delta(req, step) for req, step in added.items()), key=lambda c: c.index
         )
         any_first = any(step.is_first for step in added.values())
-        first_in_added = first in added and added[first].is_first
+        choice0_first_token = first in added and added[first].is_first
     return OutputDelta(
         request_id,
         len(first.prompt_token_ids),
@@ -90,7 +90,7 @@ def output_delta(
         choices,
         finished,
         metrics=group_timestamps(group, finished) if any_first or finished else None,
-        prompt_logprobs=first.prompt_logprobs if first_in_added else None,
+        prompt_logprobs=first.prompt_logprobs if choice0_first_token else None,
     )
 
 
