@@ -132,24 +132,65 @@ class LoadSnapshot:
         )
 
 
+class _Tally:
+    """What ``replica_load`` needs of a replica's tracked requests, summed one request at a
+    time against its stats' ``as_of_s``: no request list is built or sorted."""
+
+    __slots__ = ("as_of_s", "num_in_flight", "num_queued", "queued_prefill_tokens", "num_shown",
+                 "last_event_s")  # fmt: skip
+
+    def __init__(self, as_of_s: float) -> None:
+        self.as_of_s = as_of_s
+        self.num_in_flight = self.num_queued = self.queued_prefill_tokens = self.num_shown = 0
+        self.last_event_s = as_of_s
+
+    def add(
+        self,
+        decided_at_s: float,
+        prefill_tokens: int,
+        first_output_at_s: float | None,
+        completed_at_s: float | None,
+    ) -> None:
+        """One request, as ``TrackedRequest``'s fields (``shown_by`` inlined: this runs for
+        every tracked request on every routing decision)."""
+        as_of_s = self.as_of_s
+        if completed_at_s is None:
+            self.num_in_flight += 1
+            if first_output_at_s is None:
+                self.num_queued += 1
+                self.queued_prefill_tokens += prefill_tokens
+            if as_of_s <= 0 or decided_at_s <= as_of_s:
+                self.num_shown += 1
+        elif as_of_s > 0 and decided_at_s <= as_of_s < completed_at_s:
+            self.num_shown += 1
+        for t in (decided_at_s, first_output_at_s, completed_at_s):
+            if t is not None and t > self.last_event_s:
+                self.last_event_s = t
+
+    def load(self, stats: ReplicaStats) -> ReplicaLoad:
+        """The rule (module docstring): the tracked requests, and the stats' share of the
+        requests nobody tracks."""
+        num_reported = stats.num_waiting + stats.num_running
+        num_untracked = max(0, num_reported - self.num_shown)
+        share = num_untracked / num_reported if num_reported else 0.0
+        untracked_queued = round(stats.num_waiting * share)
+        return ReplicaLoad(
+            num_queued=self.num_queued + untracked_queued,
+            queued_prefill_tokens=(
+                self.queued_prefill_tokens + round(stats.num_queued_prefill_tokens * share)
+            ),
+            num_running=(self.num_in_flight - self.num_queued + num_untracked - untracked_queued),
+            as_of_s=self.last_event_s,
+        )
+
+
 def replica_load(stats: ReplicaStats, requests: Sequence[TrackedRequest] = ()) -> ReplicaLoad:
     """The replica's load now from its last stats and the routers' tracked requests on it
     (module docstring, "The rule"); with no tracked requests, the stats' load."""
-    in_flight = [r for r in requests if r.in_flight]
-    queued = [r for r in in_flight if r.first_output_at_s is None]
-    num_shown = sum(r.shown_by(stats.as_of_s) for r in requests)
-    num_reported = stats.num_waiting + stats.num_running
-    num_untracked = max(0, num_reported - num_shown)
-    share = num_untracked / num_reported if num_reported else 0.0
-    untracked_queued = round(stats.num_waiting * share)
-    return ReplicaLoad(
-        num_queued=len(queued) + untracked_queued,
-        queued_prefill_tokens=(
-            sum(r.prefill_tokens for r in queued) + round(stats.num_queued_prefill_tokens * share)
-        ),
-        num_running=len(in_flight) - len(queued) + num_untracked - untracked_queued,
-        as_of_s=max([stats.as_of_s, *(r.last_event_s for r in requests)]),
-    )
+    tally = _Tally(stats.as_of_s)
+    for request in requests:
+        tally.add(*request)
+    return tally.load(stats)
 
 
 @dataclass
@@ -291,14 +332,35 @@ class LoadTracker:
     ) -> dict[str, ReplicaLoad]:
         """Replica id -> its load (``replica_load``) for every replica in ``stats``, from this
         tracker's requests and ``peers`` (other routers' snapshots). Forgets the completed
-        requests that these stats no longer show."""
+        requests that these stats no longer show, and decisions that expired. One pass over
+        the requests, summed per replica (``_Tally``): it runs on every routing decision."""
+        tallies = {rid: _Tally(s.as_of_s) for rid, s in stats.items()}
+        now_s = self._clock()
         with self._lock:
             for replica_id, done in self._done.items():
-                as_of_s = stats[replica_id].as_of_s if replica_id in stats else 0.0
-                if as_of_s > 0:
-                    done[:] = [r for r in done if r.completed_at_s > as_of_s]
-        merged = self.snapshot() if peers is None else self.snapshot().merged(peers)
-        return {rid: replica_load(s, merged.on(rid)) for rid, s in stats.items()}
+                tally = tallies.get(replica_id)
+                as_of_s = tally.as_of_s if tally is not None else 0.0
+                cutoff_s = max(as_of_s, now_s - COMPLETED_SHOWN_S)
+                done[:] = [r for r in done if r.completed_at_s > cutoff_s]
+                if tally is not None:
+                    for request in done:
+                        tally.add(*request)
+            expired = []
+            for key, entry in self._entries.items():
+                if entry.expiry_s is not None and entry.expiry_s <= now_s:
+                    expired.append(key)
+                elif (tally := tallies.get(entry.replica_id)) is not None:
+                    tally.add(
+                        entry.decided_at_s, entry.prefill_tokens, entry.first_output_at_s, None
+                    )
+            for key in expired:
+                del self._entries[key]
+        if peers is not None:
+            for replica_id, requests in peers.requests.items():
+                if (tally := tallies.get(replica_id)) is not None:
+                    for request in requests:
+                        tally.add(*request)
+        return {rid: tallies[rid].load(s) for rid, s in stats.items()}
 
 
 def _decided_at(request: TrackedRequest) -> float:

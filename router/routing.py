@@ -51,12 +51,18 @@ WRITER_POLL_S = 0.1
 # The most entries one write carries: what queued while the previous write was out goes in
 # the next one (one round trip to a remote index for a burst of decisions).
 SPECULATIVE_BATCH = 64
+# How long the writer gathers entries after the first before it writes them: one round trip
+# per this many milliseconds of decisions instead of one per decision. This router's own
+# lookups see its decisions at once (``RecentDecisions``); other routers see them this much
+# later, well before the replica's KV events would tell them.
+SPECULATIVE_LINGER_S = 0.01
 
 
 class _SpeculativeWriter:
     """Records speculative entries in a daemon thread, started on first use, in order; calls
     ``landed`` with each entry's decision number once written (or failed, or empty). Entries
-    that queue while a write is out go together in the next (``record_speculative_many``)."""
+    that queue within ``SPECULATIVE_LINGER_S`` of the first, or while a write is out, go
+    together in the next write (``record_speculative_many``)."""
 
     def __init__(
         self,
@@ -96,6 +102,8 @@ class _SpeculativeWriter:
                 items = [self._queue.get(timeout=WRITER_POLL_S)]
             except queue.Empty:
                 continue
+            if self._queue.qsize() < SPECULATIVE_BATCH:
+                self._stop.wait(SPECULATIVE_LINGER_S)
             while len(items) < SPECULATIVE_BATCH:
                 try:
                     items.append(self._queue.get_nowait())

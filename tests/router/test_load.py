@@ -287,3 +287,55 @@ def test_snapshots_merge_oldest_decision_first():
     assert [r.decided_at_s for r in merged.on("a")] == [1.0, 2.0, 3.0]
     assert merged.on("c") == (TrackedRequest(1.0, 16),)
     assert merged.num_in_flight == 5
+
+
+def test_loads_equal_the_rule_over_the_merged_snapshot_on_random_events():
+    """``loads`` sums requests per replica in one pass; it must price exactly what
+    ``replica_load`` over the snapshot merged with the peers' prices, whatever the events."""
+    import random
+
+    rng = random.Random(7)
+    clock = FakeClock(100.0)
+    t = tracker(clock, ttl_s=2.0)
+    replicas = ["a", "b", "c"]
+    for step in range(600):
+        key = f"k{rng.randrange(80)}"
+        replica = rng.choice(replicas)
+        event = rng.random()
+        if event < 0.35:
+            t.decided(key, replica, rng.randrange(0, 500))
+        elif event < 0.55:
+            t.routed(key, replica)
+        elif event < 0.75:
+            t.first_output(key)
+        else:
+            t.completed(key, replica)
+        clock.advance(rng.choice([0.0, 0.01, 0.3]))
+        if step % 7:
+            continue
+        stats = {
+            rid: ReplicaStats(
+                num_waiting=rng.randrange(4),
+                num_running=rng.randrange(6),
+                num_queued_prefill_tokens=rng.randrange(900),
+                as_of_s=rng.choice([0.0, clock.now_s - rng.random() * 3]),
+            )
+            for rid in rng.sample(replicas, rng.randint(1, 3))
+        }
+        peers = LoadSnapshot(
+            {
+                rid: tuple(
+                    TrackedRequest(
+                        clock.now_s - rng.random() * 2,
+                        rng.randrange(300),
+                        *rng.choice([(None, None), (clock.now_s - 0.1, None), (None, clock.now_s)]),
+                    )
+                    for _ in range(rng.randrange(3))
+                )
+                for rid in replicas
+            }
+        )
+        t.loads(stats)  # let the tracker forget what these stats caught up with, first
+        merged = t.snapshot().merged(peers)
+        expected = {rid: replica_load(s, merged.on(rid)) for rid, s in stats.items()}
+        assert t.loads(stats, peers) == expected

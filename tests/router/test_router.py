@@ -231,6 +231,30 @@ def test_entries_queued_during_a_write_go_together_in_the_next():
     assert landed == [0, 1, 2, 3, 4]
 
 
+def test_entries_within_the_linger_of_the_first_go_in_one_write(monkeypatch):
+    """The writer waits ``SPECULATIVE_LINGER_S`` after an entry before writing it, so
+    decisions made meanwhile share its round trip."""
+    from router import routing
+    from router.metrics import RouterMetrics
+
+    monkeypatch.setattr(routing, "SPECULATIVE_LINGER_S", 0.5)
+    calls, landed = [], []
+
+    class Index:
+        def record_speculative_many(self, entries, ttl_s):
+            calls.append([replica for replica, _ in entries])
+
+    writer = routing._SpeculativeWriter(Index(), 5.0, RouterMetrics(), landed.append)
+    writer.submit("a", [1], 0)
+    time.sleep(0.1)  # the writer holds "a" by now, and lingers
+    writer.submit("b", [2], 1)
+    writer.submit("c", [3], 2)
+    writer.flush()
+    writer.close()
+    assert calls == [["a", "b", "c"]]
+    assert landed == [0, 1, 2]
+
+
 class _AwaitableIndex:
     """An ``EmbeddedIndex`` whose lookups are awaited (as the index actor's client's are),
     failing while ``down``; counts the awaited lookups."""
