@@ -3,9 +3,9 @@ SIGTERM handling and the warm-up retry.
 
 ``percentile`` is the one percentile of ``bench/``: linear interpolation between the closest
 ranks, numpy's and ``vllm bench serve``'s default, so every benchmark's p50/p90/p99 means the
-same thing. ``free_port`` is a TCP port on 127.0.0.1 that was free when asked (the caller
-binds it a moment later, so another process may take it in between; benchmarks start their
-own servers one at a time, which makes that rare).
+same thing. ``free_port`` (``free_ports``: several distinct ones) is a TCP port on 127.0.0.1
+that was free when asked (the caller binds it a moment later, so another process may take it
+in between; benchmarks and tests start their servers one at a time, which makes that rare).
 
 ``sigterm_unwinds`` makes a SIGTERM unwind the benchmark like Ctrl-C (``SystemExit`` 143 at
 the point it arrives), so the ``finally`` blocks that stop the servers it started run; on a
@@ -45,9 +45,19 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that no socket was bound to a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct such ports (held open together, so none repeats)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @contextlib.contextmanager

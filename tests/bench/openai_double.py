@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tests.ports import free_port
+from bench.common import free_port
 
 CACHE_BLOCK_WORDS = 16
 BAD_MODEL = "no-such-model"

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.common import free_port
 from bench.serve.systems import replicas_in_metrics
-from tests.ports import free_port
 
 API_KEY = "test-key-" + os.urandom(4).hex()
 # Replica startup on a loaded 2-core CI machine: model load plus Serve's health checks.

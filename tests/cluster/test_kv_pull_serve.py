@@ -15,10 +15,10 @@ import time
 import httpx
 import pytest
 
+from bench.common import free_port
 from cluster.app import ROUTING_STATS_PERIOD_S
 from router.protocol import hash_blocks
 from tests.cluster.conftest import STARTUP_TIMEOUT_S, Server
-from tests.ports import free_port
 from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
 

@@ -24,6 +24,7 @@ import time
 import httpx
 import pytest
 
+from bench.common import free_port
 from cluster.app import ROUTING_STATS_PERIOD_S
 from cluster.ingress import INGRESS_HEADER, REPLICA_HEADER
 from cluster.kv_publisher import ReplicaKVPublisher
@@ -32,7 +33,6 @@ from router.index_types import IndexUnavailableError
 from router.liveness import ApplyOutcome
 from router.protocol import EventKind, KVEvent, KVEventBatch, Tier, hash_blocks
 from tests.cluster.conftest import STARTUP_TIMEOUT_S
-from tests.ports import free_port
 
 BLOCK_SIZE = 16
 NUM_SYSTEM_PROMPTS = 5  # odd, so round robin alternates each prompt between the 2 replicas

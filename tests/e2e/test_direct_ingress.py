@@ -19,8 +19,8 @@ import time
 import httpx
 import pytest
 
+from bench.common import free_port
 from tests.e2e.test_readme_serve import command, healthy
-from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ports import free_ports
+from bench.common import free_ports
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.ports import free_port
+from bench.common import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 
+from bench.common import free_port
 from cluster.cli import _running
-from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

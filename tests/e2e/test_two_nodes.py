@@ -1,12 +1,9 @@
 """Two Ray nodes on one machine: one prefix index behind two proxies, and a lost node
 is a fault the cluster survives.
 
-The module starts its own Ray cluster of two nodes, each a separate ``ray start --block`` in a
-session of its own (its own raylet, object store, agents, temp dir and worker ports; every port
-free and derived, so it never meets another Ray on the machine): the head (node A) and a second
-node (node B) joined to the head's GCS. Both register the machine's own address (Ray turns a
-loopback ``--node-ip-address`` into it anyway): several raylets share a host when their ports
-differ, and a driver on that host connects to the head's. Each node has one logical CPU and an
+The module starts its own Ray cluster of two nodes (``bench/ray_nodes.py``: each a separate
+``ray start --block`` in a session of its own): the head (node A) and a second node (node B)
+joined to the head's GCS. Each node has one logical CPU and an
 engine replica reserves one, so the two engine replicas land one on each node; the ingress is
 pinned to one replica per node (``max_replicas_per_node``, set by the test).
 
@@ -38,10 +35,6 @@ import json
 import os
 import random
 import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,14 +42,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
+from bench import ray_nodes
+from bench.common import free_ports
+from bench.ray_nodes import (
+    HEALTH_CHECK_ENV,
+    RayNode,
+    ingress_log_lines,
+    kill_all,
+    serve_details,
+    start_node,
+    stop_node,
+    wait_for_port,
+)
 from cluster.app import ROUTING_STATS_PERIOD_S
 from cluster.ingress import INGRESS_HEADER, REPLICA_HEADER
 from cluster.metrics import METRICS_PUSH_PERIOD_S
 from router.protocol import hash_blocks
-from tests.ports import free_ports
 from tests.router.conftest import REDIS_BINARY, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -72,18 +75,6 @@ TOKEN_RANGE = (1000, 40000)
 MAX_MODEL_LEN = 1024
 # Both nodes, the deployment and the tiny model's replicas on a busy 2-core machine.
 STARTUP_TIMEOUT_S = 300.0
-SHUTDOWN_TIMEOUT_S = 30.0
-# Worker ports per node (every actor and driver takes one): far more than this module starts.
-WORKER_PORTS_PER_NODE = 24
-# A dead raylet is noticed by the GCS after about period x threshold (defaults: 3 s x 5); the
-# streams fail over without it (a failed call to a replica is enough), but the test waits for
-# node B to be declared dead: sooner here, still 5 missed probes, so that a raylet starved of
-# CPU for a few seconds on a busy machine is not declared dead by mistake.
-HEALTH_CHECK_ENV = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "3000",
-    "RAY_health_check_failure_threshold": "5",
-}
 # The GCS declares node B dead within this long of the kill.
 NODE_DEATH_TIMEOUT_S = 60.0
 # Serve's per-worker-node override of the proxy's HTTP port (the head's proxy keeps
@@ -104,102 +95,8 @@ CLEAN_END_S = 10.0
 FAILOVER_LOG = "resuming on another"
 
 
-def ray_cli() -> list[str]:
-    script = shutil.which("ray")
-    return [script] if script is not None else [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-@dataclass
-class RayNode:
-    """One ``ray start --block`` (its own session: the node's processes die with it)."""
-
-    name: str
-    process: subprocess.Popen
-    log_path: Path
-    temp_dir: str
-
-    def processes(self) -> list[psutil.Process]:
-        """Every process of the node: its session (``ray start`` opened one; the raylet, the
-        agents, the workers, each in a process group of its own, and their engine processes
-        stay in it) and any descendant of ``ray start`` that left it."""
-        found = {}
-        for process in psutil.process_iter():
-            with contextlib.suppress(OSError, psutil.Error):
-                if os.getsid(process.pid) == self.process.pid:
-                    found[process.pid] = process
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self.process.pid)
-            found.update({p.pid: p for p in [root, *root.children(recursive=True)]})
-        return list(found.values())
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-
-def start_node(
-    name: str, args: list[str], env: dict, workdir: Path, extra_env: dict | None = None
-) -> RayNode:
-    temp_dir = tempfile.mkdtemp(prefix=f"/tmp/r2{name}")  # short: Ray's socket paths are capped
-    node_manager, object_manager, metrics, agent, agent_grpc, env_agent, *workers = free_ports(
-        6 + WORKER_PORTS_PER_NODE
-    )
-    log_path = workdir / f"node-{name}.log"
-    command = [
-        *ray_cli(), "start", "--block", *args, "--num-cpus", "1", "--num-gpus", "0",
-        "--resources", json.dumps({f"node_{name}": 1}), "--temp-dir", temp_dir,
-        "--node-manager-port", str(node_manager), "--object-manager-port", str(object_manager),
-        "--metrics-export-port", str(metrics), "--dashboard-agent-listen-port", str(agent),
-        "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(env_agent),
-        "--worker-port-list", ",".join(map(str, workers)),
-    ]  # fmt: skip
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env={**env, **(extra_env or {})},
-            start_new_session=True,
-        )  # fmt: skip
-    return RayNode(name, process, log_path, temp_dir)
-
-
-def stop_node(node: RayNode) -> None:
-    """SIGKILLs every process of the node: a test cluster keeps nothing worth a graceful
-    stop, and ``ray start --block`` takes tens of seconds to stop its node on SIGTERM."""
-    kill_all(node.processes())
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        node.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
-    shutil.rmtree(node.temp_dir, ignore_errors=True)
-
-
-def kill_all(processes: list[psutil.Process]) -> None:
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(processes, timeout=SHUTDOWN_TIMEOUT_S)
-
-
-def wait_for_port(port: int, node: RayNode, deadline: float) -> None:
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        assert node.process.poll() is None, f"node {node.name} failed:\n{node.log_tail()}"
-        assert time.monotonic() < deadline, f"node {node.name} did not come up:\n{node.log_tail()}"
-        time.sleep(0.2)
-
-
-def serve_details() -> dict:
-    """Serve's instance details (proxies and replicas with their nodes), from the controller:
-    what the dashboard's /api/serve/applications/ shows, without running the dashboard."""
-    import ray
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    return ray.get(controller.get_serve_instance_details.remote(), timeout=30)
-
-
 def replicas_by_node(details: dict, deployment: str) -> dict[str, str]:
-    """{replica id: node id} of a deployment's RUNNING replicas."""
-    app = details.get("applications", {}).get(APP_NAME, {})
-    replicas = app.get("deployments", {}).get(deployment, {}).get("replicas", [])
-    return {r["replica_id"]: r["node_id"] for r in replicas if r["state"] == "RUNNING"}
+    return ray_nodes.replicas_by_node(details, APP_NAME, deployment)
 
 
 @dataclass(frozen=True)
@@ -262,10 +159,7 @@ def two_nodes(tmp_path_factory):
             assert nodes[1].process.poll() is None, f"node b failed:\n{nodes[1].log_tail()}"
             assert time.monotonic() < deadline, f"node b did not join: {ray.nodes()}"
             time.sleep(0.2)
-        node_ids = {
-            name: next(n["NodeID"] for n in ray.nodes() if f"node_{name}" in n["Resources"])
-            for name in ("a", "b")
-        }
+        node_ids = ray_nodes.node_ids(["a", "b"])
 
         serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": http_a})
         engine = {
@@ -468,13 +362,6 @@ def stream_completion(url: str, prompt: list[int], record: StreamRecord) -> None
     except Exception as exc:  # noqa: BLE001 - the test judges what the client saw
         record.exception = exc
     record.ended_s = time.monotonic() - record.start_s
-
-
-def ingress_log_lines(node: RayNode, text: str) -> list[str]:
-    """Lines holding ``text`` in the logs of the node's ingress replicas."""
-    logs = Path(node.temp_dir).glob("session_*/logs/serve/replica_*Ingress*.log")
-    return [line for log in logs for line in log.read_text(errors="replace").splitlines()
-            if text in line]  # fmt: skip
 
 
 def test_losing_the_second_node_keeps_streams_through_the_first(two_nodes, test_seed):

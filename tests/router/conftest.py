@@ -11,10 +11,10 @@ import uuid
 import pytest
 import redis
 
+from bench.common import free_port
 from router.embedded_index import EmbeddedIndex
 from router.index_journal import JournaledIndex
 from router.redis_index import RedisIndex
-from tests.ports import free_port
 
 REDIS_BINARY = "redis-server"
 # redis-server is ready in ~20 ms on an idle machine; CI machines share 2 cores.

@@ -7,12 +7,12 @@ import time
 import pytest
 import redis
 
+from bench.common import free_port
 from router.config import RouterConfig
 from router.index import make_index
 from router.index_types import IndexUnavailableError, Match
 from router.protocol import EventKind, KVEvent, KVEventBatch
 from router.redis_index import RedisIndex
-from tests.ports import free_port
 from tests.router.helpers import batch, chain, stored
 
 pytestmark = pytest.mark.redis

@@ -11,9 +11,9 @@ import time
 import pytest
 import redis
 
+from bench.common import free_port
 from router.index_types import IndexUnavailableError, Match
 from router.redis_index import REDIS_PASSWORD_ENV, RedisIndex
-from tests.ports import free_port
 from tests.router.conftest import REDIS_BINARY
 from tests.router.helpers import batch, chain, stored
 
