@@ -16,7 +16,8 @@ died or restarted.
 Thread-safe (one lock). Bounded: entries older than ``ttl_s`` (the speculative TTL: a write
 that never landed, e.g. dropped from a full queue) stop counting and are dropped, as are the
 registrations of lookups never matched (their caller was cancelled), and past ``max_blocks``
-the oldest entries go; either only means the index's answer decides alone.
+blocks over the kept decisions the oldest decisions go; either only means the index's answer
+decides alone.
 
 ``RecentAdapters`` does for adapters what the speculative entries do for blocks: a replica
 sent a request on adapter X loads X when it admits it, but its stats (``lora_adapters``) say
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 
 from router.index_types import Match, ReplicaId
@@ -43,7 +44,11 @@ DEFAULT_MAX_ADAPTERS = 1 << 12
 
 
 class RecentDecisions:
-    """Block hash -> the replicas recent decisions sent it to, by decision number."""
+    """Block hash -> the replicas recent decisions sent it to, by decision number.
+
+    Each decision is kept once, in order (``_decisions``), and indexed by block
+    (``_holders``); pruning drops whole decisions from the oldest on, so recording one costs a
+    dict write per block and nothing is ever reordered."""
 
     def __init__(
         self,
@@ -55,8 +60,12 @@ class RecentDecisions:
         self._clock = clock
         self._max_blocks = max_blocks
         self._lock = threading.Lock()
-        self._holders: OrderedDict[BlockHash, dict[ReplicaId, tuple[int, float]]] = OrderedDict()
-        """Block -> replica -> (decision number, expiry); the newest decisions last."""
+        self._holders: dict[BlockHash, dict[ReplicaId, tuple[int, float]]] = {}
+        """Block -> replica -> (number of the newest decision that sent it there, expiry)."""
+        self._decisions: deque[tuple[int, float, ReplicaId, Sequence[BlockHash]]] = deque()
+        """(number, expiry, replica, blocks) of every decision kept, oldest first."""
+        self._num_entries = 0
+        """Blocks over the kept decisions: what ``max_blocks`` bounds."""
         self._last_seq = 0
         self._landed_seq = 0
         self._open_marks: dict[int, tuple[int, float]] = {}
@@ -70,12 +79,18 @@ class RecentDecisions:
         with self._lock:
             self._last_seq += 1
             seq = self._last_seq
+            entry = (seq, expiry_s)
+            holders = self._holders
             for block_hash in block_hashes:
-                holders = self._holders.pop(block_hash, None) or {}
-                holders[replica_id] = (seq, expiry_s)
-                self._holders[block_hash] = holders
-            while len(self._holders) > self._max_blocks:
-                self._holders.popitem(last=False)
+                found = holders.get(block_hash)
+                if found is None:
+                    holders[block_hash] = {replica_id: entry}
+                else:
+                    found[replica_id] = entry
+            self._decisions.append((seq, expiry_s, replica_id, block_hashes))
+            self._num_entries += len(block_hashes)
+            while self._num_entries > self._max_blocks:
+                self._drop_oldest()
         return seq
 
     def landed(self, seq: int) -> None:
@@ -125,20 +140,29 @@ class RecentDecisions:
             self._open_marks.pop(mark, None)
 
     def _prune(self) -> None:
-        """Drop the oldest entries that every open lookup can see in the index already, or
+        """Drop the oldest decisions that every open lookup can see in the index already, or
         that expired; and the registrations older than the TTL (lookups never matched)."""
         now_s = self._clock()
         for mark, (_, taken_s) in list(self._open_marks.items()):
             if now_s - taken_s > self.ttl_s:
                 del self._open_marks[mark]
         keep_after = min([self._landed_seq, *self._open_marks])
-        while self._holders:
-            holders = next(iter(self._holders.values()))
-            newest_seq = max(seq for seq, _ in holders.values())
-            latest_expiry_s = max(expiry_s for _, expiry_s in holders.values())
-            if newest_seq > keep_after and latest_expiry_s > now_s:
-                return
-            self._holders.popitem(last=False)
+        decisions = self._decisions
+        while decisions and (decisions[0][0] <= keep_after or decisions[0][1] <= now_s):
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        """Forgets the oldest decision: its blocks on its replica, unless a newer decision
+        sent them there again."""
+        seq, _, replica_id, block_hashes = self._decisions.popleft()
+        self._num_entries -= len(block_hashes)
+        holders = self._holders
+        for block_hash in block_hashes:
+            found = holders.get(block_hash)
+            if found is not None and found.get(replica_id, (0,))[0] == seq:
+                del found[replica_id]
+                if not found:
+                    del holders[block_hash]
 
 
 def merge_matches(
