@@ -2,15 +2,18 @@
 
 Model of one replica (documented simplifications, shared by every policy alike):
 - Prefill is one server. A request's prefill starts when the previous one ends; its cache
-  hit is looked up *then* (so a request queued behind a same-prefix request hits). Which queued
-  request goes next follows ``SimConfig.prefill_order``, as the engine's scheduler does: the
-  fewest uncached tokens first (``shortest_first``, with the engine's starvation bound
-  ``MAX_PREFILL_SKIPS``) or arrival order (``fcfs``). A request's prefill is not split between
-  others' (the engine interleaves chunks; with one prefill at a time the order is what counts).
-  Its service
-  time is ``uncached / prefill_rate + host / host_to_device_rate`` plus, per chunk of
-  ``max_num_batched_tokens``, one decode step of the requests already running (chunked prefill
-  shares each step with decodes). At least one token is always computed (the last prompt token).
+  hit is looked up *then* (so a request queued behind a same-prefix request hits). One that
+  finds the server idle while requests decode first waits for the decode step under way to
+  end, as the engine admits work only between steps: a uniform share of that step (drawn from
+  an RNG of its own, seeded from ``SimConfig.seed``, so the policies' draws do not move).
+  Which queued request goes next follows ``SimConfig.prefill_order``, as the engine's
+  scheduler does: the fewest uncached tokens first (``shortest_first``, with the engine's
+  starvation bound ``MAX_PREFILL_SKIPS``) or arrival order (``fcfs``). A request's prefill is
+  not split between others' (the engine interleaves chunks; with one prefill at a time the
+  order is what counts). Its service time is ``uncached / prefill_rate + host /
+  host_to_device_rate`` plus, per chunk of ``max_num_batched_tokens``, one decode step of the
+  requests already running (chunked prefill shares each step with decodes). At least one
+  token is always computed (the last prompt token).
 - KV lives in a ``BlockPool`` per replica (vLLM's model): a request pins its hit blocks and
   reserves slots for the rest when its prefill starts; the computed blocks become stored (the
   ``stored`` KV event) when its prefill ends; generated tokens reserve blocks while it decodes;
@@ -164,6 +167,8 @@ class Simulator:
         self.policy = policy
         self.rates = config.rates
         self.rng = random.Random(config.seed)
+        self._step_phase = random.Random(config.seed + 1)
+        """Where in the decode step under way an idle replica's next prefill arrives."""
         self.now_s = 0.0
         self.holders: dict[BlockId, set[int]] = {}
         """Device-tier index: block -> replicas holding it (exactly what KV events report)."""
@@ -449,7 +454,9 @@ class Simulator:
                     replica.prefill_skips.get(req.request_id, 0) + 1
                 )
 
-    def _start_prefill(self, replica: SimReplica) -> None:
+    def _start_prefill(self, replica: SimReplica, after_prefill: bool = False) -> None:
+        """Starts the replica's next prefill; ``after_prefill``: the server just finished one
+        (a step boundary), else it was idle and waits out the decode step under way, if any."""
         req = self._next_prefill(replica)
         if req is None:
             return  # every queued request waits for a block in flight; its landing restarts
@@ -464,8 +471,10 @@ class Simulator:
         decode_share_s = (
             self.rates.decode_step_s(replica.num_running) if replica.num_running else 0.0
         )
+        step_wait_s = 0.0 if after_prefill else self._step_phase.random() * decode_share_s
         service_s = (
-            uncached / self.rates.prefill_tokens_per_s
+            step_wait_s
+            + uncached / self.rates.prefill_tokens_per_s
             + host_tokens / self.rates.host_to_device_tokens_per_s
             + num_chunks * decode_share_s
         )
@@ -504,7 +513,7 @@ class Simulator:
         decode_s = (req.num_output_tokens - 1) * self.rates.decode_step_s(replica.num_running)
         self._push(self.now_s + decode_s, _DECODE_DONE, (replica, req))
         if replica.queue:
-            self._start_prefill(replica)
+            self._start_prefill(replica, after_prefill=True)
         for i in sorted(woken - {replica.index}):
             peer = self.replicas[i]
             if peer.queue and not peer.prefilling:

@@ -329,3 +329,25 @@ def test_memory_check_refuses_a_size_that_does_not_fit():
     assert scale.memory_shortfall(8, 700, fits) is None
     short = scale.memory_shortfall(32, 700, fits)
     assert short is not None and "32 replicas" in short and "not started" in short
+
+
+def test_resimulate_puts_the_simulator_now_beside_a_files_real_cells(tmp_path):
+    command = "python -m bench.scale --replicas 2 --policies prefix --requests-per-replica 3"
+    row = {
+        "replicas": 2, "policy": "prefix", "index": "embedded",
+        "workload": "generated_shared_prefix",
+        "hit_rate": 0.5, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0,
+        "sim": {"hit_rate": 0.25, "ttft_p50_s": 0.5, "ttft_p90_s": 4.0},
+    }  # fmt: skip
+    made = tmp_path / "scale_x.json"
+    made.write_text(json.dumps({"header": {"command": command}, "rows": [row, {"error": "x"}]}))
+    merged = tmp_path / "scale_merged.json"
+    merged.write_text(json.dumps({"header": {"command": f"{command}; {command}"}, "rows": [row]}))
+    paths = scale.resimulate([made, merged], tmp_path / "out", "t")
+    out = json.loads(paths[0].read_text())["rows"]
+    assert len(out) == 1  # the error row and the file of two commands are skipped
+    assert out[0]["real"] == {"hit_rate": 0.5, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
+    assert out[0]["sim_then"]["ttft_p90_s"] == 4.0
+    assert 0 <= out[0]["sim_now"]["hit_rate"] <= 1 and out[0]["sim_now"]["ttft_p50_s"] > 0
+    assert "| scale_x.json | 2 | prefix | embedded |" in paths[1].read_text()
+    assert "+100% -> " in paths[1].read_text()  # p50: real 1.0 against 0.5 then

@@ -61,6 +61,15 @@ def test_prefills_queue_in_arrival_order_and_share_steps_with_running_decodes():
     assert result.ttft_p99_s == pytest.approx(0.2 + (ttft_b - 0.2) * 0.99)
 
 
+def test_a_prefill_that_finds_the_server_idle_waits_out_the_decode_step_under_way():
+    a = Request(0, 0.0, (1, 2, 3, 4, 5), 20, 101)  # prefill 0.2 s, then decodes until ~1.2 s
+    b = Request(1, 0.5, (9, 8), 8, 2)  # arrives mid-decode, the prefill server idle
+    result = _run([a, b])
+    ttft_b = 2 * result.ttft_p50_s - 0.2
+    # 8 tokens and one shared decode step (0.09 s), after up to one step (0.01 s) of waiting.
+    assert 0.09 + 1e-6 < ttft_b < 0.10
+
+
 def test_shortest_first_starts_a_mostly_cached_prompt_before_a_cold_one_queued_earlier():
     warm = Request(0, 0.0, (1, 2, 3, 4, 5), 20, 1)  # 0.2 s, caches blocks 1-5
     running = Request(1, 1.0, (7, 8), 8, 1)  # 0.08 s: the server is busy when the others come
