@@ -434,8 +434,13 @@ def server_argv(args, plan: CellPlan, policy: str, port: int, profile_path, redi
     return argv
 
 
-async def _send_all(base: str, model: str, prompts, arrivals, max_tokens, timeout_s: float):
-    """Every prompt as a streaming completion at its arrival time (open loop)."""
+async def send_open_loop(
+    base: str, model: str, prompts, arrivals, max_tokens, timeout_s: float, beside=None
+):
+    """Every prompt as a streaming completion at its arrival time (open loop); (records,
+    duration). ``beside``: a coroutine function started with the run, given its start
+    (``time.perf_counter``), and awaited before the records return (``bench/scale_failover.py``
+    kills a node from one)."""
     import httpx
 
     from bench.loadgen.client import RequestOutput, RequestSettings, request_body, send_request
@@ -461,12 +466,17 @@ async def _send_all(base: str, model: str, prompts, arrivals, max_tokens, timeou
                 "output_tokens": out.output_tokens,
                 "ttft_s": out.ttft_s,
                 "start_s": out.start_s,
+                "end_s": out.start_s + out.latency_s,
                 "lateness_s": out.start_s - arrivals[i],
                 "latency_s": out.latency_s,
                 "replica": out.replica,
+                "text": out.generated_text,
             }
 
+        side = asyncio.create_task(beside(t0)) if beside is not None else None
         records = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        if side is not None:
+            await side
         duration = time.perf_counter() - t0
     return list(records), duration
 
@@ -476,7 +486,7 @@ def warm_up(base: str, model: str, vocab: int, n: int, patience_s: float = 120.0
     prompts = [[TOKEN_LO + (7919 * i + j) % (vocab - TOKEN_LO) for j in range(WARMUP_TOKENS)]
                for i in range(n)]  # fmt: skip
     retry_until_served(
-        lambda: asyncio.run(_send_all(base, model, prompts, [0.0] * n, [2] * n, 60.0))[0],
+        lambda: asyncio.run(send_open_loop(base, model, prompts, [0.0] * n, [2] * n, 60.0))[0],
         patience_s,
     )
 
@@ -572,7 +582,7 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         decision0 = histogram_from_metrics(text0, decision)
         c1, t1 = srv.cpu_by_process(), time.monotonic()
         records, duration = asyncio.run(
-            _send_all(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
+            send_open_loop(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
         )
         out["load_cpu_s_per_s"] = cpu_rates(
             c1, srv.cpu_by_process(), time.monotonic() - t1, cpu_kind
@@ -677,6 +687,28 @@ def resimulate(paths: list[Path], out_dir: Path, tag: str) -> list[Path]:
 
 
 # -- main ----------------------------------------------------------------------------------------
+def add_cell_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that shape a cell's cluster and workload (``plan_cell`` reads them), shared
+    with ``bench/scale_failover.py``."""
+    p.add_argument("--requests-per-replica", type=int, default=20)
+    p.add_argument("--capacity-blocks", type=int, default=1024, help="KV blocks per replica")
+    p.add_argument("--offered-load", type=float, default=0.8)
+    p.add_argument("--rate", type=float, default=6.0, help="req/s the auto time scale aims at")
+    p.add_argument("--time-scale", default="auto", help="'auto' or a number >= 1")
+    p.add_argument("--sim-profile", default="gpu", help="a preset of worker/sim_profiles.json")
+    p.add_argument("--ingress-replicas", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Timeouts and where results and logs go, shared with ``bench/scale_failover.py``."""
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--tag", default=None, help="file name suffix (default: the UTC date)")
+    p.add_argument("--log-dir", type=Path, default=None, help="default $TMPDIR/scale_logs")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bench.sim.workloads import WORKLOADS
 
@@ -697,14 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None)
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
                    default=["generated_shared_prefix"])  # fmt: skip
-    p.add_argument("--requests-per-replica", type=int, default=20)
-    p.add_argument("--capacity-blocks", type=int, default=1024, help="KV blocks per replica")
-    p.add_argument("--offered-load", type=float, default=0.8)
-    p.add_argument("--rate", type=float, default=6.0, help="req/s the auto time scale aims at")
-    p.add_argument("--time-scale", default="auto", help="'auto' or a number >= 1")
-    p.add_argument("--sim-profile", default="gpu", help="a preset of worker/sim_profiles.json")
-    p.add_argument("--ingress-replicas", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_cell_flags(p)
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument(
         "--mb-per-replica",
@@ -712,8 +737,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=MB_PER_REPLICA,
         help="memory an engine replica takes; a size that would not fit is not started",
     )
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--no-real", action="store_true", help="the simulator's half only")
     p.add_argument(
         "--resimulate",
@@ -723,9 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RESULT_JSON",
         help="no cluster: the simulator now against these files' real cells",
     )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--tag", default=None, help="file name suffix (default: the UTC date)")
-    p.add_argument("--log-dir", type=Path, default=None, help="default $TMPDIR/scale_logs")
+    add_run_flags(p)
     return p
 
 

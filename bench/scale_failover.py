@@ -62,7 +62,7 @@ from unittest import mock
 
 from bench import ray_nodes
 from bench.common import free_ports, percentile, sigterm_unwinds
-from bench.result_files import RESULTS, result_header
+from bench.result_files import result_header
 
 APP_NAME = "scalefailover"
 FAILOVER_LOG = "resuming on another"
@@ -76,6 +76,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from bench.scale import add_cell_flags, add_run_flags
     from bench.sim.workloads import WORKLOADS
 
     p = argparse.ArgumentParser(
@@ -86,19 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=16, help="engine replicas, half per node")
     p.add_argument("--kill-at", type=float, default=0.4, help="fraction of the arrival span")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="generated_shared_prefix")
-    p.add_argument("--requests-per-replica", type=int, default=20)
-    p.add_argument("--capacity-blocks", type=int, default=1024, help="KV blocks per replica")
-    p.add_argument("--offered-load", type=float, default=0.8)
-    p.add_argument("--rate", type=float, default=6.0, help="req/s the auto time scale aims at")
-    p.add_argument("--time-scale", default="auto", help="'auto' or a number >= 1")
-    p.add_argument("--sim-profile", default="gpu", help="a preset of worker/sim_profiles.json")
-    p.add_argument("--ingress-replicas", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--tag", default=None, help="file name suffix (default: the UTC date)")
-    p.add_argument("--log-dir", type=Path, default=None, help="default $TMPDIR/scale_logs")
+    add_cell_flags(p)
+    add_run_flags(p)
     return p
 
 
@@ -301,7 +291,7 @@ def liveness_deadlines(redis_url: str, replica_ids: list[str]) -> dict[str, floa
 
 
 # -- the run ---------------------------------------------------------------------------------
-async def drive(
+def drive(
     url: str,
     model: str,
     prompts: list[list[int]],
@@ -311,50 +301,21 @@ async def drive(
     kill_after_s: float,
     kill,
 ) -> tuple[list[dict], float, float]:
-    """Every prompt as a streaming completion at its arrival time, ``kill()`` (in a thread)
-    ``kill_after_s`` in; (records, duration, kill time from the start)."""
-    import httpx
+    """``bench/scale.py``'s open loop, with ``kill()`` run (in a thread) ``kill_after_s`` in;
+    (records, duration, kill time from the start)."""
+    from bench.scale import send_open_loop
 
-    from bench.loadgen.client import RequestOutput, RequestSettings, request_body, send_request
-
-    settings = RequestSettings(base_url=url, model=model, ignore_eos=True, timeout_s=timeout_s)
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
     killed_at: list[float] = []
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        t0 = time.perf_counter()
 
-        async def killer() -> None:
-            await asyncio.sleep(kill_after_s)
-            killed_at.append(time.perf_counter() - t0)
-            await asyncio.to_thread(kill)
+    async def killer(t0: float) -> None:
+        await asyncio.sleep(kill_after_s)
+        killed_at.append(time.perf_counter() - t0)
+        await asyncio.to_thread(kill)
 
-        async def one(i: int) -> dict:
-            delay = arrivals[i] - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            out = RequestOutput(i, 0)
-            body = request_body(settings, max_tokens[i], prompt=prompts[i])
-            await send_request(client, settings, body, out, t0)
-            return {
-                "index": i,
-                "success": out.success,
-                "error": out.error,
-                "prompt_tokens": out.prompt_len,
-                "cached_tokens": out.cached_tokens,
-                "output_tokens": out.output_tokens,
-                "ttft_s": out.ttft_s,
-                "start_s": out.start_s,
-                "end_s": out.start_s + out.latency_s,
-                "latency_s": out.latency_s,
-                "replica": out.replica,
-                "text": out.generated_text,
-            }
-
-        kill_task = asyncio.create_task(killer())
-        records = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        await kill_task
-        duration = time.perf_counter() - t0
-    return list(records), duration, killed_at[0]
+    records, duration = asyncio.run(
+        send_open_loop(url, model, prompts, arrivals, max_tokens, timeout_s, beside=killer)
+    )
+    return records, duration, killed_at[0]
 
 
 def phase_figures(records: list[dict]) -> dict:
@@ -430,11 +391,9 @@ def run(args) -> dict:
             f"serving after {row['startup_s']:.0f} s; {len(prompts)} requests over "
             f"{arrivals[-1]:.0f} s, node b killed {kill_after_s:.0f} s in"
         )
-        records, duration, killed_s = asyncio.run(
-            drive(
-                cluster.url, model, prompts, arrivals, max_tokens,
-                args.request_timeout_s, kill_after_s, kill,
-            )
+        records, duration, killed_s = drive(
+            cluster.url, model, prompts, arrivals, max_tokens,
+            args.request_timeout_s, kill_after_s, kill,
         )  # fmt: skip
         row["duration_s"] = round(duration, 1)
         row["killed_at_s"] = round(killed_s, 2)
