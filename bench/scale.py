@@ -3,7 +3,6 @@
     python -m bench.scale                                   # 8, 16, 32 replicas x 4 policies
     python -m bench.scale --replicas 8 --policies prefix round_robin --tag smoke
     python -m bench.scale --replicas 16 --policies prefix --index embedded redis
-    python -m bench.scale --resimulate bench/results/scale_*.json   # the simulator, rerun
 
 For each size in ``--replicas``, each index backend in ``--index`` (``embedded``; ``redis``
 too when ``--redis-url`` is given or a ``redis-server`` binary is found: one throwaway
@@ -131,7 +130,6 @@ from bench.scale_report import (
     histogram_from_metrics,
     histogram_summary,
     markdown,
-    rel_diff,
     summarize_records,
     write_report,
 )
@@ -614,78 +612,6 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
     return out
 
 
-# -- the simulator against runs already made ------------------------------------------------------
-def resimulate(paths: list[Path], out_dir: Path, tag: str) -> list[Path]:
-    """Each real cell of the result files at ``paths`` beside the simulator as the file ran
-    it and as it runs now (same workload, size, rates and policy, from the file's command):
-    ``scale_resimulated_<tag>.json`` and ``.md``. Rows with an error are skipped."""
-    import shlex
-
-    rows = []
-    for path in paths:
-        result = json.loads(path.read_text())
-        command = shlex.split(result["header"]["command"])
-        if command[:3] != ["python", "-m", "bench.scale"] or ";" in result["header"]["command"]:
-            _progress(f"{path}: not one bench.scale command, skipped")
-            continue
-        argv = command[3:]
-        args = parse_args([*argv, "--no-real"])
-        base_profile = load_base_profile(args.sim_profile)
-        for row in result["rows"]:
-            if "error" in row:
-                continue
-            plan = plan_cell(args, base_profile, row["replicas"], row["workload"])
-            real = {k: row[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p90_s")}
-            rows.append(
-                {
-                    "file": path.name,
-                    "replicas": row["replicas"],
-                    "policy": row["policy"],
-                    "index": row["index"],
-                    "workload": row["workload"],
-                    "real": real,
-                    "sim_then": {k: row["sim"][k] for k in real},
-                    "sim_now": {
-                        k: v for k, v in simulate(args, plan, row["policy"]).items() if k in real
-                    },
-                }
-            )
-    header = result_header("scale_resimulated", "bench.scale")
-    lines = [
-        f"# The simulator against the real cells, {time.strftime('%Y-%m-%d', time.gmtime())}",
-        "",
-        "`(real - sim) / sim` with the simulator as each file ran it and as it runs now "
-        f"(`{header['command']}`, commit {header['git_commit']}).",
-        "",
-        "| file | replicas | policy | index | hit rate real / then / now | TTFT p50 real / then / "
-        "now (s) | TTFT p90 real / then / now (s) | hit diff then -> now | p50 diff then -> now | "
-        "p90 diff then -> now |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def diff(real: dict, sim: dict, key: str) -> str:
-        d = rel_diff(real[key], sim[key])
-        return "-" if d is None else f"{d:+.0%}"
-
-    for r in rows:
-        real, then, now = r["real"], r["sim_then"], r["sim_now"]
-        lines.append(
-            f"| {r['file']} | {r['replicas']} | {r['policy']} | {r['index']} | "
-            f"{real['hit_rate']:.3f} / {then['hit_rate']:.3f} / {now['hit_rate']:.3f} | "
-            f"{real['ttft_p50_s']:.2f} / {then['ttft_p50_s']:.2f} / {now['ttft_p50_s']:.2f} | "
-            f"{real['ttft_p90_s']:.2f} / {then['ttft_p90_s']:.2f} / {now['ttft_p90_s']:.2f} | "
-            f"{diff(real, then, 'hit_rate')} -> {diff(real, now, 'hit_rate')} | "
-            f"{diff(real, then, 'ttft_p50_s')} -> {diff(real, now, 'ttft_p50_s')} | "
-            f"{diff(real, then, 'ttft_p90_s')} -> {diff(real, now, 'ttft_p90_s')} |"
-        )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"scale_resimulated_{tag}"
-    stem.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return [stem.with_suffix(".json"), stem.with_suffix(".md")]
-
-
 # -- main ----------------------------------------------------------------------------------------
 def add_cell_flags(p: argparse.ArgumentParser) -> None:
     """The flags that shape a cell's cluster and workload (``plan_cell`` reads them), shared
@@ -738,14 +664,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory an engine replica takes; a size that would not fit is not started",
     )
     p.add_argument("--no-real", action="store_true", help="the simulator's half only")
-    p.add_argument(
-        "--resimulate",
-        nargs="+",
-        type=Path,
-        default=None,
-        metavar="RESULT_JSON",
-        help="no cluster: the simulator now against these files' real cells",
-    )
     add_run_flags(p)
     return p
 
@@ -767,7 +685,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.index = ["embedded"]
         if args.redis_url or shutil.which("redis-server"):
             args.index.append("redis")
-    needs_redis = "redis" in args.index and not (args.no_real or args.resimulate)
+    needs_redis = "redis" in args.index and not args.no_real
     if needs_redis and not args.redis_url and not shutil.which("redis-server"):
         p.error("--index redis needs --redis-url or a redis-server binary")
     args.tag = args.tag or time.strftime("%Y-%m-%d", time.gmtime())
@@ -853,9 +771,6 @@ def run_all(args, header: dict, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.resimulate:
-        resimulate(args.resimulate, args.out_dir, args.tag)
-        return 0
     args.log_dir.mkdir(parents=True, exist_ok=True)
     header = {
         **result_header("scale", "bench.scale", argv),

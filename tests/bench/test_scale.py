@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench import scale, scale_report
+from bench import scale, scale_report, scale_resimulate
 from bench.sim.workloads import (
     Request,
     WorkloadScale,
@@ -343,7 +343,7 @@ def test_resimulate_puts_the_simulator_now_beside_a_files_real_cells(tmp_path):
     made.write_text(json.dumps({"header": {"command": command}, "rows": [row, {"error": "x"}]}))
     merged = tmp_path / "scale_merged.json"
     merged.write_text(json.dumps({"header": {"command": f"{command}; {command}"}, "rows": [row]}))
-    paths = scale.resimulate([made, merged], tmp_path / "out", "t")
+    paths = scale_resimulate.resimulate([made, merged], tmp_path / "out", "t")
     out = json.loads(paths[0].read_text())["rows"]
     assert len(out) == 1  # the error row and the file of two commands are skipped
     assert out[0]["real"] == {"hit_rate": 0.5, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0}
