@@ -469,6 +469,7 @@ async def send_open_loop(
                 "latency_s": out.latency_s,
                 "replica": out.replica,
                 "text": out.generated_text,
+                "max_gap_s": max(out.itl_s, default=0.0),
             }
 
         side = asyncio.create_task(beside(t0)) if beside is not None else None

@@ -25,7 +25,8 @@ is compared with that text.
 
 Per run (one JSON row, markdown and a PNG): failed requests (the target is 0), streams whose
 text differs from the offline run (0), requests in flight on node B's replicas at the kill
-(by the ``x-prefixserve-replica`` header: the replica that started the stream), failovers
+(by the ``x-prefixserve-replica`` header: the replica that started the stream) and their
+longest gap between two text chunks (the stall a client saw, beside the other streams'), failovers
 the ingress replicas logged (``resuming on another``), seconds until the GCS declared node B
 dead, seconds until Redis held no key or liveness entry of node B's replicas (the index
 purged), TTFT p50/p90/p99 and hit rate before the kill, in the 30 s after it and later, the
@@ -432,6 +433,18 @@ def outcome(records: list[dict], expected: list[str], on_b: list[str], killed_s:
         "failed_over_latency_p50_s": round(
             percentile([r["latency_s"] for r in in_flight if r["success"]], 50), 3
         ),
+        "failed_over_stall_p50_s": round(
+            percentile([r["max_gap_s"] for r in in_flight if r["success"]], 50), 3
+        ),
+        "failed_over_stall_max_s": round(
+            max((r["max_gap_s"] for r in in_flight if r["success"]), default=0.0), 3
+        ),
+        "others_stall_p50_s": round(
+            percentile(
+                [r["max_gap_s"] for r in records if r["success"] and r not in in_flight], 50
+            ),
+            3,
+        ),
         "sent_after_kill_on_b": sum(
             1 for r in records if r["start_s"] > killed_s + 1.0 and r["replica"] in lost
         ),
@@ -506,7 +519,10 @@ def markdown(row: dict) -> str:
         f"**{row['texts_differing']}**",
         f"- in flight on node B's replicas at the kill: {row['in_flight_on_b_at_kill']}, "
         f"completed {row['in_flight_on_b_completed']} (latency p50 "
-        f"{row['failed_over_latency_p50_s']} s); failovers logged: {row['failovers_logged']}",
+        f"{row['failed_over_latency_p50_s']} s; their longest gap between two chunks p50 "
+        f"{row['failed_over_stall_p50_s']} s, max {row['failed_over_stall_max_s']} s, against "
+        f"{row['others_stall_p50_s']} s for the other streams); failovers logged: "
+        f"{row['failovers_logged']}",
         f"- node B declared dead {row['node_b_declared_dead_after_s']} s after the kill; "
         f"Redis held no liveness entry of its replicas {row['liveness_gone_after_s']} s "
         f"after it, nothing of theirs {row['index_purged_after_s']} s after it"

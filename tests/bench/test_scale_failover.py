@@ -16,6 +16,7 @@ def record(index, replica, start_s, end_s, success=True, text="t", ttft_s=0.5):
         "index": index, "replica": replica, "start_s": start_s, "end_s": end_s,
         "latency_s": end_s - start_s, "success": success, "error": None if success else "boom",
         "text": text, "ttft_s": ttft_s, "prompt_tokens": 100, "cached_tokens": 50,
+        "max_gap_s": 3.0 if replica.startswith("b") else 0.2,
     }  # fmt: skip
 
 
@@ -34,6 +35,7 @@ def test_outcome_counts_the_streams_node_b_held_at_the_kill_and_the_texts_that_d
     assert out["texts_differing"] == 1 and out["texts_differing_indices"] == [1]
     assert out["in_flight_on_b_at_kill"] == 2 and out["in_flight_on_b_completed"] == 2
     assert out["sent_after_kill_on_b"] == 0
+    assert out["failed_over_stall_max_s"] == 3.0 and out["others_stall_p50_s"] == 0.2
     phases = out["phases"]
     assert phases["before_kill"]["num_requests"] == 4
     assert phases["first_30s_after"]["num_requests"] == 1
