@@ -67,6 +67,9 @@ def router_metrics_snapshot() -> dict | None:
 METRICS_PUSH_PERIOD_S = 1.0
 # Three missed pushes: the replica is gone (or hung) and no longer counts as serving.
 STALE_AFTER_S = 3 * METRICS_PUSH_PERIOD_S + 2.0
+UNCHANGED_PUSH_S = 3 * METRICS_PUSH_PERIOD_S
+"""An engine replica whose snapshot has not changed pushes it again only this often (an idle
+replica's metrics do not move); under ``STALE_AFTER_S``, so the hub keeps its series."""
 
 
 @serve.deployment(

@@ -43,7 +43,7 @@ from cluster.ingress_channel import IngressChannels
 from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.kv_pull import ReplicaKVPuller
 from cluster.lora_adapters import AdapterRecord, ReplicaAdapterSync, replica_result
-from cluster.metrics import METRICS_PUSH_PERIOD_S
+from cluster.metrics import METRICS_PUSH_PERIOD_S, UNCHANGED_PUSH_S
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.serve_compat import peer_replica, replica_of
 from cluster.stream_items import Rejected, RejectKind
@@ -467,15 +467,22 @@ class EngineReplica:
         }
 
     async def _push_metrics_forever(self) -> None:
+        """The metrics snapshot to the hub every ``METRICS_PUSH_PERIOD_S``; an unchanged one
+        only every ``UNCHANGED_PUSH_S`` (an idle replica's calls are most of its idle CPU)."""
         if self._hub is None:
             return
+        last, last_push_s = None, 0.0
         while True:
-            try:
-                await self._hub.report.remote(self.replica_id, self.metrics_snapshot())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the hub restarting costs metrics, never serving
-                log.debug("metrics push failed: %s", exc)
+            snapshot = self.metrics_snapshot()
+            now_s = time.monotonic()
+            if snapshot != last or now_s - last_push_s >= UNCHANGED_PUSH_S:
+                try:
+                    await self._hub.report.remote(self.replica_id, snapshot)
+                    last, last_push_s = snapshot, now_s
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the hub restarting costs metrics, never serving
+                    log.debug("metrics push failed: %s", exc)
             await asyncio.sleep(METRICS_PUSH_PERIOD_S)
 
     async def begin_drain(self, grace_s: float) -> None:
