@@ -40,7 +40,7 @@ class Request:
         "block_ids", "detokenizer", "max_total_tokens", "output_counts", "_counts_outputs",
         "logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "arrival_time",
         "first_token_time", "first_scheduled_time", "num_preemptions", "num_prefill_skips",
-        "grammar", "_salt", "block_hashes", "__weakref__",
+        "num_resumed_tokens", "grammar", "_salt", "block_hashes", "__weakref__",
     )  # fmt: skip
     """Every step reads a running request's fields: slots keep those reads short."""
 
@@ -106,6 +106,9 @@ class Request:
         self.num_preemptions = 0
         self.num_prefill_skips = 0
         """Steps in which a younger request's prefill overtook this one (``scheduler.py``)."""
+        self.num_resumed_tokens = 0
+        """Outputs another replica streamed before it died (``resume``): a client is waiting
+        mid-stream, so the scheduler puts it first, as it does its own preempted requests."""
         self.grammar: GrammarMatcher | None = None
         """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
         self._salt = (model_id, cache_salt)
@@ -134,6 +137,7 @@ class Request:
         that died mid-stream): appended as this request's own, so penalties, stop checks,
         ``max_tokens``, the grammar and the position-keyed sampler go on as if it had sampled
         them. Their text is taken out of the detokenizer: the client has it already."""
+        self.num_resumed_tokens += len(token_ids)
         for token_id in token_ids:
             self.append_token(token_id)
             if self.detokenizer is not None:

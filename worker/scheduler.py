@@ -12,6 +12,9 @@ request's next chunk, or admitting a waiting request) shares the rest in the ord
   prompt's chunks (SGLang's longest-prefix-match order has the same aim), and equal prompts
   go one after the other rather than sharing steps, which would delay them all. A request
   overtaken ``MAX_PREFILL_SKIPS`` times goes first from then on, so none starves.
+- A request that resumes a stream another replica started (its replica died mid-stream)
+  joins at the head of the queue and, under ``shortest_first``, goes first like a starving
+  one: its client has been waiting since the failure.
 
 - Chunked prefill: a prompt longer than the remaining budget is computed over several steps.
 - Preemption by recompute: when a running request needs a block and none is free, the latest
@@ -81,7 +84,12 @@ class Scheduler:
         self.counters = SchedulerCounters()
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queues ``request``: at the tail, or at the head when it resumes a stream another
+        replica started (``Request.resume``), as a preempted request goes back."""
+        if request.num_resumed_tokens:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -164,7 +172,7 @@ class Scheduler:
         in_flight = self._blocks_in_flight() if window else set()
 
         def priority(req: Request) -> tuple[bool, int, float]:
-            starving = req.num_prefill_skips >= MAX_PREFILL_SKIPS
+            starving = req.num_prefill_skips >= MAX_PREFILL_SKIPS or req.num_resumed_tokens > 0
             if req.status == Status.RUNNING:
                 left = req.num_tokens - req.num_computed_tokens
             else:

@@ -526,3 +526,18 @@ def test_shortest_first_a_long_prompt_under_a_stream_of_short_ones_gets_its_turn
 
 def test_cdiv_rounds_up():
     assert [cdiv(n, BS) for n in (0, 1, BS - 1, BS, BS + 1, 3 * BS)] == [0, 1, 1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("order", PREFILL_ORDERS)
+def test_a_stream_resumed_from_a_dead_replica_goes_before_the_requests_queued_ahead(order):
+    """Its client is mid-stream: it joins at the head of the queue and, under
+    ``shortest_first``, goes first although it has more tokens to compute."""
+    sched = make_scheduler(budget=40, max_num_seqs=2, prefill_order=order)
+    for name in ("a", "b", "c"):
+        sched.add(make_request(name, tokens(8)))
+    resumed = make_request("resumed", tokens(24), max_tokens=8)
+    resumed.resume(tokens(4))  # outputs the dead replica streamed
+    sched.add(resumed)
+    assert plan(step(sched))[0] == ("resumed", 28)
+    assert ids(sched.running)[0] == "resumed"
+    run_until_idle(sched)
