@@ -51,9 +51,15 @@ PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 128
 
 
-def _admit(engine: LLMEngine, batch: int, prompt_tokens: int = PROMPT_TOKENS) -> None:
-    """Adds ``batch`` requests and steps them past their prefill (not measured)."""
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
+def _admit(
+    engine: LLMEngine,
+    batch: int,
+    prompt_tokens: int = PROMPT_TOKENS,
+    max_tokens: int = OUTPUT_TOKENS,
+) -> None:
+    """Adds ``batch`` requests of ``max_tokens`` each and steps them past their prefill (not
+    measured)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
     rng = random.Random(0)
     for i in range(batch):
         prompt = [rng.randrange(1000, 40000) for _ in range(prompt_tokens)]
@@ -107,11 +113,16 @@ def device_steps(
     (the decode steps' context is that plus the tokens decoded so far)."""
     import torch
 
+    step_tokens = max(2048, min(batch * prompt_tokens, 8192))
+    # The requests admitted first decode while the later ones prefill: each request gets
+    # enough tokens to stay running through the admission steps and the measured ones.
+    admission_steps = -(-batch * prompt_tokens // step_tokens)
+    max_tokens = admission_steps + steps + 2
     config = EngineConfig(
         model=model,
         max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, min(batch * prompt_tokens, 8192)),
-        num_kv_blocks=batch * (-(-(prompt_tokens + OUTPUT_TOKENS) // 16) + 1) + 64,
+        max_num_batched_tokens=step_tokens,
+        num_kv_blocks=batch * (-(-(prompt_tokens + max_tokens) // 16) + 1) + 64,
         device=device,
         deterministic=deterministic,
     )
@@ -130,12 +141,12 @@ def device_steps(
         return out
 
     engine.runner.execute = timed_execute
-    _admit(engine, batch, prompt_tokens)
+    _admit(engine, batch, prompt_tokens, max_tokens)
     walls_ms, waits_ms = [], []
     profiler = cProfile.Profile() if profile_to else None
     if profiler:
         profiler.enable()
-    for _ in range(min(steps, OUTPUT_TOKENS - 2)):
+    for _ in range(steps):
         waits_s.clear()
         start_s = time.perf_counter()
         engine.step_deltas()

@@ -43,3 +43,10 @@ def test_detokenize_cost_is_reported_by_stretch_of_the_output(smollm2_path):
     rows = engine_host.detokenize_us_per_token("smollm2", 2000, ["\n\nUser:"])
     assert [r["tokens"] for r in rows] == ["0-500", "500-1000", "1000-2000"]
     assert all(r["us_per_token"] > 0 for r in rows)
+
+
+def test_device_steps_keep_every_request_running_through_a_long_admission(tiny_models):
+    """Prompts that take several steps to admit (the first ones decode meanwhile) still leave
+    every request running through every measured step."""
+    row = engine_host.device_steps(tiny_models["llama"], 40, 126, "cpu", False, prompt_tokens=600)
+    assert row["steps"] == 126 and row["batch"] == 40
