@@ -80,7 +80,9 @@ replica's metrics do not move); under ``STALE_AFTER_S``, so the hub keeps its se
 )
 class MetricsHub:
     """Latest snapshot of every replica; replicas push, the ingress reads (and ``prefixserve
-    serve``'s drain, for which replicas are live and when they are idle)."""
+    serve``'s drain, for which replicas are live and when they are idle). Its methods are
+    coroutines that only touch dicts: Serve would run plain ones on a worker thread, a hop
+    there and back for every push of every replica."""
 
     def __init__(self, support_nice: int = 0) -> None:
         lower_own_priority(support_nice, "metrics hub")
@@ -88,19 +90,23 @@ class MetricsHub:
         self._ingress_snapshots: dict[str, dict] = {}
         """Cumulative counts: kept after an ingress stops, so their sum never goes down."""
 
-    def report(self, replica_id: str, snapshot: dict) -> None:
+    async def report(self, replica_id: str, snapshot: dict) -> None:
         """Stores an engine replica's ``ReplicaMetrics.snapshot()``."""
         self._snapshots[replica_id] = (time.monotonic(), snapshot)
 
-    def report_ingress(self, ingress_id: str, snapshot: dict) -> None:
+    async def report_ingress(self, ingress_id: str, snapshot: dict) -> None:
         """Stores an ingress replica's ``IngressMetrics.snapshot()``."""
         self._ingress_snapshots[ingress_id] = snapshot
 
-    def export(self) -> dict:
+    async def export(self) -> dict:
         """What ``/metrics`` renders: live engine replicas and every ingress snapshot."""
-        return {"replicas": self.snapshots(), "ingresses": dict(self._ingress_snapshots)}
+        return {"replicas": self._live(), "ingresses": dict(self._ingress_snapshots)}
 
-    def snapshots(self) -> dict[str, dict]:
+    async def snapshots(self) -> dict[str, dict]:
+        """The live engine replicas' snapshots."""
+        return self._live()
+
+    def _live(self) -> dict[str, dict]:
         now = time.monotonic()
         for replica_id, (seen_at, _) in list(self._snapshots.items()):
             if now - seen_at > STALE_AFTER_S:

@@ -301,18 +301,23 @@ class EngineReplica:
                 if first_token_s is not None:
                     observe("request_prefill_time_seconds", first_token_s - scheduled_s)
 
-    def check_health(self) -> None:
-        """Serve's health probe: raising marks this replica unhealthy and replaces it."""
+    async def check_health(self) -> None:
+        """Serve's health probe: raising marks this replica unhealthy and replaces it. A
+        coroutine, as ``record_routing_stats``: Serve runs a plain method on a worker thread
+        (one hop there and back per call, on every replica, all the time); this one only
+        reads state."""
         if not self.engine.is_alive():
             raise RuntimeError(
                 f"engine of replica {self.replica_id} is dead: {self.engine.why_dead()}"
             )
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """Serve's routing-stats hook: what the request router reads per replica, with
         whether the engine is alive (``ReplicaStats.engine_alive``): routers skip a replica
         whose engine died (a tensor-parallel worker lost) in the seconds before the health
-        check has Serve replace it (the ingress re-submits what it sent there)."""
+        check has Serve replace it (the ingress re-submits what it sent there). Called every
+        ``ROUTING_STATS_PERIOD_S`` (``cluster/app.py``); a coroutine for the reason
+        ``check_health`` gives."""
         stats = dataclasses.replace(self.engine.stats(), engine_alive=self.engine.is_alive())
         return stats.to_dict()
 

@@ -171,7 +171,9 @@ def routing_stats_of(alive: bool) -> dict:
         config=SimpleNamespace(max_waiting_requests=1024),
         model_id="tiny",
     )
-    return EngineReplica.func_or_class.record_routing_stats(SimpleNamespace(engine=engine))
+    return asyncio.run(
+        EngineReplica.func_or_class.record_routing_stats(SimpleNamespace(engine=engine))
+    )
 
 
 def test_a_dead_engine_says_so_in_its_stats_and_the_request_router_leaves_it_out():

@@ -395,8 +395,8 @@ def test_router_snapshot_renders_as_router_series():
         "prefix", RoutingReason.PREFIX, num_prompt_blocks=4, num_matched_blocks=3
     )
     router.record_lookup(0.2)
-    router.record_decision_latency(0.9)
-    router.record_decision_latency(7.0)
+    router.record_decision_latency(0.9, 0.4)
+    router.record_decision_latency(7.0)  # no CPU time given: the wall histogram alone
     text = render_prometheus({}, router.snapshot()).decode()
     assert 'prefixserve:router_decisions_total{policy="prefix",reason="prefix"} 1.0' in text
     assert "prefixserve:router_matched_blocks_total 3.0" in text
@@ -404,19 +404,23 @@ def test_router_snapshot_renders_as_router_series():
     assert "prefixserve:router_lookup_latency_seconds_count 1.0" in text
     assert "prefixserve:router_decision_latency_seconds_count 2.0" in text
     assert 'prefixserve:router_decision_latency_seconds_bucket{le="0.001"} 1.0' in text
+    assert "prefixserve:router_decision_cpu_seconds_count 1.0" in text
+    assert 'prefixserve:router_decision_cpu_seconds_bucket{le="0.0005"} 1.0' in text
 
 
 def test_metrics_hub_counts_busy_requests_and_drops_stale_replicas(monkeypatch):
+    import asyncio
+
     from cluster import metrics
 
     hub = metrics.MetricsHub.func_or_class()
     busy = {"engine": {"num_requests_running": 2, "num_requests_waiting": 1}, "alive": True}
-    hub.report("r1", busy)
-    assert list(hub.snapshots()) == ["r1"]  # what a drain tells, and waits for
-    assert metrics.num_busy_requests(hub.snapshots()) == 3
+    asyncio.run(hub.report("r1", busy))
+    assert list(asyncio.run(hub.snapshots())) == ["r1"]  # what a drain tells, and waits for
+    assert metrics.num_busy_requests(asyncio.run(hub.snapshots())) == 3
     later_s = metrics.time.monotonic() + metrics.STALE_AFTER_S + 1.0
     monkeypatch.setattr(metrics.time, "monotonic", lambda: later_s)
-    assert hub.snapshots() == {}  # a replica that stopped pushing no longer counts
+    assert asyncio.run(hub.snapshots()) == {}  # a replica that stopped pushing no longer counts
 
 
 def test_a_drain_order_lets_requests_finish_then_aborts_the_rest_once():

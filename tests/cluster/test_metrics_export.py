@@ -9,6 +9,7 @@ deployments run are driven directly (the real cluster's /metrics is checked in
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -122,15 +123,20 @@ def test_ingress_replicas_sum_and_the_hub_keeps_an_ingress_that_stopped(monkeypa
     second_router.record_dropped_speculation()
     second_router.record_decision("prefix", RoutingReason.FALLBACK, 2, 0)
     hub = metrics.MetricsHub.func_or_class()
-    hub.report_ingress(
-        "a", one_ingress(0.3, 0.1, ["stop"]).snapshot(MODEL, first_router.snapshot())
+    asyncio.run(
+        hub.report_ingress(
+            "a", one_ingress(0.3, 0.1, ["stop"]).snapshot(MODEL, first_router.snapshot())
+        )
     )
-    hub.report_ingress(
-        "b", one_ingress(2.0, 0.5, ["length"]).snapshot(MODEL, second_router.snapshot())
+    asyncio.run(
+        hub.report_ingress(
+            "b", one_ingress(2.0, 0.5, ["length"]).snapshot(MODEL, second_router.snapshot())
+        )
     )
     later_s = metrics.time.monotonic() + metrics.STALE_AFTER_S + 1.0
     monkeypatch.setattr(metrics.time, "monotonic", lambda: later_s)
-    export = hub.export()  # counters: an ingress gone quiet still counts, or the sum would drop
+    # counters: an ingress gone quiet still counts, or the sum would drop
+    export = asyncio.run(hub.export())
     assert sorted(export["ingresses"]) == ["a", "b"]
     total = sum_ingress_snapshots(export["ingresses"].values())
     families = parse(render_prometheus(export["replicas"], total["router"], ingress_snapshot=total))
