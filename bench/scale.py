@@ -71,7 +71,8 @@ requests), TTFT p50/p90/p99, requests per replica (the ``x-prefixserve-replica``
 their max/mean, failures, startup seconds (launch to serving with every replica), output
 tok/s, the routers' index-lookup and whole-decision latency over the run
 (``prefixserve:router_lookup_latency_seconds`` and ``router_decision_latency_seconds`` from
-``/metrics``: mean, and the p50/p99 bucket bounds), the engines' preemptions over the run
+``/metrics``: mean, and the p50/p99 bucket bounds) and the decisions' own CPU time
+(``router_decision_cpu_seconds``, the same way), the engines' preemptions over the run
 (``prefixserve:num_preemptions_total``), idle CPU-s/s by kind of process and per engine
 replica (its Ray actor plus its engine process), CPU-s/s by kind under load, the machine's
 used memory after startup, the simulator's hit rate, TTFT p50/p90/p99, max/mean and overflow
@@ -523,6 +524,7 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
 
     lookup = "prefixserve:router_lookup_latency_seconds"
     decision = "prefixserve:router_decision_latency_seconds"
+    decision_cpu = "prefixserve:router_decision_cpu_seconds"
     wl = plan.workload
     prompts = [prompt_token_ids(r, vocab) for r in wl.requests]
     arrivals = [r.arrival_s - wl.requests[0].arrival_s for r in wl.requests]
@@ -579,6 +581,7 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         text0 = _metrics_text(base)
         hist0 = histogram_from_metrics(text0, lookup)
         decision0 = histogram_from_metrics(text0, decision)
+        decision_cpu0 = histogram_from_metrics(text0, decision_cpu)
         c1, t1 = srv.cpu_by_process(), time.monotonic()
         records, duration = asyncio.run(
             send_open_loop(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
@@ -595,6 +598,8 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         out["router_lookup"] = histogram_summary(hist)
         decisions = histogram_delta(histogram_from_metrics(text1, decision), decision0)
         out["router_decision"] = histogram_summary(decisions)
+        cpu = histogram_delta(histogram_from_metrics(text1, decision_cpu), decision_cpu0)
+        out["router_decision_cpu"] = histogram_summary(cpu)
         out.update(summarize_records(records, plan.replicas, duration))
         late = sorted(r["lateness_s"] for r in records)
         out["send_lateness_p99_s"] = round(percentile(late, 99), 4)

@@ -162,9 +162,9 @@ def markdown(rows: list[dict]) -> str:
     ]
     host = [
         "| N | index | workload | policy | lookup mean / p50 / p99 ms | decision mean / p50 / "
-        "p99 ms | idle CPU-s/s per replica / all | load CPU-s/s all | send late p99 s | "
-        "memory used MB |",
-        "|---" * 10 + "|",
+        "p99 ms | decision CPU mean / p50 / p99 ms | idle CPU-s/s per replica / all | load "
+        "CPU-s/s all | send late p99 s | memory used MB |",
+        "|---" * 11 + "|",
     ]
     for r in rows:
         sim = r.get("sim") or {}
@@ -180,6 +180,7 @@ def markdown(rows: list[dict]) -> str:
             continue
         lk = r.get("router_lookup") or {}
         dl = r.get("router_decision") or {}
+        dc = r.get("router_decision_cpu") or {}
         lines.append(
             f"{head} {r['completed']}/{r['failed']} | "
             f"{_f(r['hit_rate'])} / {_f(sim.get('hit_rate'))} | "
@@ -199,6 +200,8 @@ def markdown(rows: list[dict]) -> str:
             f"{_lookup_p(lk, 'p99_le_ms')} | "
             f"{_f(dl.get('mean_ms'), '.1f')} / {_lookup_p(dl, 'p50_le_ms')} / "
             f"{_lookup_p(dl, 'p99_le_ms')} | "
+            f"{_f(dc.get('mean_ms'), '.1f')} / {_lookup_p(dc, 'p50_le_ms')} / "
+            f"{_lookup_p(dc, 'p99_le_ms')} | "
             f"{_f(r.get('idle_cpu_s_per_s_per_engine_replica'), '.3f')} / "
             f"{_f(r.get('idle_cpu_s_per_s_total'), '.2f')} | "
             f"{_f(sum(load.values()) if load else None, '.2f')} | "
@@ -211,10 +214,12 @@ def markdown(rows: list[dict]) -> str:
         "sim overflow: KV blocks the simulator let replicas hold beyond their capacity; diff: "
         "(real - sim) / sim; lookup: the routers' index-lookup latency over the run (p50, p99: "
         "their buckets' upper bounds); decision: the routers' whole decisions (lookup, board, "
-        "views, policy), the same way; idle CPU: before the load, per engine replica (actor + "
-        "engine process) and of every server process; load CPU: every server process during "
-        "the load (the client not counted); send late: how late the client sent its requests "
-        "against their arrival times (a saturated host); memory: the machine's, after startup."
+        "views, policy), the same way; decision CPU: the CPU time of each decision's thread "
+        "(the decision less its waits for the GIL and for a core); idle CPU: before the load, "
+        "per engine replica (actor + engine process) and of every server process; load CPU: "
+        "every server process during the load (the client not counted); send late: how late "
+        "the client sent its requests against their arrival times (a saturated host); memory: "
+        "the machine's, after startup."
     )
     return "\n".join(lines)
 

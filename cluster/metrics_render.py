@@ -143,6 +143,12 @@ def _router_families(snapshot: dict, prefix: str = PREFIX):
             "router_decision_latency_seconds",
             "Routing decision latency: lookup, in-flight board, load views and policy.",
         ),
+        (
+            "decision_cpu_ms",
+            "router_decision_cpu_seconds",
+            "CPU time of a routing decision on its thread: its latency less its waits for the "
+            "GIL and for a core.",
+        ),
     ):
         latency = snapshot.get(key)
         if not latency:

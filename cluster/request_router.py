@@ -239,7 +239,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             ask_to_back_off(pending_request)  # else Serve retries a full set in a tight loop
         if not candidate_replicas:
             return []
-        started_s = time.perf_counter()
+        started_s, started_cpu_s = time.perf_counter(), time.thread_time()
         candidate_replicas = live_replicas(candidate_replicas)
         hashes, num_prompt_tokens = request_blocks(pending_request)
         lora_name = request_adapter(pending_request)
@@ -276,7 +276,10 @@ class PrefixAwareRequestRouter(RequestRouter):
                 decision.predicted_ttft_s,
                 _describe(views, lookup.matches or {}),
             )
-        self.metrics.record_decision_latency(1000.0 * (time.perf_counter() - started_s))
+        self.metrics.record_decision_latency(
+            1000.0 * (time.perf_counter() - started_s),
+            1000.0 * (time.thread_time() - started_cpu_s),
+        )
         self._maybe_log_metrics()
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica_id]

@@ -3,7 +3,9 @@
 Owns what the router counts: decisions by policy and reason (a ``router.policy.RoutingReason``,
 counted under its string value), matched blocks against prompt blocks (the matched-block
 ratio), index lookup latency, whole-decision latency (from Serve asking the router to its
-answer: the lookup, the in-flight board, the views and the policy), index errors, fallback
+answer: the lookup, the in-flight board, the views and the policy) and the CPU time the
+decision's thread spent on it (the latency less its waits for the GIL and for a core), index
+errors, fallback
 decisions and dropped speculative entries. No Prometheus dependency here: ``snapshot()``
 returns plain numbers, ``merge_snapshots`` adds two of them up (the routers of one process,
 or of every ingress replica), and the cluster layer exports them (e.g., as
@@ -23,7 +25,7 @@ from router.policy import RoutingReason
 # Lookup latencies of interest span an in-process dict hit (~10 us) to a Redis round trip
 # that hits the socket timeout (~50 ms); buckets are upper bounds in milliseconds.
 LATENCY_BUCKETS_MS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
-LATENCY_HISTOGRAMS = ("lookup_latency_ms", "decision_latency_ms")
+LATENCY_HISTOGRAMS = ("lookup_latency_ms", "decision_latency_ms", "decision_cpu_ms")
 """The latency histograms a snapshot carries, each under this key."""
 
 
@@ -74,6 +76,7 @@ class RouterMetrics:
         """Speculative entries dropped because the background writer's queue was full."""
         self.lookup_latency_ms = Histogram()
         self.decision_latency_ms = Histogram()
+        self.decision_cpu_ms = Histogram()
 
     def record_decision(
         self, policy: str, reason: RoutingReason, num_prompt_blocks: int, num_matched_blocks: int
@@ -93,9 +96,14 @@ class RouterMetrics:
         with self._lock:
             self.lookup_latency_ms.observe(latency_ms)
 
-    def record_decision_latency(self, latency_ms: float) -> None:
+    def record_decision_latency(self, latency_ms: float, cpu_ms: float | None = None) -> None:
+        """One decision's wall time and, when given, its thread's CPU time
+        (``time.thread_time``): where the two differ, the decision waited for the GIL (another
+        thread of the process) or for a core (other processes)."""
         with self._lock:
             self.decision_latency_ms.observe(latency_ms)
+            if cpu_ms is not None:
+                self.decision_cpu_ms.observe(cpu_ms)
 
     def record_index_error(self) -> None:
         with self._lock:

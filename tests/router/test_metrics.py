@@ -80,3 +80,18 @@ def test_decision_latency_is_its_own_histogram_and_snapshots_merge_with_it():
     older = {k: v for k, v in second.snapshot().items() if k != "decision_latency_ms"}
     assert merge_snapshots(first.snapshot(), older)["decision_latency_ms"]["count"] == 1
     assert merge_snapshots(None, older) == older
+
+
+def test_a_decisions_cpu_time_is_kept_beside_its_latency_and_merges():
+    from router.metrics import merge_snapshots
+
+    first, second = RouterMetrics(), RouterMetrics()
+    first.record_decision_latency(12.0, 0.8)  # waited 11 ms for the GIL or a core
+    second.record_decision_latency(3.0, 2.5)
+    merged = merge_snapshots(first.snapshot(), second.snapshot())
+    cpu, wall = merged["decision_cpu_ms"], merged["decision_latency_ms"]
+    assert cpu["count"] == wall["count"] == 2
+    assert cpu["sum"] == pytest.approx(3.3) and wall["sum"] == pytest.approx(15.0)
+    assert cpu["counts"][cpu["bounds"].index(1.0)] == 1
+    assert cpu["counts"][cpu["bounds"].index(5.0)] == 1
+    assert wall["counts"][wall["bounds"].index(25.0)] == 1
