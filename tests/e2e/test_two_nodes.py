@@ -417,8 +417,11 @@ def test_losing_the_second_node_keeps_streams_through_the_first(two_nodes, test_
     for record, text in zip(through_a, expected, strict=True):
         assert record.exception is None and not record.errors and record.done, record
         assert record.text == text, record
+    # At least one of them was resumed elsewhere. Not necessarily each: a replica that had
+    # produced a stream's every output before it died (its end still on the way) ends that
+    # stream without a failover (``cluster/engine_client.py``); its text is checked above.
     failovers = ingress_log_lines(two_nodes.node_a_process, FAILOVER_LOG)
-    assert len(failovers) >= len(on_b), f"node A's ingress logged no failover {FAILOVER_LOG!r}"
+    assert failovers, f"node A's ingress logged no failover {FAILOVER_LOG!r}"
     # Through the dead node's proxy: open until the kill, then an end the client sees at once
     # (its connection dropped, or an error event), never a hang.
     assert not ended_at_kill[-1], through_b
