@@ -516,15 +516,20 @@ def memory_shortfall(replicas: int, mb_per_replica: float, available_mb: float) 
     )
 
 
+ROUTER_HISTOGRAMS = (
+    ("router_lookup", "prefixserve:router_lookup_latency_seconds"),
+    ("router_decision", "prefixserve:router_decision_latency_seconds"),
+    ("router_decision_cpu", "prefixserve:router_decision_cpu_seconds"),
+)
+"""(row key, ``/metrics`` histogram) of the routers' latencies a cell reports over its load."""
+
+
 def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: int) -> dict:
     """One fresh cluster: start, warm up, idle CPU, the load, stop. The row's real half."""
     from bench.serve.processes import Server, server_env
     from bench.serve.systems import replicas_in_metrics
     from bench.serve_path import cpu_kind
 
-    lookup = "prefixserve:router_lookup_latency_seconds"
-    decision = "prefixserve:router_decision_latency_seconds"
-    decision_cpu = "prefixserve:router_decision_cpu_seconds"
     wl = plan.workload
     prompts = [prompt_token_ids(r, vocab) for r in wl.requests]
     arrivals = [r.arrival_s - wl.requests[0].arrival_s for r in wl.requests]
@@ -579,9 +584,7 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         )
         out["idle_cpu_s_per_s_total"] = round(sum(idle.values()), 3)
         text0 = _metrics_text(base)
-        hist0 = histogram_from_metrics(text0, lookup)
-        decision0 = histogram_from_metrics(text0, decision)
-        decision_cpu0 = histogram_from_metrics(text0, decision_cpu)
+        before = {key: histogram_from_metrics(text0, name) for key, name in ROUTER_HISTOGRAMS}
         c1, t1 = srv.cpu_by_process(), time.monotonic()
         records, duration = asyncio.run(
             send_open_loop(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
@@ -591,15 +594,12 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         )
         time.sleep(METRICS_SETTLE_S)
         text1 = _metrics_text(base)
-        hist = histogram_delta(histogram_from_metrics(text1, lookup), hist0)
         out["preemptions"] = int(
             counter_from_metrics(text1, PREEMPTIONS) - counter_from_metrics(text0, PREEMPTIONS)
         )
-        out["router_lookup"] = histogram_summary(hist)
-        decisions = histogram_delta(histogram_from_metrics(text1, decision), decision0)
-        out["router_decision"] = histogram_summary(decisions)
-        cpu = histogram_delta(histogram_from_metrics(text1, decision_cpu), decision_cpu0)
-        out["router_decision_cpu"] = histogram_summary(cpu)
+        for key, name in ROUTER_HISTOGRAMS:
+            delta = histogram_delta(histogram_from_metrics(text1, name), before[key])
+            out[key] = histogram_summary(delta)
         out.update(summarize_records(records, plan.replicas, duration))
         late = sorted(r["lateness_s"] for r in records)
         out["send_lateness_p99_s"] = round(percentile(late, 99), 4)

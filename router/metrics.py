@@ -5,10 +5,9 @@ counted under its string value), matched blocks against prompt blocks (the match
 ratio), index lookup latency, whole-decision latency (from Serve asking the router to its
 answer: the lookup, the in-flight board, the views and the policy) and the CPU time the
 decision's thread spent on it (the latency less its waits for the GIL and for a core), index
-errors, fallback
-decisions and dropped speculative entries. No Prometheus dependency here: ``snapshot()``
-returns plain numbers, ``merge_snapshots`` adds two of them up (the routers of one process,
-or of every ingress replica), and the cluster layer exports them (e.g., as
+errors, fallback decisions and dropped speculative entries. No Prometheus dependency here:
+``snapshot()`` returns plain numbers, ``merge_snapshots`` adds two of them up (the routers of
+one process, or of every ingress replica), and the cluster layer exports them (e.g., as
 ``prefixserve_router_*`` Prometheus series). Recording never blocks for longer than one
 uncontended lock and never raises, except ``ValueError`` for a decision reason that is not
 a ``RoutingReason`` (a programming error, not a runtime one).
