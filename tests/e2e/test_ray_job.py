@@ -55,6 +55,7 @@ JOB_STOP_WAIT_S = 60
 # The dashboard answers before its job agent is ready; a first submit can fail on a busy box.
 SUBMIT_ATTEMPTS = 3
 SUBMIT_RETRY_S = 5.0
+JOB_ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 def prefixserve_command() -> str:
@@ -84,6 +85,31 @@ def job_status(address: str, job_id: str) -> str:
     return str(JobSubmissionClient(address).get_job_status(job_id).value)
 
 
+def run_job(submit: list[str], env: dict, address: str, command: list[str]) -> tuple[str, str]:
+    """Submits ``command`` as a job without tailing its logs (``ray job submit``'s log tail is
+    a WebSocket that a busy dashboard can drop mid-job), waits until the job ends and returns
+    its final status and its logs. A submit refused before the job is created (the job agent
+    not ready yet) is retried."""
+    from ray.job_submission import JobSubmissionClient
+
+    for attempt in range(SUBMIT_ATTEMPTS):
+        job_id = f"job-{uuid.uuid4().hex[:8]}"
+        submitted = subprocess.run(
+            [*submit, "--submission-id", job_id, "--no-wait", "--", *command],
+            env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+        )  # fmt: skip
+        if submitted.returncode == 0 or attempt == SUBMIT_ATTEMPTS - 1:
+            break
+        time.sleep(SUBMIT_RETRY_S)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    client = JobSubmissionClient(address)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (status := str(client.get_job_status(job_id).value)) not in JOB_ENDED:
+        assert time.monotonic() < deadline, f"job {job_id} still {status}"
+        time.sleep(1.0)
+    return status, client.get_job_logs(job_id)
+
+
 def chat(url: str) -> dict:
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     reply = httpx.post(
@@ -99,7 +125,7 @@ def chat(url: str) -> dict:
     return body
 
 
-def run_batch_job(submit: list[str], env: dict, url: str, tmp_path: Path) -> None:
+def run_batch_job(submit: list[str], env: dict, address: str, url: str, tmp_path: Path) -> None:
     batch_in, batch_out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     batch_in.write_text(
         "".join(
@@ -107,12 +133,12 @@ def run_batch_job(submit: list[str], env: dict, url: str, tmp_path: Path) -> Non
             for i in range(NUM_BATCH_REQUESTS)
         )
     )
-    batch = subprocess.run(
-        [*submit, "--", *prefixserve_command().split(), "batch", "--input", str(batch_in),
+    status, logs = run_job(
+        submit, env, address,
+        [*prefixserve_command().split(), "batch", "--input", str(batch_in),
          "--output", str(batch_out), "--url", url, "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
     )  # fmt: skip
-    assert batch.returncode == 0, batch.stdout[-3000:] + batch.stderr[-3000:]
+    assert status == "SUCCEEDED", logs[-3000:]
     answers = [json.loads(line) for line in batch_out.read_text().splitlines()]
     assert sorted(a["custom_id"] for a in answers) == [f"b{i}" for i in range(NUM_BATCH_REQUESTS)]
     assert all(a["response"]["status_code"] == 200 for a in answers)
@@ -185,31 +211,20 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
                       "--num-kv-blocks", "256", "--max-model-len", "512"]  # fmt: skip
 
         # 1. The detached form: the job deploys, proves the app routes, prints the URL, ends.
-        for attempt in range(SUBMIT_ATTEMPTS):
-            deploy_job = f"deploy-{uuid.uuid4().hex[:8]}"
-            detached = subprocess.run(
-                [*submit, "--submission-id", deploy_job, "--",
-                 *prefixserve_command().split(), "serve", "--address", "auto", "--detach",
-                 "--host", "0.0.0.0", *serve_args],
-                env=job_env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S,
-            )  # fmt: skip
-            if (
-                detached.returncode == 0
-                or "submitted successfully" in detached.stdout
-                or (attempt == SUBMIT_ATTEMPTS - 1)
-            ):
-                break
-            time.sleep(SUBMIT_RETRY_S)
-        assert detached.returncode == 0, detached.stdout[-3000:] + detached.stderr[-3000:]
-        assert job_status(address, deploy_job) == "SUCCEEDED"
-        assert "(detached:" in detached.stdout and f":{http}/v1" in detached.stdout, detached.stdout
+        status, logs = run_job(
+            submit, job_env, address,
+            [*prefixserve_command().split(), "serve", "--address", "auto", "--detach",
+             "--host", "0.0.0.0", *serve_args],
+        )  # fmt: skip
+        assert status == "SUCCEEDED", logs[-3000:]
+        assert "(detached:" in logs and f":{http}/v1" in logs, logs[-3000:]
         chat(url)  # no wait: the job ended only once a completion went through
         public = own_address()
         if public is not None:  # --host 0.0.0.0: reachable on the machine's own address too
             assert httpx.get(f"http://{public}:{http}/v1/models", timeout=30).status_code == 200
 
         # 2. A batch as a Ray job against the detached app.
-        run_batch_job(submit, job_env, url, tmp_path)
+        run_batch_job(submit, job_env, address, url, tmp_path)
 
         # 3. The blocking form replaces the app, serves until stopped, then deletes it.
         for attempt in range(SUBMIT_ATTEMPTS):
