@@ -135,6 +135,9 @@ def serve_env() -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in SERVE_LOOP_ENV.items()}
 
 
+PROXY_GRPC_ENV = "RAY_SERVE_PROXY_USE_GRPC"
+"""Ray Serve's switch for its proxy's calls to the ingress over gRPC: read by the proxy when it
+starts, so only a local cluster's follows ``ClusterConfig.handle_transport``."""
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 """Ray Serve's switch for direct ingress (``ClusterConfig.direct_ingress``): read by the
 controller and by each replica's process when Serve is imported there."""

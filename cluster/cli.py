@@ -200,7 +200,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import DIRECT_INGRESS_ENV, build_app_from_configs, serve_env
+    from cluster.app import (
+        DIRECT_INGRESS_ENV,
+        PROXY_GRPC_ENV,
+        build_app_from_configs,
+        serve_env,
+    )
 
     started_ray = cluster.ray_address is None
     if started_ray:
@@ -220,6 +225,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         os.environ.update(serve_env())
         if cluster.direct_ingress:
             os.environ[DIRECT_INGRESS_ENV] = "1"  # the controller allocates the ports
+        os.environ.setdefault(PROXY_GRPC_ENV, "1" if cluster.handle_transport == "grpc" else "0")
         # A local cluster stays on loopback: nothing it runs listens on another address.
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
                  _node_ip_address="127.0.0.1", logging_level=cluster.log_level.upper())  # fmt: skip

@@ -314,6 +314,13 @@ FLAGS = [
         "http",
     ),
     (
+        "--handle-transport", "cluster", "handle_transport", str,
+        "How the ingress calls the engine replicas: grpc (Serve's gRPC channel between "
+        "replicas, the cheaper per request and per streamed output) or ray (Ray actor calls). "
+        "A local cluster's proxy also calls the ingress over gRPC.",
+        "http",
+    ),
+    (
         "--support-nice", "cluster", "support_nice", int,
         "Nice steps below the engines for the processes off the request path (metrics hub, a "
         "local Ray's GCS, agents and Serve controller); 0: no change.",

@@ -33,6 +33,7 @@ DEFAULT_PORT = 8000
 # template, tokenize, hash) comes at the start; autoscaling adds one per this many streams.
 DEFAULT_INGRESS_TARGET_ONGOING_REQUESTS = 256.0
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+HANDLE_TRANSPORTS = ("grpc", "ray")
 # Where the ingress (and the CLI) look for the API key when the config gives none, so the key
 # need not appear in Serve config files or the dashboard.
 API_KEY_ENV = "PREFIXSERVE_API_KEY"
@@ -99,6 +100,13 @@ class ClusterConfig:
     replica that called them, every request's in one call per engine step
     (``cluster/ingress_channel.py``), instead of one streamed Ray object per output; False
     streams every output through the request's own handle call."""
+    handle_transport: str = "grpc"
+    """How the ingress's calls to the engine replicas travel: ``grpc``, Ray Serve's gRPC
+    channel between replicas (each call a gRPC stream, its outputs pickled onto it), or
+    ``ray``, Ray actor calls (each streamed output a Ray object). gRPC costs the ingress and
+    the replica less CPU per request and per streamed output. A local cluster (no
+    ``ray_address``) also gets Serve's proxy on gRPC to the ingress; a running cluster's proxy
+    keeps what it was started with (``RAY_SERVE_PROXY_USE_GRPC``)."""
     support_nice: int = SUPPORT_NICE_DEFAULT
     """Nice steps (0-19, as ``nice -n``) below the engines for the processes off the request
     path: the metrics hub and, for a local cluster, Ray's GCS, agents and Serve controller.
@@ -264,6 +272,11 @@ class ClusterConfig:
             isinstance(self.direct_ingress, bool),
             "direct_ingress",
             f"must be true or false, got {self.direct_ingress!r}",
+        )
+        need(
+            self.handle_transport in HANDLE_TRANSPORTS,
+            "handle_transport",
+            f"must be one of {', '.join(HANDLE_TRANSPORTS)}, got {self.handle_transport!r}",
         )
         need(
             isinstance(self.expose_replica_headers, bool),

@@ -155,7 +155,7 @@ class Ingress:
         routing = router_context(serve.get_replica_context().app_name)
         routing.model_id = self.model_id
         self.engines = EngineClient(
-            engine.options(stream=True),
+            engine.options(stream=True, _by_reference=self.cluster.handle_transport == "ray"),
             block_size=self.block_size,
             cache_namespace=info["cache_namespace"],
             push_to=own_address() if self.cluster.push_outputs else None,

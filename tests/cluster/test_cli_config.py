@@ -145,6 +145,7 @@ def test_bad_flag_exits_2_naming_the_field(capsys):
         ({"root_path": "api/"}, "root_path"),
         ({"root_path": "/api/"}, "root_path"),
         ({"log_level": "loud"}, "log_level"),
+        ({"handle_transport": "http"}, "handle_transport"),
         ({"served_model_name": " "}, "served_model_name"),
         ({"app_name": "a b"}, "app_name"),
     ],

@@ -135,6 +135,17 @@ def test_no_api_key_env_unless_enabled() -> None:
     assert all("PREFIXSERVE_API_KEY" not in _env(c) for c in _all_containers(docs))
 
 
+@pytest.mark.parametrize(("transport", "proxy_grpc"), [("grpc", "1"), ("ray", "0")])
+def test_handle_transport_sets_the_proxy_transport_in_every_ray_container(
+    transport, proxy_grpc
+) -> None:
+    docs = chart.render(values={"cluster": {"handleTransport": transport}})
+    for container in _all_containers(docs):
+        assert _env(container)["RAY_SERVE_PROXY_USE_GRPC"]["value"] == proxy_grpc
+    (app,) = chart.serve_config(docs)["applications"]
+    assert app["args"]["cluster"]["handle_transport"] == transport
+
+
 def test_model_cache_claim_is_mounted_everywhere() -> None:
     docs = chart.render(values={"modelCache": {"enabled": True, "accessModes": ["ReadWriteMany"]}})
     claim = chart.only(docs, "PersistentVolumeClaim")["metadata"]["name"]

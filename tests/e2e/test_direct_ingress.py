@@ -4,7 +4,8 @@ HTTP on a port of its own, printed at start, and answers there as through Serve'
 One ``prefixserve serve`` subprocess (a tiny model's tokenizer, ``--engine sim``), so this
 also runs the simulated engine and the pushed outputs (``cluster/ingress_channel.py``)
 through the whole served path: a streamed completion through either door gives the same
-tokens as a plain one.
+tokens as a plain one. It runs on Ray actor calls (``--handle-transport ray``, the proxy's
+too); the other tests run on the default, gRPC.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from bench.common import free_port
-from tests.e2e.test_readme_serve import command, healthy
+from tests.e2e.test_readme_serve import command, healthy, proxy_environ
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def test_direct_ingress_answers_like_the_proxy(tmp_path, tiny_models):
     env.pop("RAY_ADDRESS", None)
     argv = [*command(), "serve", "--model", tiny_models["llama"], "--served-model-name", "tiny",
             "--engine", "sim", "--num-replicas", "1", "--num-threads", "1", "--direct-ingress",
-            "--port", str(port)]  # fmt: skip
+            "--handle-transport", "ray", "--port", str(port)]  # fmt: skip
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -80,6 +81,7 @@ def test_direct_ingress_answers_like_the_proxy(tmp_path, tiny_models):
         assert _completion(direct, stream=True) == plain
         assert _completion(proxy, stream=True) == plain
         assert _completion(direct, stream=False) == plain
+        assert proxy_environ(proc.pid).get("RAY_SERVE_PROXY_USE_GRPC") == "0"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)

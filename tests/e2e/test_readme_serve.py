@@ -53,6 +53,23 @@ def read_stream(url: str, model: str, lines: list[str]) -> None:
                 lines.append(line)
 
 
+def proxy_environ(serve_pid: int) -> dict[str, str]:
+    """The environment of Serve's proxy among the processes ``prefixserve serve`` started."""
+    from pathlib import Path
+
+    from cluster.priority import descendants
+
+    for pid in descendants(serve_pid):
+        try:
+            if b"ProxyActor" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    raise AssertionError(f"no ProxyActor process below {serve_pid}")
+
+
 def command() -> list[str]:
     script = shutil.which("prefixserve")
     if script is not None:
@@ -95,6 +112,8 @@ def test_prefixserve_serve_answers_and_stops_on_ctrl_c(tmp_path):
         assert "Paris" in answer, answer  # the real bundled model, greedy
         cached = response.usage.prompt_tokens_details.cached_tokens
         assert isinstance(cached, int) and 0 <= cached < response.usage.prompt_tokens
+        if sys.platform.startswith("linux"):  # the default handle transport: the proxy on gRPC
+            assert proxy_environ(proc.pid).get("RAY_SERVE_PROXY_USE_GRPC") == "1"
 
         # Tool calling with no flags: `required` and a named function are forced by the
         # grammar; the template ignores tools, so they go into the system message.

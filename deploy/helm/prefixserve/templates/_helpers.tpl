@@ -283,6 +283,9 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
   value: {{ printf "%s/huggingface" .Values.modelCache.mountPath | quote }}
 - name: PREFIXSERVE_CACHE
   value: {{ .Values.modelCache.mountPath | quote }}
+{{- /* Serve's proxy calls the ingress on the transport the ingress uses for the engines. */}}
+- name: RAY_SERVE_PROXY_USE_GRPC
+  value: {{ ternary "1" "0" (eq .Values.cluster.handleTransport "grpc") | quote }}
 {{- if .Values.apiKey.enabled }}
 - name: PREFIXSERVE_API_KEY
   valueFrom:
