@@ -33,6 +33,9 @@ Systems, per (engine, concurrency c):
 - ``direct1``, ``direct2``: ``served1``, ``served2`` with ``--direct-ingress``, loaded through
   the ingress replicas' own ports (printed by ``prefixserve serve``; requests spread over them
   in turn), not through Serve's proxy.
+- ``served1-ray``, ``direct1-ray``: ``served1``, ``direct1`` with ``--handle-transport ray``
+  (the ingress calls its replica, and Serve's proxy its ingress, by Ray actor calls instead
+  of the default gRPC); only when named in ``--systems``.
 
 Every server gets ``--max-num-seqs`` as above, ``--num-kv-blocks`` for twice the running
 sequences' prompt and output, and ``--max-ongoing-requests``/``--max-queued-requests``/
@@ -99,7 +102,13 @@ from bench.serve.http_load import _cpu_used, _model_name, record_of
 from bench.serve.processes import Server, server_env
 from bench.serve.stats import summarize
 from bench.serve.systems import replicas_in_metrics
-from bench.serve_path_report import SYSTEMS, markdown, write_results
+from bench.serve_path_report import (
+    DEFAULT_SYSTEMS,
+    RAY_TRANSPORT,
+    SYSTEMS,
+    markdown,
+    write_results,
+)
 
 ENGINES = ("tiny", "sim")
 MAX_NUM_SEQS = {"tiny": 64, "sim": 256}
@@ -115,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--engines", default="tiny,sim", help="subset of tiny,sim (default both)")
     ap.add_argument("--concurrency", default=None, help="default 64,256,1024 (--quick: 8)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
+    ap.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help="subset of " + ",".join(SYSTEMS)
+    )
     ap.add_argument("--requests-per-concurrency", type=int, default=2, help="runs send K x c")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=None, help="default 128 (--quick: 16)")
@@ -274,11 +285,12 @@ def server_argv(engine: str, system: str, model: str, port: int, args) -> list[s
         "--num-replicas", n, "--num-ingress-replicas", n,
         "--max-ongoing-requests", str(max(*args.concurrency, seqs)), "--max-queued-requests", limit,
         *(["--direct-ingress"] if system.startswith("direct") else []),
+        *(["--handle-transport", "ray"] if system.endswith(RAY_TRANSPORT) else []),
     ]  # fmt: skip
 
 
 def num_replicas(system: str) -> int:
-    return 2 if system.endswith("2") else 1
+    return 2 if system.removesuffix(RAY_TRANSPORT).endswith("2") else 1
 
 
 DIRECT_LINE = re.compile(r"prefixserve: direct ingress at (http://\S+)/v1")

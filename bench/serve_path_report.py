@@ -8,8 +8,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SYSTEMS = ("offline", "bare", "served1", "served2", "direct1", "direct2")
+SYSTEMS = (
+    "offline", "bare", "served1", "served2", "direct1", "direct2", "served1-ray", "direct1-ray"
+)  # fmt: skip
 """Every system the benchmark knows, in the order tables and plots show them."""
+RAY_TRANSPORT = "-ray"
+"""The suffix of a served system whose ingress calls its replicas by Ray actor calls
+(``--handle-transport ray``) instead of the default gRPC."""
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not s.endswith(RAY_TRANSPORT))
+"""What runs without ``--systems``: every system on the default transport."""
 KINDS = ("engine", "server", "proxy", "ingress", "replica", "ray", "client")
 """Kinds of process whose CPU per streamed token a row reports."""
 

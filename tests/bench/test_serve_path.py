@@ -14,7 +14,7 @@ from bench import serve_path
 def test_flags_and_quick_defaults():
     args = serve_path.parse_args(["--quick"])
     assert (args.concurrency, args.requests_per_concurrency, args.output_tokens) == ([8], 2, 16)
-    assert args.engines == ["tiny", "sim"] and args.systems == list(serve_path.SYSTEMS)
+    assert args.engines == ["tiny", "sim"] and args.systems == list(serve_path.DEFAULT_SYSTEMS)
     args = serve_path.parse_args(["--concurrency", "4,32", "--output-tokens", "3"])
     assert (args.concurrency, args.output_tokens, args.prompt_tokens) == ([4, 32], 3, 32)
     assert serve_path.parse_args([]).concurrency == [64, 256, 1024]
@@ -36,6 +36,10 @@ def test_served_command_lines_leave_room_for_the_largest_concurrency():
     assert "--direct-ingress" not in argv
     direct = serve_path.server_argv("sim", "direct2", "/m", 8000, args)
     assert "--direct-ingress" in direct and direct[direct.index("--num-replicas") + 1] == "2"
+    assert "--handle-transport" not in direct
+    on_ray = serve_path.server_argv("sim", "direct1-ray", "/m", 8000, args)
+    assert on_ray[on_ray.index("--handle-transport") + 1] == "ray" and "--direct-ingress" in on_ray
+    assert serve_path.num_replicas("direct1-ray") == 1
     bare = serve_path.server_argv("tiny", "bare", "/m", 8000, args)
     assert bare[1:3] == ["-m", "bench.bare_server"] and "--engine" not in bare
 
