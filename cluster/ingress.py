@@ -555,7 +555,7 @@ class Ingress:
             else:
                 self._check_token_ids(prompt, "prompt")
                 prompts.append(list(prompt))
-                texts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
+                texts.append(None)  # decoded only to echo it
         params = []
         for prompt_ids in prompts:
             max_tokens = resolve_max_tokens(
@@ -588,11 +588,21 @@ class Ingress:
             continuous_usage=bool(
                 body.stream_options and body.stream_options.continuous_usage_stats
             ),
-            echo_prompts=list(zip(texts, prompts, strict=True)) if body.echo else None,
+            echo_prompts=self._echo_prompts(texts, prompts) if body.echo else None,
             num_top_logprobs=body.logprobs or 0,
             want_prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await self._respond(body, builder, opened, arrival_s)
+
+    def _echo_prompts(
+        self, texts: list[str | None], prompts: list[list[int]]
+    ) -> list[tuple[str, list[int]]]:
+        """Each prompt's text and ids for ``echo``: a prompt given as ids is decoded here."""
+        decode = self.tokenizer.decode
+        return [
+            (decode(ids, skip_special_tokens=False) if text is None else text, ids)
+            for text, ids in zip(texts, prompts, strict=True)
+        ]
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
