@@ -85,15 +85,12 @@ def job_status(address: str, job_id: str) -> str:
     return str(JobSubmissionClient(address).get_job_status(job_id).value)
 
 
-def run_job(submit: list[str], env: dict, address: str, command: list[str]) -> tuple[str, str]:
+def submit_job(submit: list[str], env: dict, command: list[str], prefix: str = "job") -> str:
     """Submits ``command`` as a job without tailing its logs (``ray job submit``'s log tail is
-    a WebSocket that a busy dashboard can drop mid-job), waits until the job ends and returns
-    its final status and its logs. A submit refused before the job is created (the job agent
-    not ready yet) is retried."""
-    from ray.job_submission import JobSubmissionClient
-
+    a WebSocket that a busy dashboard can drop mid-job); returns its id. A submit refused
+    before the job is created (the job agent not ready yet) is retried."""
     for attempt in range(SUBMIT_ATTEMPTS):
-        job_id = f"job-{uuid.uuid4().hex[:8]}"
+        job_id = f"{prefix}-{uuid.uuid4().hex[:8]}"
         submitted = subprocess.run(
             [*submit, "--submission-id", job_id, "--no-wait", "--", *command],
             env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
@@ -102,6 +99,14 @@ def run_job(submit: list[str], env: dict, address: str, command: list[str]) -> t
             break
         time.sleep(SUBMIT_RETRY_S)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    return job_id
+
+
+def run_job(submit: list[str], env: dict, address: str, command: list[str]) -> tuple[str, str]:
+    """``submit_job``, then waits until the job ends; returns its final status and its logs."""
+    from ray.job_submission import JobSubmissionClient
+
+    job_id = submit_job(submit, env, command)
     client = JobSubmissionClient(address)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while (status := str(client.get_job_status(job_id).value)) not in JOB_ENDED:
@@ -227,18 +232,12 @@ def test_serve_and_batch_as_ray_jobs(tmp_path):
         run_batch_job(submit, job_env, address, url, tmp_path)
 
         # 3. The blocking form replaces the app, serves until stopped, then deletes it.
-        for attempt in range(SUBMIT_ATTEMPTS):
-            serve_job = f"serve-{uuid.uuid4().hex[:8]}"
-            submitted = subprocess.run(
-                [*submit, "--submission-id", serve_job, "--no-wait", "--",
-                 *prefixserve_command().split(), "serve", "--address", "auto",
-                 "--served-model-name", "blocking", *serve_args],
-                env=job_env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
-            )  # fmt: skip
-            if submitted.returncode == 0 or attempt == SUBMIT_ATTEMPTS - 1:
-                break
-            time.sleep(SUBMIT_RETRY_S)
-        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+        serve_job = submit_job(
+            submit, job_env,
+            [*prefixserve_command().split(), "serve", "--address", "auto",
+             "--served-model-name", "blocking", *serve_args],
+            prefix="serve",
+        )  # fmt: skip
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:  # the detached app keeps answering until the blocking one replaces it
             with contextlib.suppress(httpx.HTTPError, KeyError, IndexError, ValueError):
