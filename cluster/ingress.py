@@ -77,7 +77,7 @@ from cluster.openai_responses import (
 from cluster.response_store import store_actor, tenant_of
 from cluster.responses import ResponseBuilder
 from cluster.router_context import router_context
-from cluster.serve_compat import own_address, replica_of
+from cluster.serve_compat import own_address, replica_of, stream_handle
 from cluster.stream_items import check_item
 from cluster.tool_calls import (
     ToolPlan,
@@ -155,7 +155,7 @@ class Ingress:
         routing = router_context(serve.get_replica_context().app_name)
         routing.model_id = self.model_id
         self.engines = EngineClient(
-            engine.options(stream=True, _by_reference=self.cluster.handle_transport == "ray"),
+            stream_handle(engine, grpc=self.cluster.handle_transport == "grpc"),
             block_size=self.block_size,
             cache_namespace=info["cache_namespace"],
             push_to=own_address() if self.cluster.push_outputs else None,

@@ -25,6 +25,9 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
   ``max_ongoing_requests`` slot. ``replica_of`` finds a replica of another deployment the
   same way (an engine replica pushing outputs to an ingress replica, ``Ingress.deliver``),
   by the address ``own_address`` gives (``DeploymentID`` and ``ReplicaID`` are private).
+- ``DeploymentHandle.options(_by_reference=False)``: a handle whose calls travel on Serve's
+  gRPC channel between replicas instead of Ray actor calls (``stream_handle``,
+  ``ClusterConfig.handle_transport``).
 - ``ServeController.get_target_groups`` (its ``TargetGroup``s are public, the call is not):
   the ingress replicas' own HTTP ports under direct ingress (``direct_ingress_targets``).
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 
 import ray
@@ -91,6 +95,10 @@ def missing_serve_internals() -> list[str]:
             missing.append(f"RequestRouter.{name}")
     if "kwargs" not in pending_fields:
         missing.append("PendingRequest.kwargs")
+    from ray.serve.handle import DeploymentHandle
+
+    if "_by_reference" not in inspect.signature(DeploymentHandle.options).parameters:
+        missing.append("DeploymentHandle.options(_by_reference=...)")
     missing.extend(_missing_peer_call())
     return missing
 
@@ -163,6 +171,12 @@ def request_key(pending_request: PendingRequest) -> str:
 def ask_to_back_off(pending_request: PendingRequest) -> None:
     """Makes Serve back off before routing ``pending_request`` again after a full set."""
     pending_request.routing_context.should_backoff = True
+
+
+def stream_handle(handle, *, grpc: bool):
+    """``handle`` streaming, its calls on Serve's gRPC channel between replicas (``grpc``) or
+    on Ray actor calls."""
+    return handle.options(stream=True, _by_reference=not grpc)
 
 
 def set_request_kwarg(pending_request: PendingRequest, name: str, value) -> None:

@@ -60,6 +60,20 @@ def test_serve_check_error_names_the_version_and_range():
     assert ray.__version__ in message and serve_compat.TESTED_RAY in message
 
 
+def test_stream_handle_asks_serve_for_the_chosen_transport():
+    from cluster import serve_compat
+
+    class Handle:
+        def options(self, **options):
+            return options
+
+    assert serve_compat.stream_handle(Handle(), grpc=True) == {
+        "stream": True,
+        "_by_reference": False,
+    }
+    assert serve_compat.stream_handle(Handle(), grpc=False)["_by_reference"] is True
+
+
 def test_kv_pull_order_and_peer_call_use_what_serve_internals_provide():
     """The request router's pull order rides in the pending call's kwargs, and a replica calls
     its peer's actor with the pickled ``RequestMetadata`` Serve's replicas unpack (the
