@@ -106,7 +106,8 @@ class ClusterConfig:
     ``ray``, Ray actor calls (each streamed output a Ray object). gRPC costs the ingress and
     the replica less CPU per request and per streamed output. A local cluster (no
     ``ray_address``) also gets Serve's proxy on gRPC to the ingress; a running cluster's proxy
-    keeps what it was started with (``RAY_SERVE_PROXY_USE_GRPC``)."""
+    keeps what it was started with (``RAY_SERVE_PROXY_USE_GRPC``). A Ray whose Serve has no
+    gRPC transport (2.50) calls by actor calls either way, with a warning."""
     support_nice: int = SUPPORT_NICE_DEFAULT
     """Nice steps (0-19, as ``nice -n``) below the engines for the processes off the request
     path: the metrics hub and, for a local cluster, Ray's GCS, agents and Serve controller.

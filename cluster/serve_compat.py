@@ -27,7 +27,8 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
   by the address ``own_address`` gives (``DeploymentID`` and ``ReplicaID`` are private).
 - ``DeploymentHandle.options(_by_reference=False)``: a handle whose calls travel on Serve's
   gRPC channel between replicas instead of Ray actor calls (``stream_handle``,
-  ``ClusterConfig.handle_transport``).
+  ``ClusterConfig.handle_transport``). Optional: a Ray without it (2.50 has none) calls by
+  actor calls, with a warning.
 - ``ServeController.get_target_groups`` (its ``TargetGroup``s are public, the call is not):
   the ingress replicas' own HTTP ports under direct ingress (``direct_ingress_targets``).
 
@@ -95,10 +96,6 @@ def missing_serve_internals() -> list[str]:
             missing.append(f"RequestRouter.{name}")
     if "kwargs" not in pending_fields:
         missing.append("PendingRequest.kwargs")
-    from ray.serve.handle import DeploymentHandle
-
-    if "_by_reference" not in inspect.signature(DeploymentHandle.options).parameters:
-        missing.append("DeploymentHandle.options(_by_reference=...)")
     missing.extend(_missing_peer_call())
     return missing
 
@@ -173,9 +170,25 @@ def ask_to_back_off(pending_request: PendingRequest) -> None:
     pending_request.routing_context.should_backoff = True
 
 
+@functools.cache
+def has_grpc_transport() -> bool:
+    """Whether the installed Serve can send a handle's calls over gRPC (``_by_reference``)."""
+    from ray.serve.handle import DeploymentHandle
+
+    return "_by_reference" in inspect.signature(DeploymentHandle.options).parameters
+
+
 def stream_handle(handle, *, grpc: bool):
     """``handle`` streaming, its calls on Serve's gRPC channel between replicas (``grpc``) or
-    on Ray actor calls."""
+    on Ray actor calls; actor calls, with a warning, where Serve has no gRPC transport."""
+    if not has_grpc_transport():
+        if grpc:
+            log.warning(
+                "ray %s has no gRPC transport between replicas; the ingress calls the engine "
+                "replicas by Ray actor calls",
+                ray.__version__,
+            )
+        return handle.options(stream=True)
     return handle.options(stream=True, _by_reference=not grpc)
 
 

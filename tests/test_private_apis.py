@@ -63,6 +63,8 @@ def test_serve_check_error_names_the_version_and_range():
 def test_stream_handle_asks_serve_for_the_chosen_transport():
     from cluster import serve_compat
 
+    assert serve_compat.has_grpc_transport()  # the installed Ray's handles can use gRPC
+
     class Handle:
         def options(self, **options):
             return options
@@ -72,6 +74,17 @@ def test_stream_handle_asks_serve_for_the_chosen_transport():
         "_by_reference": False,
     }
     assert serve_compat.stream_handle(Handle(), grpc=False)["_by_reference"] is True
+
+
+def test_a_serve_without_the_grpc_transport_streams_on_actor_calls(monkeypatch):
+    from cluster import serve_compat
+
+    class Handle:
+        def options(self, **options):
+            return options
+
+    monkeypatch.setattr(serve_compat, "has_grpc_transport", lambda: False)
+    assert serve_compat.stream_handle(Handle(), grpc=True) == {"stream": True}
 
 
 def test_kv_pull_order_and_peer_call_use_what_serve_internals_provide():
