@@ -309,8 +309,8 @@ FLAGS = [
     (
         "--push-outputs", "cluster", "push_outputs", None,
         "Engine replicas push outputs to the ingress replica that called them, every request's "
-        "of an engine step in one call; --no-push-outputs streams each output through its "
-        "request's own handle call.",
+        "of an engine step in one frame on a TCP connection to a port the ingress opens on its "
+        "node; --no-push-outputs streams each output through its request's own handle call.",
         "http",
     ),
     (

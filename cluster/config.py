@@ -97,9 +97,10 @@ class ClusterConfig:
     bursts. A request's first tokens and its end go at once."""
     push_outputs: bool = True
     """Engine replicas push a request's outputs between its first and its last to the ingress
-    replica that called them, every request's in one call per engine step
-    (``cluster/ingress_channel.py``), instead of one streamed Ray object per output; False
-    streams every output through the request's own handle call."""
+    replica that called them, every request's in one frame per engine step on a TCP
+    connection to a port each ingress replica opens on its node (``cluster/push_socket.py``),
+    instead of one streamed item per output; False streams every output through the
+    request's own handle call."""
     handle_transport: str = "grpc"
     """How the ingress's calls to the engine replicas travel: ``grpc``, Ray Serve's gRPC
     channel between replicas (each call a gRPC stream, its outputs pickled onto it), or

@@ -7,10 +7,10 @@ starts: Serve's full queue (``BackPressureError``) -> 429, the replica's own ref
 (``cluster.stream_items.Rejected``) -> 400/429/503/500, an unreachable replica -> 503. Each
 first output is also reported to the ``router.load.LoadTracker`` the client was handed (the
 one the request router of this process feeds): the request is past its prefill, no longer
-in its replica's queue. With ``push_to`` the replica pushes the
-outputs between a call's first and its last to this ingress replica (``deliver``, one call
-per engine step for every request: ``cluster/ingress_channel.py``); each call's inbox gets
-them and, behind them, what its handle stream carries (``_Call``), in the replica's order.
+in its replica's queue. With ``push_to`` the replica pushes the outputs between a call's
+first and its last to this ingress replica's push server (``deliver``, one frame per engine
+step for every request: ``cluster/ingress_channel.py``); each call's inbox gets them and,
+behind them, what its handle stream carries (``_Call``), in the replica's order.
 ``merge`` then yields ``(prompt index, OutputDelta)`` as outputs arrive and, when the caller
 stops early (client gone, a sibling failed), cancels every stream not yet ended, which aborts
 the engine requests and frees their blocks.
@@ -188,8 +188,9 @@ class EngineClient:
         push_to: dict | None = None,
         load: LoadTracker | None = None,
     ) -> None:
-        """``push_to``: this ingress replica's address (``serve_compat.own_address``): the
-        replicas push a call's outputs between its first and its last to ``deliver`` here
+        """``push_to``: this ingress replica's push address (its ``replica_id`` and
+        ``cluster.push_socket.PushServer.address``): the replicas push a call's outputs between
+        its first and its last there, and the server hands them to ``deliver``
         (``cluster/ingress_channel.py``); None: every output comes through the handle call.
         ``cache_namespace``: what the replicas seed block hashes with (their ``describe``).
         ``load``: the tracker the handle's request router feeds (``cluster.router_context``),

@@ -31,6 +31,7 @@ import time
 import uuid
 
 import jinja2
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -74,10 +75,11 @@ from cluster.openai_responses import (
     output_of_chat,
     response_object,
 )
+from cluster.push_socket import PushServer
 from cluster.response_store import store_actor, tenant_of
 from cluster.responses import ResponseBuilder
 from cluster.router_context import router_context
-from cluster.serve_compat import own_address, replica_of, stream_handle
+from cluster.serve_compat import own_replica_id, replica_of, stream_handle
 from cluster.stream_items import check_item
 from cluster.tool_calls import (
     ToolPlan,
@@ -154,11 +156,18 @@ class Ingress:
         # names the Redis index by the model id.
         routing = router_context(serve.get_replica_context().app_name)
         routing.model_id = self.model_id
+        self._push_server = None
+        if self.cluster.push_outputs:  # engine replicas push outputs here (push_socket.py)
+            self._push_server = await PushServer.start(
+                lambda batch: self.engines.deliver(batch), ray.util.get_node_ip_address()
+            )
         self.engines = EngineClient(
             stream_handle(engine, grpc=self.cluster.handle_transport == "grpc"),
             block_size=self.block_size,
             cache_namespace=info["cache_namespace"],
-            push_to=own_address() if self.cluster.push_outputs else None,
+            push_to=None
+            if self._push_server is None
+            else {"replica_id": own_replica_id(), **self._push_server.address},
             load=routing.load,
         )
         # The base model's names and the LoRA adapters: the engines' lora_modules and the
@@ -212,14 +221,6 @@ class Ingress:
                 else [],
             )
         return app
-
-    async def deliver(self, batch: list[OutputDelta]) -> None:
-        """Outputs an engine replica pushed here (``cluster/ingress_channel.py``), of every
-        call this replica has open there, from one engine step or more; called on this
-        replica's actor, not over HTTP. A coroutine so that Serve runs it on the user-code
-        loop, which owns the inboxes (a plain method would run in a worker thread, one
-        thread start per call, touching the loop's queues from outside)."""
-        self.engines.deliver(batch)
 
     # ---- request plumbing ---------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -714,6 +715,8 @@ class Ingress:
     async def __del__(self) -> None:
         """Serve's shutdown: the last counts go to the hub, which keeps them."""
         self._push_task.cancel()
+        if self._push_server is not None:
+            self._push_server.close()
         try:
             snapshot = self._metrics_snapshot()
             await asyncio.wait_for(self._hub.report_ingress.remote(self._ingress_id, snapshot), 1.0)

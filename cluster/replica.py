@@ -6,7 +6,8 @@ each step added, nothing else) as the engine made them, stamping each with its n
 stream (``seq``) and this replica's id; with ``stream_interval`` above 1 it first joins
 consecutive ones. It yields the first and the last; with ``push_to`` (the calling ingress
 replica) the ones in between go to that ingress through an ``IngressChannel``
-(``cluster/ingress_channel.py``: every request's outputs of an engine step in one call), else
+(``cluster/ingress_channel.py``: every request's outputs of an engine step in one frame on a
+connection of its own, ``cluster/push_socket.py``), else
 it yields them too. The replica times the engine-side phases from the timestamps in the first
 and last delta (``cluster.metrics_snapshots.ReplicaMetrics``). A request the engine refuses
 (bad input, full queue, dead engine) yields one ``cluster.stream_items.Rejected`` instead of
@@ -45,7 +46,8 @@ from cluster.kv_pull import ReplicaKVPuller
 from cluster.lora_adapters import AdapterRecord, ReplicaAdapterSync, replica_result
 from cluster.metrics import METRICS_PUSH_PERIOD_S, UNCHANGED_PUSH_S
 from cluster.metrics_snapshots import ReplicaMetrics
-from cluster.serve_compat import peer_replica, replica_of
+from cluster.push_socket import PushConnection
+from cluster.serve_compat import peer_replica
 from cluster.stream_items import Rejected, RejectKind
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
@@ -63,10 +65,9 @@ SHUTDOWN_DRAIN_S = 2.0
 DRAIN_POLL_S = 0.1
 
 
-def _deliver_to(address: dict):
-    """``Ingress.deliver`` of the ingress replica at ``address``, called on its actor."""
-    ingress = replica_of(address["app"], address["deployment"], address["replica_id"])
-    return ingress.deliver.remote
+async def _deliver_to(address: dict):
+    """A connection to the push server of the ingress replica at ``address``: its ``send``."""
+    return (await PushConnection.open(address)).send
 
 
 class _StreamState:
@@ -168,9 +169,10 @@ class EngineReplica:
         are for the router (and a pull); ``resume_token_ids`` continue a stream a dead replica
         began (the ingress's failover); ``kv_pull``: the request router's order to pull leading
         blocks from a peer first (``cluster.request_router.kv_pull_order``), set by the router,
-        not the caller; ``push_to``: the calling ingress replica's address
-        (``serve_compat.own_address``): the outputs between the first and the last go to it
-        through its ``IngressChannel`` instead of this call (``cluster/ingress_channel.py``);
+        not the caller; ``push_to``: the calling ingress replica's push address
+        (``cluster.push_socket.PushServer.address`` and its ``replica_id``): the outputs
+        between the first and the last go to it through its ``IngressChannel`` instead of
+        this call (``cluster/ingress_channel.py``);
         ``lora_name``: the LoRA adapter the request runs on (None: the base model; one this
         engine does not know is an ``INVALID`` rejection)."""
         state = _StreamState()
@@ -198,7 +200,7 @@ class EngineReplica:
                     if is_first:
                         yield item
                         if push_to is not None and not out.finished:
-                            channel = self._channels.get(push_to)
+                            channel = await self._channels.get(push_to)
                         if channel is not None:  # the outputs up to the last: pushed
                             self.engine.forward(
                                 request_id, functools.partial(self._push, state, channel)

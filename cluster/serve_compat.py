@@ -23,8 +23,8 @@ What prefixserve needs beyond Serve's public API (``ray.serve.request_router``):
   ``ReplicaActor.handle_request`` takes a pickled ``RequestMetadata`` (``call_method``) before
   the method's arguments. The call skips Serve's queue and rejection, not the replica's
   ``max_ongoing_requests`` slot. ``replica_of`` finds a replica of another deployment the
-  same way (an engine replica pushing outputs to an ingress replica, ``Ingress.deliver``),
-  by the address ``own_address`` gives (``DeploymentID`` and ``ReplicaID`` are private).
+  same way (the ingress asking each engine replica for its LoRA adapters), by its app,
+  deployment and unique id (``DeploymentID`` and ``ReplicaID`` are private).
 - ``DeploymentHandle.options(_by_reference=False)``: a handle whose calls travel on Serve's
   gRPC channel between replicas instead of Ray actor calls (``stream_handle``,
   ``ClusterConfig.handle_transport``). Optional: a Ray without it (2.50 has none) calls by
@@ -279,14 +279,9 @@ def tell_replicas(
     return answered
 
 
-def own_address() -> dict:
-    """This replica's address for ``replica_of``: ``{"app", "deployment", "replica_id"}``."""
-    replica_id = serve.get_replica_context().replica_id
-    return {
-        "app": replica_id.deployment_id.app_name,
-        "deployment": replica_id.deployment_id.name,
-        "replica_id": replica_id.unique_id,
-    }
+def own_replica_id() -> str:
+    """This replica's unique id within its deployment."""
+    return serve.get_replica_context().replica_id.unique_id
 
 
 def direct_ingress_targets(app_name: str) -> list[tuple[str, int]]:

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import asyncio
 
+from cluster import ingress_channel
 from cluster.ingress_channel import IngressChannel, IngressChannels
 from tests.cluster.helpers import delta
 
 
+def _connect_to(ingress):
+    async def connect(address):
+        return ingress.deliver
+
+    return connect
+
+
 class _Ingress:
-    """Stands in for ``Ingress.deliver``: records batches; each call waits for ``gate``."""
+    """Stands in for an ingress's push connection: records batches; each ``deliver`` waits
+    for ``gate``."""
 
     def __init__(self, fail_on: int | None = None) -> None:
         self.batches: list[list] = []
@@ -55,10 +64,10 @@ def test_a_failed_delivery_breaks_the_channel_and_releases_its_waiters():
         channel.push(delta(seq=1))
         await asyncio.wait_for(channel.flushed(), 1.0)
         pushed_after = channel.push(delta(seq=2))
-        channels = IngressChannels(lambda address: _Ingress().deliver)
-        first = channels.get({"replica_id": "i"})
+        channels = IngressChannels(_connect_to(_Ingress()))
+        first = await channels.get({"replica_id": "i"})
         first.broken = True  # a broken channel is replaced on the next request
-        second = channels.get({"replica_id": "i"})
+        second = await channels.get({"replica_id": "i"})
         channels.close()
         return channel.broken, pushed_after, first is not second
 
@@ -66,11 +75,39 @@ def test_a_failed_delivery_breaks_the_channel_and_releases_its_waiters():
     assert broken and not pushed_after and replaced
 
 
-def test_an_unreachable_ingress_gives_no_channel():
-    def connect(address):
-        raise ValueError(f"no actor for {address['replica_id']}")
+def test_an_unreachable_ingress_gives_no_channel_and_is_not_retried_at_once(monkeypatch):
+    attempts = []
+
+    async def connect(address):
+        attempts.append(address["replica_id"])
+        raise ConnectionRefusedError(f"nobody listens for {address['replica_id']}")
 
     async def scenario():
-        return IngressChannels(connect).get({"replica_id": "gone"})
+        channels = IngressChannels(connect)
+        first = await channels.get({"replica_id": "gone"})
+        second = await channels.get({"replica_id": "gone"})  # within RETRY_CONNECT_S
+        monkeypatch.setattr(ingress_channel, "RETRY_CONNECT_S", 0.0)
+        await channels.get({"replica_id": "other"})
+        third = await channels.get({"replica_id": "other"})
+        return first, second, third
 
-    assert asyncio.run(scenario()) is None
+    assert asyncio.run(scenario()) == (None, None, None)
+    assert attempts == ["gone", "other", "other"]
+
+
+def test_requests_that_arrive_while_a_channel_connects_share_its_one_connection():
+    connects = []
+
+    async def connect(address):
+        connects.append(address["replica_id"])
+        await asyncio.sleep(0.01)
+        return _Ingress().deliver
+
+    async def scenario():
+        channels = IngressChannels(connect)
+        got = await asyncio.gather(*(channels.get({"replica_id": "i"}) for _ in range(5)))
+        channels.close()
+        return got
+
+    got = asyncio.run(scenario())
+    assert connects == ["i"] and all(channel is got[0] for channel in got)

@@ -68,42 +68,49 @@ def test_messages_carry_interval_tokens_first_and_last_at_once(interval, sizes):
 
 
 # -- pushed outputs: the engine's sink feeds the ingress channel (AsyncEngine.forward) -------
-PUSH_TO = {"app": "a", "deployment": "Ingress", "replica_id": "ingress-1"}
-
-
-def engine_replica(model: str, stream_interval: int, deliver):
-    """An ``EngineReplica`` over a real engine in a thread of this process, its channels
-    delivering through ``deliver`` (the ingress's ``deliver`` stand-in)."""
+def engine_replica(model: str, stream_interval: int, deliver=None):
+    """An ``EngineReplica`` over a real engine in a thread of this process; its channels
+    connect to push servers as the replica's do, or deliver through ``deliver``."""
     from cluster.ingress_channel import IngressChannels
+    from cluster.replica import _deliver_to
     from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
 
+    async def stand_in(address):
+        return deliver
+
     self = replica(stream_interval)
     self.engine = AsyncEngine(EngineConfig(model=model, num_kv_blocks=64), "r0", spawn=False)
-    self._channels = IngressChannels(lambda address: deliver)
+    self._channels = IngressChannels(_deliver_to if deliver is None else stand_in)
     return self
 
 
 async def pushed_run(model: str, stream_interval: int, break_after: int | None = None):
-    """(what the call yielded, what was pushed, in order): ``break_after`` deliveries go
-    through, then the ingress is gone (the call raises)."""
+    """(what the call yielded, what was pushed, in order), pushed over a real connection to a
+    push server in this process; or with ``break_after``, to a stand-in that takes that many
+    batches and then fails as a connection to a lost ingress does."""
+    from cluster.push_socket import PushServer
+
     pushed: list[OutputDelta] = []
     calls = 0
 
     async def deliver(batch):
         nonlocal calls
         calls += 1
-        if break_after is not None and calls > break_after:
+        if calls > break_after:
             raise ConnectionError("ingress replica is gone")
-        await asyncio.sleep(0)  # an actor call returns on a later loop turn
-        pushed.extend(pickle.loads(pickle.dumps(batch)))  # as Ray carries it
+        await asyncio.sleep(0)  # the ingress answers on a later loop turn
+        pushed.extend(pickle.loads(pickle.dumps(batch)))  # as the connection carries it
 
-    r = engine_replica(model, stream_interval, deliver)
+    server = await PushServer.start(pushed.extend, "127.0.0.1")
+    push_to = {"replica_id": "ingress-1", **server.address}
+    r = engine_replica(model, stream_interval, None if break_after is None else deliver)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     try:
-        yielded = [m async for m in r.generate("req", [5, 6, 7, 8], params, push_to=PUSH_TO)]
+        yielded = [m async for m in r.generate("req", [5, 6, 7, 8], params, push_to=push_to)]
     finally:
         r._channels.close()
+        server.close()
         await r.engine.shutdown()
     return yielded, pushed
 

@@ -751,7 +751,9 @@ def test_32_concurrent_streams_for_a_while_without_errors_or_leaks(tiny_server, 
 
 def test_overload_gets_429_with_retry_after_then_recovers(tiny_server, model):
     # 2 replicas x 24 ongoing + 64 queued = 112 admitted; the rest must be refused, not hang.
-    payload = {"model": model, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+    # Each request runs long enough that the admitted ones are still running when the last of
+    # the 200 arrive, however fast the path serves them.
+    payload = {"model": model, "prompt": PROMPT, "max_tokens": 96, "ignore_eos": True}
     num_requests = 200
 
     async def run():
