@@ -184,6 +184,12 @@ FLAGS = [
         "engine",
     ),
     (
+        "--engine-nice", "engine", "engine_nice", int,
+        "Nice value the engine process asks for, so the engine loop goes before the processes "
+        "relaying its tokens; below 0 it needs CAP_SYS_NICE, else it is logged and kept.",
+        "engine",
+    ),
+    (
         "--num-threads", "engine", "num_threads", int,
         "torch intra-op threads per engine replica on CPU (default: torch's choice).",
         "engine",

@@ -170,6 +170,13 @@ class EngineConfig:
     max_logprobs: int = 20
     num_threads: int | None = None
     """torch intra-op threads on CPU; None keeps torch's default."""
+    engine_nice: int | None = -5
+    """The nice value the engine process asks for at start (Linux; lower runs first): the
+    engine loop bounds the replica's token rate, so it goes before the processes that relay
+    its tokens when they share cores. Below the inherited value it needs ``CAP_SYS_NICE`` (root
+    outside a container, or a root container with ``--cap-add SYS_NICE``; the Helm chart's
+    non-root pods lack it); refused, the engine logs so and keeps its priority. None: leave
+    it."""
     cache_dir: str | None = None
     """Where converted GGUF models are cached; defaults to ``~/.cache/prefixserve``."""
     tensor_parallel_size: int = 1
@@ -316,6 +323,11 @@ class EngineConfig:
             0 <= self.max_logprobs <= 20,
             "max_logprobs",
             f"must be in [0, 20], got {self.max_logprobs}",
+        )
+        need(
+            self.engine_nice is None or -20 <= self.engine_nice <= 19,
+            "engine_nice",
+            f"must be in [-20, 19], got {self.engine_nice}",
         )
         need(
             self.num_threads is None or self.num_threads > 0,

@@ -223,12 +223,33 @@ def _end_process(proc: subprocess.Popen, conn: Connection, calls: Connection) ->
 
 
 # -- the child -------------------------------------------------------------------------------
+def ask_for_priority(nice: int | None) -> int:
+    """Sets this thread's nice value to ``nice`` (threads started later inherit it) when that
+    is lower than what it runs at, and logs the outcome; returns the nice value it runs at.
+    A refusal (no ``CAP_SYS_NICE``) keeps the inherited one."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice is None or nice >= current:
+        return current
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        log.warning(
+            "engine process stays at nice %d: nice %d needs CAP_SYS_NICE (engine_nice)",
+            current,
+            nice,
+        )
+        return current
+    log.info("engine process runs at nice %d (was %d; engine_nice)", nice, current)
+    return nice
+
+
 def serve_engine(conn: Connection, calls: Connection | None = None) -> int:
     """The engine process's life: build the engine, then run the loop until told to stop;
     ``calls`` (exports answered while the engine steps) is served by a thread of its own."""
     from worker.engine import LLMEngine
 
     _, config, replica_id = conn.recv()
+    ask_for_priority(config.engine_nice)  # before any thread starts: they inherit it
     try:
         engine = LLMEngine(config, replica_id)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
