@@ -14,7 +14,7 @@ import dataclasses
 
 from cluster.config import API_KEY_ENV, ClusterConfig
 from router.config import RouterConfig
-from worker.config import EngineConfig
+from worker.config import EngineConfig, parse_engine_nice
 
 # The help's argument groups, in order; a table row names its group by key.
 GROUPS = {
@@ -184,9 +184,11 @@ FLAGS = [
         "engine",
     ),
     (
-        "--engine-nice", "engine", "engine_nice", int,
-        "Nice value the engine process asks for, so the engine loop goes before the processes "
-        "relaying its tokens; below 0 it needs CAP_SYS_NICE, else it is logged and kept.",
+        "--engine-nice", "engine", "engine_nice", parse_engine_nice,
+        "Nice value the engine process asks for (default: keep), or auto: -5 when the engine "
+        "leaves cores to the processes relaying its tokens (CUDA, or fewer torch threads than "
+        "cores; one engine per node), so its loop goes first; below 0 it needs CAP_SYS_NICE, "
+        "else it is logged and kept.",
         "engine",
     ),
     (

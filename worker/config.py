@@ -57,6 +57,28 @@ BF16_MIN_CAPABILITY = (8, 0)
 """Ampere and later compute bfloat16 natively; older GPUs emulate it slowly, so float16 there."""
 
 
+AUTO_ENGINE_NICE = -5
+"""The nice value ``engine_nice="auto"`` asks for, for an engine that leaves cores to others."""
+
+
+def parse_engine_nice(value: str) -> int | str:
+    """A ``--engine-nice`` argument: ``auto`` or an integer."""
+    return value if value == "auto" else int(value)
+
+
+def resolve_engine_nice(
+    engine_nice: int | str | None, device: str, num_threads: int, num_cores: int
+) -> int | None:
+    """The nice value the engine process asks for: ``engine_nice`` itself, or for ``auto``
+    ``AUTO_ENGINE_NICE`` when the engine leaves cores to other processes (``device`` cuda, or
+    ``num_threads`` torch threads below ``num_cores``) and None (keep) when it fills them."""
+    if engine_nice != "auto":
+        return engine_nice
+    if device.startswith("cuda") or num_threads < num_cores:
+        return AUTO_ENGINE_NICE
+    return None
+
+
 def resolve_device(device: str, cuda_available: bool) -> str:
     """``auto``: ``cuda`` when a GPU is visible, else ``cpu``; anything else unchanged."""
     if device != AUTO:
@@ -170,13 +192,18 @@ class EngineConfig:
     max_logprobs: int = 20
     num_threads: int | None = None
     """torch intra-op threads on CPU; None keeps torch's default."""
-    engine_nice: int | None = -5
-    """The nice value the engine process asks for at start (Linux; lower runs first): the
-    engine loop bounds the replica's token rate, so it goes before the processes that relay
-    its tokens when they share cores. Below the inherited value it needs ``CAP_SYS_NICE`` (root
-    outside a container, or a root container with ``--cap-add SYS_NICE``; the Helm chart's
-    non-root pods lack it); refused, the engine logs so and keeps its priority. None: leave
-    it."""
+    engine_nice: int | str | None = None
+    """The nice value the engine process asks for at start (Linux; lower runs first). ``auto``:
+    ``AUTO_ENGINE_NICE`` when this engine leaves cores to the processes that relay its tokens
+    (a CUDA engine's host loop, or fewer torch threads than the cores it may use), so its loop
+    goes before them; an engine whose threads fill every core keeps its priority, sharing the
+    cores with the request path as an equal. Only for one engine per node's cores: ``auto``
+    sees its own threads, not its neighbours', and engines that fill a node's cores between
+    them starve the request path (two one-thread replicas on 2 cores let the ingress admit
+    requests too slowly for the queue to fill). Below the inherited value it needs
+    ``CAP_SYS_NICE`` (root outside a container, or a root container with ``--cap-add
+    SYS_NICE``; the Helm chart's non-root pods lack it); refused, the engine logs so and keeps
+    its priority. None (the default): leave it."""
     cache_dir: str | None = None
     """Where converted GGUF models are cached; defaults to ``~/.cache/prefixserve``."""
     tensor_parallel_size: int = 1
@@ -324,10 +351,13 @@ class EngineConfig:
             "max_logprobs",
             f"must be in [0, 20], got {self.max_logprobs}",
         )
+        nice = self.engine_nice
         need(
-            self.engine_nice is None or -20 <= self.engine_nice <= 19,
+            nice is None
+            or nice == "auto"
+            or (isinstance(nice, int) and not isinstance(nice, bool) and -20 <= nice <= 19),
             "engine_nice",
-            f"must be in [-20, 19], got {self.engine_nice}",
+            f"must be 'auto', null or an integer in [-20, 19], got {nice!r}",
         )
         need(
             self.num_threads is None or self.num_threads > 0,

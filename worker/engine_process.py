@@ -28,6 +28,11 @@ The child is started with ``python -m worker.engine_process FD CALL_FD``: a fres
 never re-imports the caller's ``__main__`` (so it works from Ray workers and plain scripts),
 with the parent's ``sys.path`` and environment (thread counts, CUDA devices).
 
+The child asks for ``EngineConfig.engine_nice`` before it builds the engine (its threads
+inherit it): the engine loop bounds the replica's token rate, so where it shares cores with
+the processes relaying its tokens it should run first. Without ``CAP_SYS_NICE`` the request
+is refused, logged, and the child runs at the priority it inherited.
+
 How it fails: a child that dies while starting raises ``RuntimeError`` with its exit code
 (its traceback is in its stderr, which is the parent's). A child that dies later, or whose
 loop raises, makes the core dead: ``on_dead`` fires once and ``is_alive()`` turns False. The
@@ -47,7 +52,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection
 
-from worker.config import EngineConfig
+from worker.config import EngineConfig, resolve_device, resolve_engine_nice
 from worker.engine_commands import Call, Command
 from worker.engine_core import EngineCore, EngineInfo, EngineLoop, answer_now, info_of
 from worker.outputs import EngineDeadError
@@ -223,6 +228,17 @@ def _end_process(proc: subprocess.Popen, conn: Connection, calls: Connection) ->
 
 
 # -- the child -------------------------------------------------------------------------------
+def engine_nice_of(config: EngineConfig) -> int | None:
+    """The nice value this engine asks for (``EngineConfig.engine_nice``, ``auto`` resolved
+    from its device and torch threads against the cores this process may use)."""
+    import torch
+
+    device = resolve_device(config.device, torch.cuda.is_available())
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    num_threads = config.num_threads or torch.get_num_threads()
+    return resolve_engine_nice(config.engine_nice, device, num_threads, num_cores)
+
+
 def ask_for_priority(nice: int | None) -> int:
     """Sets this thread's nice value to ``nice`` (threads started later inherit it) when that
     is lower than what it runs at, and logs the outcome; returns the nice value it runs at.
@@ -249,7 +265,7 @@ def serve_engine(conn: Connection, calls: Connection | None = None) -> int:
     from worker.engine import LLMEngine
 
     _, config, replica_id = conn.recv()
-    ask_for_priority(config.engine_nice)  # before any thread starts: they inherit it
+    ask_for_priority(engine_nice_of(config))  # before any thread starts: they inherit it
     try:
         engine = LLMEngine(config, replica_id)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
