@@ -199,11 +199,10 @@ class EngineConfig:
     goes before them; an engine whose threads fill every core keeps its priority, sharing the
     cores with the request path as an equal. Only for one engine per node's cores: ``auto``
     sees its own threads, not its neighbours', and engines that fill a node's cores between
-    them starve the request path (two one-thread replicas on 2 cores let the ingress admit
-    requests too slowly for the queue to fill). Below the inherited value it needs
-    ``CAP_SYS_NICE`` (root outside a container, or a root container with ``--cap-add
-    SYS_NICE``; the Helm chart's non-root pods lack it); refused, the engine logs so and keeps
-    its priority. None (the default): leave it."""
+    them would starve the request path that admits their requests. Below the inherited value
+    it needs ``CAP_SYS_NICE`` (root outside a container, or a root container with
+    ``--cap-add SYS_NICE``; the Helm chart's non-root pods lack it); refused, the engine logs
+    so and keeps its priority. None (the default): leave it."""
     cache_dir: str | None = None
     """Where converted GGUF models are cached; defaults to ``~/.cache/prefixserve``."""
     tensor_parallel_size: int = 1
