@@ -13,10 +13,11 @@ nice 10 too 62.6 tok/s (933 ms); only the background at nice 10 72.5 tok/s (664 
 
 Only raising a nice value is done (any process may do that to its own threads and to the
 processes of its user), so the engines, started at Ray's worker niceness (0 for a local
-cluster, Ray's default 15 elsewhere), keep theirs; the background goes ``support_nice``
-steps below it, as ``nice -n`` counts (capped at 19). On Linux ``setpriority`` acts on one
-thread, so each call here walks ``/proc/<pid>/task``; threads started later inherit the
-priority of the thread that starts them.
+cluster, Ray's default 15 elsewhere), keep theirs (unless ``EngineConfig.engine_nice`` has
+an engine process ask to run above them, ``worker/engine_process.py``); the background goes
+``support_nice`` steps below it, as ``nice -n`` counts (capped at 19). On Linux
+``setpriority`` acts on one thread, so each call here walks ``/proc/<pid>/task``; threads
+started later inherit the priority of the thread that starts them.
 
 How it fails: never. Elsewhere than Linux, for a process or thread that is gone, or when the
 kernel refuses, nothing changes and a DEBUG line says why; priorities are an optimisation.

@@ -85,7 +85,7 @@ class _PushProtocol(asyncio.Protocol):
             end = _HEADER_BYTES + size
             if len(self._buffer) < end:
                 return
-            payload = bytes(self._buffer[_HEADER_BYTES:end])
+            payload = self._buffer[_HEADER_BYTES:end]  # the frame's one copy
             del self._buffer[:end]
             try:
                 batch = pickle.loads(payload)

@@ -231,6 +231,8 @@ def _end_process(proc: subprocess.Popen, conn: Connection, calls: Connection) ->
 def engine_nice_of(config: EngineConfig) -> int | None:
     """The nice value this engine asks for (``EngineConfig.engine_nice``, ``auto`` resolved
     from its device and torch threads against the cores this process may use)."""
+    if config.engine_nice != "auto":  # nothing to probe
+        return config.engine_nice
     import torch
 
     device = resolve_device(config.device, torch.cuda.is_available())
