@@ -7,10 +7,11 @@ starts: Serve's full queue (``BackPressureError``) -> 429, the replica's own ref
 (``cluster.stream_items.Rejected``) -> 400/429/503/500, an unreachable replica -> 503. Each
 first output is also reported to the ``router.load.LoadTracker`` the client was handed (the
 one the request router of this process feeds): the request is past its prefill, no longer
-in its replica's queue. With ``push_to`` the replica pushes the outputs between a call's
-first and its last to this ingress replica's push server (``deliver``, one frame per engine
-step for every request: ``cluster/ingress_channel.py``); each call's inbox gets them and,
-behind them, what its handle stream carries (``_Call``), in the replica's order.
+in its replica's queue. With ``push_to`` the replica pushes every output of a call but the
+last to this ingress replica's push server (``deliver``, one frame per engine step for every
+request: ``cluster/ingress_channel.py``), the first included; each call's inbox gets them
+and, behind them, what its handle stream carries (the last output or a refusal: ``_Call``),
+in the replica's order.
 ``merge`` then yields ``(prompt index, OutputDelta)`` as outputs arrive and, when the caller
 stops early (client gone, a sibling failed), cancels every stream not yet ended, which aborts
 the engine requests and frees their blocks.
@@ -86,26 +87,40 @@ _END = object()
 class _Call:
     """One engine call as the ingress sees it: its handle stream and its inbox, where the
     outputs the replica pushed (``EngineClient.deliver``) and, behind them, what the handle
-    stream carries arrive in the replica's order."""
+    stream carries arrive in the replica's order. A task copies the handle stream into the
+    inbox from the start, so the first output is whichever comes first."""
 
     def __init__(self, request_id: str, inbox: asyncio.Queue, response) -> None:
         self.request_id = request_id
         self.inbox = inbox
         self.response = response
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def first(self):
+        """The call's first output (or ``Rejected``); raises what ended the handle stream
+        before it."""
+        item = await self.inbox.get()
+        if item is _END:
+            raise ConnectionError(f"the replica ended {self.request_id} without an output")
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def rest(self):
         """The outputs after the first, in order; raises what ended the handle stream."""
-        watcher = asyncio.create_task(self._watch())
-        try:
-            while True:
-                item = await self.inbox.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            watcher.cancel()
+        while True:
+            item = await self.inbox.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def stop(self) -> None:
+        """Cancels the handle call (aborting the engine request if it still runs) and stops
+        copying it."""
+        self._watcher.cancel()
+        _cancel_quietly(self.response)
 
     async def _watch(self) -> None:
         try:
@@ -143,10 +158,6 @@ class _Stream:
         self.finished = False
         self.num_failovers = 0
         self._next_seq = 0
-
-    @property
-    def response(self):
-        return self.call.response
 
     def record(self, item: OutputDelta) -> OutputDelta:
         """Notes what ``item`` streams; after a failover, shows the first replica's cache hit.
@@ -233,11 +244,11 @@ class EngineClient:
         # router sees the call only as a pending request keyed by this id, so the load
         # tracker knows it by this key too.
         routing_key = own_internal_request_id()
-        response = None
+        call = None
         inbox: asyncio.Queue = asyncio.Queue()
-        self._inboxes[request_id] = inbox  # before the call: pushes may come before its first
+        self._inboxes[request_id] = inbox  # before the call: its outputs may be pushed first
         try:
-            # Serve may refuse in remote() itself (its queue is full) or on the first item.
+            # Serve may refuse in remote() itself (its queue is full) or as the first item.
             response = self._stream_handle.generate.remote(
                 request_id,
                 prompt_ids,
@@ -248,14 +259,15 @@ class EngineClient:
                 push_to=self.push_to,
                 lora_name=lora_name,
             )
-            first = await response.__anext__()
+            call = _Call(request_id, inbox, response)
+            first = await call.first()
             if self.load is not None:
                 self.load.first_output(routing_key)  # not queued or prefilling any more
         except BaseException as exc:
             if self._inboxes.get(request_id) is inbox:
                 del self._inboxes[request_id]
-            if response is not None:
-                _cancel_quietly(response)
+            if call is not None:
+                call.stop()
             if isinstance(exc, BackPressureError):
                 raise errors.overloaded("too many queued requests") from None
             if isinstance(
@@ -264,7 +276,6 @@ class EngineClient:
                 raise
             log.warning("request %s failed to start: %r", request_id, exc)
             raise errors.unavailable("no replica could take the request") from None
-        call = _Call(request_id, inbox, response)
         if isinstance(first, Rejected):
             self.close(call)
             raise first.api_error()
@@ -274,7 +285,7 @@ class EngineClient:
         """Ends ``call``: cancels its handle stream (aborting the engine request if it still
         runs) and drops its inbox."""
         self._forget(call)
-        _cancel_quietly(call.response)
+        call.stop()
 
     async def open_all(
         self,
@@ -403,7 +414,7 @@ class EngineClient:
             finally:
                 await items.aclose()
                 if not ended:  # client gone: abort the engine request
-                    _cancel_quietly(stream.response)
+                    stream.call.stop()
                 self._forget(stream.call)
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -432,5 +443,5 @@ class EngineClient:
                 task.cancel()
             for index, stream in enumerate(opened):
                 if index not in ended:  # client gone or a sibling failed: abort the engine request
-                    _cancel_quietly(stream.response)
+                    stream.call.stop()
                 self._forget(stream.call)

@@ -4,11 +4,13 @@
 ``DeploymentHandle``; it relays the engine's ``OutputDelta``s (``worker/outputs.py``: what
 each step added, nothing else) as the engine made them, stamping each with its number in the
 stream (``seq``) and this replica's id; with ``stream_interval`` above 1 it first joins
-consecutive ones. It yields the first and the last; with ``push_to`` (the calling ingress
-replica) the ones in between go to that ingress through an ``IngressChannel``
-(``cluster/ingress_channel.py``: every request's outputs of an engine step in one frame on a
-connection of its own, ``cluster/push_socket.py``), else
-it yields them too. The replica times the engine-side phases from the timestamps in the first
+consecutive ones. With ``push_to`` (the calling ingress replica) every output but the last
+goes to that ingress through an ``IngressChannel`` (``cluster/ingress_channel.py``: every
+request's outputs of an engine step in one frame on a connection of its own,
+``cluster/push_socket.py``), the first included, so a step's first tokens reach the ingress
+in one frame; the call yields only the last, once the pushed ones arrived, so the handle
+stream's end follows every output. Without ``push_to``, or once the channel broke, it
+yields them all. The replica times the engine-side phases from the timestamps in the first
 and last delta (``cluster.metrics_snapshots.ReplicaMetrics``). A request the engine refuses
 (bad input, full queue, dead engine) yields one ``cluster.stream_items.Rejected`` instead of
 raising, so the ingress maps it to 400/429/503 without unpickling engine errors.
@@ -170,9 +172,10 @@ class EngineReplica:
         began (the ingress's failover); ``kv_pull``: the request router's order to pull leading
         blocks from a peer first (``cluster.request_router.kv_pull_order``), set by the router,
         not the caller; ``push_to``: the calling ingress replica's push address
-        (``cluster.push_socket.PushServer.address`` and its ``replica_id``): the outputs
-        between the first and the last go to it through its ``IngressChannel`` instead of
-        this call (``cluster/ingress_channel.py``);
+        (``cluster.push_socket.PushServer.address`` and its ``replica_id``): every output but
+        the last goes to it through its ``IngressChannel`` instead of this call
+        (``cluster/ingress_channel.py``), and this call yields the last (or the rejection)
+        once they arrived;
         ``lora_name``: the LoRA adapter the request runs on (None: the base model; one this
         engine does not know is an ``INVALID`` rejection)."""
         state = _StreamState()
@@ -183,6 +186,8 @@ class EngineReplica:
                 await self.kv_puller.before_admission(
                     kv_pull, block_hashes, prompt_token_ids, cache_salt, lora_name
                 )
+            if push_to is not None:
+                channel = await self._channels.get(push_to)
             stream = self.engine.generate(
                 request_id,
                 prompt_token_ids,
@@ -190,25 +195,17 @@ class EngineReplica:
                 cache_salt=cache_salt,
                 resume_token_ids=resume_token_ids or (),
                 lora_name=lora_name,
+                # Every output but the last goes to the channel from the step's callback.
+                sink=None if channel is None else functools.partial(self._push, state, channel),
             )
             async with contextlib.aclosing(stream):
-                async for out in stream:
-                    is_first = state.last_step_s is None
+                async for out in stream:  # the last output, or all once the channel broke
                     item = self._take(state, out)
                     if item is None:  # held back: stream_interval tokens not reached
                         continue
-                    if is_first:
-                        yield item
-                        if push_to is not None and not out.finished:
-                            channel = await self._channels.get(push_to)
-                        if channel is not None:  # the outputs up to the last: pushed
-                            self.engine.forward(
-                                request_id, functools.partial(self._push, state, channel)
-                            )
-                    elif out.finished or channel is None or not channel.push(item):
-                        if channel is not None:
-                            await channel.flushed()  # what was pushed arrives first
-                        yield item
+                    if channel is not None:
+                        await channel.flushed()  # what was pushed arrives first
+                    yield item
         except ValueError as exc:
             if lora_name is not None and lora_name not in await self._lora_names():
                 yield await self._after_pushes(channel, RejectKind.UNKNOWN_MODEL, lora_name)
@@ -257,7 +254,7 @@ class EngineReplica:
         return pending
 
     def _push(self, state: _StreamState, channel, out: OutputDelta) -> bool:
-        """``AsyncEngine.forward``'s sink for a request whose outputs go to ``channel``:
+        """``AsyncEngine.generate``'s sink for a request whose outputs go to ``channel``:
         False once the channel broke (the output then streams through the handle call)."""
         if channel.broken:
             return False

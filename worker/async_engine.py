@@ -16,9 +16,9 @@ Delivery
     queues with one ``call_soon_threadsafe`` per event loop per step, not one per token.
     Callers never touch engine state, so a slow step never blocks the server's event loop and
     a request can be added or aborted at any time. A caller that relays a request's outputs
-    elsewhere may ``forward`` them to a function instead: it is called on the caller's loop
-    in that same per-step callback, with no task woken per output; the request's last
-    output and any error still come through ``generate``.
+    elsewhere may hand ``generate`` a ``sink`` instead: it is called on the caller's loop in
+    that same per-step callback, with no task woken per output; the request's last output
+    and any error still come through ``generate``.
 
 Failure model
     Bad input is rejected in ``generate`` (``ValueError``) before anything is queued. A full
@@ -61,7 +61,7 @@ MAX_BUFFERED_KV_BATCHES = 10_000
 
 
 Sink = Callable[[OutputDelta], bool]
-"""Takes one output of a forwarded request (``AsyncEngine.forward``); False hands it back."""
+"""Takes one output of a request (``AsyncEngine.generate``'s ``sink``); False hands it back."""
 
 
 class _Stream:
@@ -69,10 +69,12 @@ class _Stream:
 
     __slots__ = ("loop", "queue", "sink")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, sink: Sink | None
+    ) -> None:
         self.loop = loop
         self.queue = queue
-        self.sink: Sink | None = None
+        self.sink = sink
 
 
 class AsyncEngine:
@@ -121,10 +123,16 @@ class AsyncEngine:
         cache_salt: str | None = None,
         resume_token_ids: Sequence[int] = (),
         lora_name: str | None = None,
+        sink: Sink | None = None,
     ) -> AsyncIterator[OutputDelta]:
         """Streams the request's ``OutputDelta``s, several steps' in one when the caller
         reads slower than the engine steps; ``resume_token_ids`` continue a stream another
-        replica began; ``lora_name`` picks a LoRA adapter (``LLMEngine.add_request``)."""
+        replica began; ``lora_name`` picks a LoRA adapter (``LLMEngine.add_request``).
+
+        ``sink``: takes each output that does not finish the request instead of this
+        generator, called on this loop in the step's delivery callback; when it returns False
+        (or raises), that output and every later one come through the generator again. The
+        finishing output and any error always come through the generator."""
         if not self.is_alive():
             raise EngineDeadError(f"engine {self.replica_id} is not running: {self.why_dead()}")
         info = self._core.info
@@ -145,7 +153,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         out_q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = _Stream(asyncio.get_running_loop(), out_q)
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), out_q, sink)
         self._adds_sent += 1
         self._core.submit(
             Add(
@@ -180,22 +188,6 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._core.submit(Abort(request_id))
-
-    def forward(self, request_id: str, sink: Sink) -> None:
-        """From now on ``sink(output)`` takes each output of ``request_id`` that does not
-        finish it, called on the loop iterating its ``generate`` (call this from there),
-        instead of ``generate`` yielding it. The finishing output and any error still come
-        through ``generate``. Outputs already waiting go to ``sink`` first, in order. When
-        ``sink`` returns False (or raises), that output and every later one go through
-        ``generate`` again."""
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        waiting = []
-        while not stream.queue.empty():
-            waiting.append(stream.queue.get_nowait())
-        stream.sink = sink
-        _put_all([(stream, item) for item in waiting])
 
     async def export_prefix(
         self,
@@ -348,7 +340,7 @@ def _settle(future: asyncio.Future, answer: object) -> None:
 
 
 def _put_all(items: list[tuple[_Stream, object]]) -> None:
-    """On the streams' loop: each item to its stream's sink (``AsyncEngine.forward``) when it
+    """On the streams' loop: each item to its stream's sink (``AsyncEngine.generate``) when it
     has one and the item is an output that does not finish the request, else to its queue."""
     for stream, item in items:
         sink = stream.sink

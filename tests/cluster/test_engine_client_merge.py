@@ -152,3 +152,37 @@ def test_a_lost_push_is_a_lost_replica():
     reaches the caller."""
     with pytest.raises(ReplicaDiedError, match="lost in transit"):
         _pushed_run([_item(8, False, 1)], _item(10, True, 3), SamplingParams(max_tokens=3, n=2))
+
+
+def test_a_pushed_first_output_opens_the_call_before_the_handle_yields():
+    """The replica pushes a call's first output too: the call is open once it arrives,
+    while the handle stream, which carries only the last output, has yielded nothing."""
+    client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
+    released = asyncio.Event()
+
+    class _LastOnly(_EndingCall):
+        async def __anext__(self) -> OutputDelta:
+            await released.wait()
+            return await super().__anext__()
+
+    class _Method:
+        def remote(self, request_id, prompt_ids, params, **kwargs):
+            asyncio.get_running_loop().call_soon(client.deliver, [_item(7, False, 0)])
+            return _LastOnly([_item(9, True, 2)])
+
+    class _Handle:
+        generate = _Method()
+
+    client._stream_handle = _Handle()
+
+    async def run():
+        opening = client._open("r", [1, 2, 3], SamplingParams(max_tokens=3), None)
+        first, call = await asyncio.wait_for(opening, 5.0)
+        assert first.new_token_ids == [7] and not released.is_set()
+        client.deliver([_item(8, False, 1)])
+        released.set()
+        stream = _Stream("r", [1, 2, 3], SamplingParams(max_tokens=3), None, first, call)
+        return [item async for _, item in client.merge([stream])]
+
+    got = asyncio.run(run())
+    assert [i.new_token_ids for i in got] == [[7], [8], [9]]
