@@ -288,9 +288,20 @@ def test_an_adapter_request_hashes_in_the_adapters_namespace_and_names_it_to_the
     seen = {}
 
     class _Call:
+        """A handle stream of one output."""
+
+        def __init__(self):
+            self.sent = False
+
+        def __aiter__(self):
+            return self
+
         async def __anext__(self):
             from tests.cluster.helpers import delta
 
+            if self.sent:
+                raise StopAsyncIteration
+            self.sent = True
             return delta(new_ids=[7], request_id="r")
 
         def cancel(self):
