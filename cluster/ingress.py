@@ -44,6 +44,7 @@ from cluster.anthropic_messages import MessageEvents, MessagesRequest, message_o
 from cluster.config import API_KEY_ENV, ClusterConfig
 from cluster.engine_client import EngineClient
 from cluster.errors import APIError
+from cluster.gc_tuning import collect_young_less_often
 from cluster.lora_adapters import (
     AdapterCatalog,
     AdapterRecord,
@@ -204,6 +205,7 @@ class Ingress:
         # What clients see here, summed over ingress replicas through the hub at /metrics.
         self.request_metrics = IngressMetrics(self.max_model_len)
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
+        collect_young_less_often("ingress")
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this after ``__init__``, before the first request: this replica's copy

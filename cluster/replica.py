@@ -41,6 +41,7 @@ import time
 import ray
 from ray import serve
 
+from cluster.gc_tuning import collect_young_less_often
 from cluster.index_actor import make_cluster_index
 from cluster.ingress_channel import IngressChannels
 from cluster.kv_publisher import ReplicaKVPublisher
@@ -152,6 +153,7 @@ class EngineReplica:
                 retry_interval_s=router.redis_retry_interval_s,
             )
             self._kv_publisher.start()
+        collect_young_less_often(f"replica {self.replica_id}")
         log.info("replica %s serving %s", self.replica_id, self.engine.model_id)
 
     async def generate(
