@@ -53,11 +53,9 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 15.0
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
 # Ray Serve's own "throughput optimized" event loops (part of RAY_SERVE_THROUGHPUT_OPTIMIZED):
 # a replica's code runs on the loop that receives its calls, and a handle's router on the loop
-# that calls it, instead of each on a thread of its own with a hop between them per message.
-# Measured with `python -m bench.serve --concurrency 8 --systems served`, the two settings
-# interleaved, 2 runs each, nothing else running: 65.9 and 64.5 tok/s with them against 61.1
-# and 58.7 without (TTFT p50 663/621 against 691/682 ms; server CPU 122/125 against 132/137 s
-# for the same tokens). What the user's environment sets wins (``serve_env``).
+# that calls it, instead of each on a thread of its own with a hop between them per message,
+# which costs CPU and latency per message (docs/design.md, Decisions). What the user's
+# environment sets wins (``serve_env``).
 SERVE_LOOP_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

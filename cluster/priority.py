@@ -6,10 +6,8 @@ controller, Ray's GCS, agents and log monitor) preempts the engine's torch threa
 mid-operation, and the other thread of the operation spins until the preempted one is back.
 Below the engines, it runs when they wait. The request path stays at the engines' priority:
 the proxy, the ingress, the replicas' relays and the index actor admit the next request and
-carry every token, and starving them starves the engine's batch. Measured on the 2-core CPU
-(``python -m bench.serve --concurrency 8 --systems served``, one run each, nothing else
-running): every process at one priority 69.1 tok/s (TTFT p50 674 ms); the request path at
-nice 10 too 62.6 tok/s (933 ms); only the background at nice 10 72.5 tok/s (664 ms).
+carry every token, and starving them starves the engine's batch (``docs/design.md``,
+Decisions, has the measurement).
 
 Only raising a nice value is done (any process may do that to its own threads and to the
 processes of its user), so the engines, started at Ray's worker niceness (0 for a local
