@@ -145,9 +145,10 @@ NUM_CPUS_PER_REPLICA = 0.05
 """Ray CPUs each engine replica reserves: N replicas fit in the machine's logical CPUs (the
 simulated forward pass is a wait; the replicas share the cores)."""
 TIME_FIELDS = ("decode_step_base_s", "decode_step_per_seq_s", "decode_step_per_context_token_s")
-RATE_FIELDS = ("prefill_tokens_per_s", "host_to_device_bytes_per_s")
+RATE_FIELDS = ("prefill_tokens_per_s", "host_to_device_bytes_per_s", "kv_transfer_bytes_per_s")
 WARMUP_TOKENS = 8  # under one block: warm-up requests leave nothing in any cache
 PREEMPTIONS = "prefixserve:num_preemptions_total"
+PULLED_TOKENS = "prefixserve:kv_pull_tokens_total"
 METRICS_SETTLE_S = 2.5
 """After the load, before reading ``/metrics``: the replicas and ingresses push their metrics
 to the hub every second, so the last requests' lookups and preemptions are in."""
@@ -252,6 +253,32 @@ def engine_rates(profile: dict, mean_context_tokens: float, source: str):
     )
 
 
+def pull_rates(profile: dict):
+    """The simulator's ``PullRates`` for a sim profile: its ``kv_transfer_bytes_per_s``, the
+    rate the simulated engine's replicas wait out (``cluster.kv_pull.SimulatedLink``)."""
+    from bench.sim.calibration import PullRates
+
+    return PullRates(
+        kv_bytes_per_token=profile["kv_bytes_per_token"],
+        pull_bytes_per_s=profile["kv_transfer_bytes_per_s"],
+        source="the sim profile's kv_transfer_bytes_per_s (bench/scale.py pull_rates)",
+    )
+
+
+def pull_price_tokens_per_s(profile: dict) -> float:
+    """The cluster's ``--kv-pull-tokens-per-s``: the rate the simulator's ``prefix`` policy
+    prices pulls at (the transfer rate over ``bench/sim/ours.py``'s ``PULL_PRICE_FACTOR``)."""
+    from bench.sim.ours import PULL_PRICE_FACTOR
+
+    return pull_rates(profile).pull_tokens_per_s / PULL_PRICE_FACTOR
+
+
+def pulls_on(args, policy: str) -> bool:
+    """Replicas pull prefixes from peers in this cell: ``--kv-pulls`` and the ``prefix``
+    policy (the only one whose decisions name a peer to pull from)."""
+    return args.kv_pulls and policy == "prefix"
+
+
 def speculative_ttl_s(prefill_tokens_per_s: float) -> float:
     """The simulator's speculative-entry TTL for this prefill rate (``bench/sim/ours.py``)."""
     from bench.sim.ours import SPECULATIVE_TTL_QUEUE_TOKENS
@@ -347,7 +374,7 @@ def simulate(args, plan: CellPlan, policy: str) -> dict:
         0,
         plan.rates,
         args.seed,
-        None,
+        pull_rates(plan.profile) if pulls_on(args, policy) else None,
         PREFILL_ORDER,
     )
     sim = Simulator(config, sim_policy(policy))
@@ -355,6 +382,7 @@ def simulate(args, plan: CellPlan, policy: str) -> dict:
     return {
         "overflow_blocks": sum(r.cache.num_overflow_blocks for r in sim.replicas),
         "hit_rate": result.hit_rate,
+        "pulled_token_rate": result.pulled_token_rate,
         "oracle_hit_rate": result.oracle_hit_rate,
         "ttft_p50_s": result.ttft_p50_s,
         "ttft_p90_s": result.ttft_p90_s,
@@ -430,6 +458,8 @@ def server_argv(args, plan: CellPlan, policy: str, port: int, profile_path, redi
     ]  # fmt: skip
     if redis_url:
         argv += ["--redis-url", redis_url]
+    if pulls_on(args, policy):
+        argv += ["--kv-pull-tokens-per-s", f"{pull_price_tokens_per_s(plan.profile):.1f}"]
     return argv
 
 
@@ -601,6 +631,10 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
             delta = histogram_delta(histogram_from_metrics(text1, name), before[key])
             out[key] = histogram_summary(delta)
         out.update(summarize_records(records, plan.replicas, duration))
+        pulled = counter_from_metrics(text1, PULLED_TOKENS) - counter_from_metrics(
+            text0, PULLED_TOKENS
+        )
+        out["pulled_token_rate"] = pulled / out["prompt_tokens"] if out["prompt_tokens"] else None
         late = sorted(r["lateness_s"] for r in records)
         out["send_lateness_p99_s"] = round(percentile(late, 99), 4)
         out["requests"] = [
@@ -630,6 +664,12 @@ def add_cell_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-profile", default="gpu", help="a preset of worker/sim_profiles.json")
     p.add_argument("--ingress-replicas", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kv-pulls",
+        action="store_true",
+        help="prefix routing with KV pulls: a replica lacking a prefix a peer holds pulls it "
+        "over the profile's kv_transfer_bytes_per_s, priced as the simulator prices it",
+    )
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -732,6 +772,7 @@ def run_all(args, header: dict, rows: list[dict]) -> None:
             "workload": wname,
             "index": index,
             "policy": policy,
+            "kv_pulls": pulls_on(args, policy),
             "time_scale": plan.time_scale,
             "rate_req_per_s": plan.rate_req_per_s,
             "capacity_req_per_s": plan.capacity_req_per_s,

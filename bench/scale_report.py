@@ -152,6 +152,13 @@ def _lookup_p(lookup: dict, key: str) -> str:
     return ""
 
 
+def _pulled(row: dict, sim: dict) -> str:
+    """The hit rate's pulled part, real / sim, in a cell with KV pulls ("" without)."""
+    if not row.get("kv_pulls"):
+        return ""
+    return f" (pulled {_f(row.get('pulled_token_rate'))} / {_f(sim.get('pulled_token_rate'))})"
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| N | index | workload | policy | S | req/s | ok/fail | hit real / sim | "
@@ -168,8 +175,9 @@ def markdown(rows: list[dict]) -> str:
     ]
     for r in rows:
         sim = r.get("sim") or {}
+        policy = f"{r['policy']} + KV pulls" if r.get("kv_pulls") else r["policy"]
         head = (
-            f"| {r['replicas']} | {r['index']} | {r['workload']} | {r['policy']} | "
+            f"| {r['replicas']} | {r['index']} | {r['workload']} | {policy} | "
             f"{r['time_scale']:.3g} | {r['rate_req_per_s']:.2f} |"
         )
         if "error" in r:
@@ -183,7 +191,7 @@ def markdown(rows: list[dict]) -> str:
         dc = r.get("router_decision_cpu") or {}
         lines.append(
             f"{head} {r['completed']}/{r['failed']} | "
-            f"{_f(r['hit_rate'])} / {_f(sim.get('hit_rate'))} | "
+            f"{_f(r['hit_rate'])} / {_f(sim.get('hit_rate'))}{_pulled(r, sim)} | "
             f"{_f(r['ttft_p50_s'])} / {_f(sim.get('ttft_p50_s'))} | "
             f"{_f(r['ttft_p90_s'])} / {_f(sim.get('ttft_p90_s'))} | "
             f"{_f(r['ttft_p99_s'])} / {_f(sim.get('ttft_p99_s'))} | "
@@ -210,7 +218,8 @@ def markdown(rows: list[dict]) -> str:
     lines += ["", *host]
     lines.append(
         "\nS: the time scale (every time of the sim profile multiplied by S); req/s: the offered "
-        "rate; hit: cached prompt tokens / prompt tokens; preempted: the engines' preemptions; "
+        "rate; hit: cached prompt tokens / prompt tokens (pulled: the part whose KV came from "
+        "a peer replica); preempted: the engines' preemptions; "
         "sim overflow: KV blocks the simulator let replicas hold beyond their capacity; diff: "
         "(real - sim) / sim; lookup: the routers' index-lookup latency over the run (p50, p99: "
         "their buckets' upper bounds); decision: the routers' whole decisions (lookup, board, "

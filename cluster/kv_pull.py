@@ -25,6 +25,12 @@ local hit, bitwise (determinism contract).
 - An order meant for another replica (Serve sent the call elsewhere because the chosen one
   was full) or naming this replica as the peer is ignored.
 
+On the simulated engine (``--engine sim``) the payload holds one element per token, so it
+crosses between processes in no time; ``SimulatedLink`` then makes the pulling replica wait
+what the profile's ``kv_transfer_bytes_per_s`` says the real KV would take, one transfer at a
+time (a link of its own per replica, as ``bench/sim/simulator.py`` models it), before the
+import is queued.
+
 How it fails: never by failing a request. A peer that is gone, holds less than the index
 said, answers late (``KV_PULL_TIMEOUT_S``) or sends a payload this engine refuses costs the
 pull: the request prefills what it lacks, as without pulls; the failure is logged and
@@ -40,6 +46,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from cluster.metrics_snapshots import ReplicaMetrics
+from worker.config import EngineConfig
+from worker.sim_model import load_profile
 
 log = logging.getLogger("ray.serve")
 
@@ -51,6 +59,33 @@ KV_PULL_TIMEOUT_S = 2.0
 # index learns of the imported blocks within a KV-event drain or two, and until then the
 # router may order the same pull again; a failed peer is not asked again on every request.
 KV_PULL_REUSE_S = 2.0
+
+
+class SimulatedLink:
+    """A replica's incoming KV link on the simulated engine: transfers wait their turn (first
+    come, first served) and then ``seconds(num_tokens)``. Runs on the replica's event loop."""
+
+    def __init__(self, seconds: Callable[[int], float]) -> None:
+        """``seconds(num_tokens)``: one transfer's time (``SimProfile.transfer_seconds``)."""
+        self._seconds = seconds
+        self._free_at_s = 0.0
+        """``time.monotonic()`` at which the transfers already begun are through."""
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig) -> SimulatedLink | None:
+        """The link a replica of this engine waits on: the simulated engine's profile, or
+        None for a real engine (its KV takes the time it takes)."""
+        if config.engine != "sim":
+            return None
+        return cls(load_profile(config.sim_profile).transfer_seconds)
+
+    async def carry(self, num_tokens: int) -> float:
+        """Waits until ``num_tokens`` tokens of KV arrived; returns the seconds waited."""
+        now_s = time.monotonic()
+        self._free_at_s = max(now_s, self._free_at_s) + self._seconds(num_tokens)
+        wait_s = self._free_at_s - now_s
+        await asyncio.sleep(wait_s)
+        return wait_s
 
 
 def failed_pull(error: str, pull_s: float = 0.0) -> dict:

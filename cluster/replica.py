@@ -45,7 +45,7 @@ from cluster.gc_tuning import collect_young_less_often
 from cluster.index_actor import make_cluster_index
 from cluster.ingress_channel import IngressChannels
 from cluster.kv_publisher import ReplicaKVPublisher
-from cluster.kv_pull import ReplicaKVPuller
+from cluster.kv_pull import ReplicaKVPuller, SimulatedLink
 from cluster.lora_adapters import AdapterRecord, ReplicaAdapterSync, replica_result
 from cluster.metrics import METRICS_PUSH_PERIOD_S, UNCHANGED_PUSH_S
 from cluster.metrics_snapshots import ReplicaMetrics
@@ -121,6 +121,7 @@ class EngineReplica:
         self._in_flight: set[str] = set()
         self._drain_task: asyncio.Task | None = None
         self._push_task = asyncio.get_running_loop().create_task(self._push_metrics_forever())
+        self._kv_link = SimulatedLink.for_engine(config)
         self.kv_puller = ReplicaKVPuller(
             self.replica_id,
             self.engine.block_size,
@@ -395,7 +396,8 @@ class EngineReplica:
         actor handle). Never raises: a peer that is gone, holds nothing or sends a payload
         this engine refuses costs the pull, not a request; ``error`` says why.
         Returns ``{"imported_blocks", "pulled_tokens", "payload_bytes", "pull_s", "error"}``,
-        ``export_s`` (the peer's answer arrived after this long) once it answered and
+        ``export_s`` (the peer's answer arrived after this long; on the simulated engine, its
+        KV too, ``cluster.kv_pull.SimulatedLink``) once it answered and
         ``import_s`` (this engine took the blocks after this much longer) once imported.
         ``import_queued`` is set once the import is queued in the engine: a request added from
         then on finds the blocks, so it need not wait for the import's answer. ``lora_name``:
@@ -412,6 +414,8 @@ class EngineReplica:
             payload = await peer.export_prefix.remote(
                 block_hashes, token_ids, cache_salt, self.node_id, lora_name
             )
+            if payload is not None and self._kv_link is not None:
+                await self._kv_link.carry(payload.num_tokens)
             result["export_s"] = time.monotonic() - t0
             if payload is not None:
                 result["pulled_tokens"], result["payload_bytes"] = (

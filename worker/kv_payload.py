@@ -53,13 +53,9 @@ class SharedKV:
     path: str
     dtype: str
     shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        import torch
-
-        element_size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return math.prod(self.shape) * element_size
+    nbytes: int
+    """The rows' size, recorded by the writer: the replicas that pass the name on (and count
+    its bytes) never import torch."""
 
     def load(self) -> torch.Tensor:
         """The rows, mapped from the file (not copied), which is removed: read once. Raises

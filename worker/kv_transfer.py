@@ -113,7 +113,7 @@ def write_shared(
         remove_shared(path)
         return None
     _expiry.remove_later(path, ttl_s)
-    return SharedKV(path, dtype_name(kv.dtype), tuple(kv.shape))
+    return SharedKV(path, dtype_name(kv.dtype), tuple(kv.shape), kv.numel() * kv.element_size())
 
 
 def _refuse_tensor_parallel(runner: ModelRunner) -> None:

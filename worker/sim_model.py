@@ -9,8 +9,10 @@ with a wait of the time this model predicts (``worker/sim_runner.py``). A profil
   ``decode_step_per_seq_s`` per decoding sequence and ``decode_step_per_context_token_s`` per
   token of their contexts (the KV the step's attention reads);
 - the KV cache: ``kv_bytes_per_token`` of the simulated model (for ``kv_cache_bytes`` and the
-  host tier's byte budget), ``kv_capacity_tokens`` when no KV knob is set, and
-  ``host_to_device_bytes_per_s`` for blocks brought back from the host tier.
+  host tier's byte budget), ``kv_capacity_tokens`` when no KV knob is set,
+  ``host_to_device_bytes_per_s`` for blocks brought back from the host tier, and
+  ``kv_transfer_bytes_per_s`` for a prefix pulled from a peer replica (the network between
+  replicas; ``transfer_seconds``, waited out by the pulling replica: ``cluster/kv_pull.py``).
 
 Profiles are the presets in ``worker/sim_profiles.json`` (``cpu``: measured on a 2-core VM;
 ``gpu``: an 8B model on an H100 from first principles; each says its source) or a JSON file of
@@ -40,6 +42,7 @@ class SimProfile:
     kv_bytes_per_token: int
     kv_capacity_tokens: int
     host_to_device_bytes_per_s: float
+    kv_transfer_bytes_per_s: float
 
     def __post_init__(self) -> None:
         for name in (
@@ -47,6 +50,7 @@ class SimProfile:
             "kv_bytes_per_token",
             "kv_capacity_tokens",
             "host_to_device_bytes_per_s",
+            "kv_transfer_bytes_per_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sim profile {self.name!r}: {name} must be positive")
@@ -72,6 +76,10 @@ class SimProfile:
                 + self.decode_step_per_context_token_s * decode_context_tokens
             )
         return seconds
+
+    def transfer_seconds(self, num_tokens: int) -> float:
+        """Seconds the KV of ``num_tokens`` tokens takes from a peer replica to this one."""
+        return num_tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
 
     def decode_tokens_per_s(self, batch: int, context_tokens: int) -> float:
         """Tokens per second offered by decode steps of ``batch`` sequences of

@@ -29,6 +29,7 @@ GPU = {
     "kv_bytes_per_token": 131072,
     "kv_capacity_tokens": 440000,
     "host_to_device_bytes_per_s": 2.5e10,
+    "kv_transfer_bytes_per_s": 4.0e10,
 }
 
 
@@ -102,6 +103,7 @@ def test_scaled_profile_multiplies_every_time():
     slow = scale.scaled_profile(GPU, 10.0)
     assert slow["prefill_tokens_per_s"] == pytest.approx(4000.0)
     assert slow["host_to_device_bytes_per_s"] == pytest.approx(2.5e9)
+    assert slow["kv_transfer_bytes_per_s"] == pytest.approx(4.0e9)
     assert slow["decode_step_base_s"] == pytest.approx(0.064)
     assert slow["decode_step_per_context_token_s"] == pytest.approx(4.4e-7)
     assert slow["kv_bytes_per_token"] == GPU["kv_bytes_per_token"]
@@ -112,6 +114,33 @@ def test_scaled_profile_multiplies_every_time():
     slowed = SimProfile(name="x", **slow)
     assert slowed.step_seconds(300, 7, 7 * 500) == pytest.approx(
         10 * base.step_seconds(300, 7, 7 * 500)
+    )
+    assert slowed.transfer_seconds(1024) == pytest.approx(10 * base.transfer_seconds(1024))
+
+
+def test_kv_pulls_reach_the_prefix_cells_cluster_and_simulator_at_one_rate(tmp_path):
+    """With ``--kv-pulls`` the prefix policy's cluster gets the simulator's pull price and the
+    simulator the profile's transfer rate; the cache-blind policies (which never order a
+    pull) get neither."""
+    from bench.sim.ours import PULL_PRICE_FACTOR
+
+    argv = ["--replicas", "8", "--index", "embedded", "--out-dir", str(tmp_path), "--kv-pulls"]
+    args = scale.parse_args(argv)
+    plan = scale.plan_cell(args, GPU, 8, "generated_shared_prefix")
+    tokens_per_s = plan.profile["kv_transfer_bytes_per_s"] / GPU["kv_bytes_per_token"]
+    prefix = scale.server_argv(args, plan, "prefix", 8000, "p.json", None)
+    flag = prefix.index("--kv-pull-tokens-per-s")
+    assert float(prefix[flag + 1]) == pytest.approx(tokens_per_s / PULL_PRICE_FACTOR, rel=1e-3)
+    assert "--kv-pull-tokens-per-s" not in scale.server_argv(
+        args, plan, "round_robin", 8000, "p.json", None
+    )
+    rates = scale.pull_rates(plan.profile)
+    assert rates.pull_tokens_per_s == pytest.approx(tokens_per_s)
+    assert scale.pulls_on(args, "prefix") and not scale.pulls_on(args, "pow2")
+    off = scale.parse_args(argv[:-1])
+    assert not scale.pulls_on(off, "prefix")
+    assert "--kv-pull-tokens-per-s" not in scale.server_argv(
+        off, plan, "prefix", 8000, "p.json", None
     )
 
 

@@ -11,6 +11,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest
 
 from cluster.inflight_board import InflightBoard, LocalBoardClient
+from cluster.kv_pull import SimulatedLink
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.replica import EngineReplica
 from cluster.request_router import PrefixAwareRequestRouter
@@ -80,6 +81,7 @@ class PeerHandle:
 def replica(config: EngineConfig, replica_id: str):
     self = object.__new__(EngineReplica.func_or_class)
     self.engine = AsyncEngine(config, replica_id, spawn=False)
+    self._kv_link = SimulatedLink.for_engine(config)
     self.replica_id, self.metrics, self._in_flight, self.stream_interval = (
         replica_id,
         ReplicaMetrics(),
