@@ -13,6 +13,13 @@ one at a time::
     python -m cluster.cli serve --model smollm2 --engine sim --sim-profile <profile.json>
         --num-replicas N --num-ingress-replicas K --num-cpus-per-replica 0.05 --num-threads 1
         --routing P --num-kv-blocks C --speculative-ttl-s T --expose-replica-headers [--redis-url]
+        [--kv-pull-tokens-per-s R]
+
+With ``--kv-pulls`` the ``prefix`` cells run with KV pulls: the cluster prices a pull at R, the
+profile's ``kv_transfer_bytes_per_s`` (slowed like every rate) over the simulator's
+``PULL_PRICE_FACTOR``, its replicas wait out that transfer rate (``cluster.kv_pull.
+SimulatedLink``), and the simulator pulls at the same rate; the report shows the part of the
+hit rate that was pulled (``prefixserve:kv_pull_tokens_total``).
 
 waits until ``/health`` answers and ``/metrics`` shows all N engine replicas, sends a few
 one-block-short warm-up requests (nothing cacheable), measures every process's idle CPU for
