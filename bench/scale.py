@@ -63,9 +63,9 @@ workload, size and policy (``prefix``: ``bench/sim/ours.py``, the others
 per_seq * (n - 1)`` with no context term, so the profile's per-context-token seconds are
 folded in at the workload's mean context (prompt plus half the output); it prefills one
 request at a time and does not cap the running batch (the engine runs ``max_num_seqs`` 64
-and interleaves 512-token chunks) and never preempts: where the running requests need more
-KV than ``--capacity-blocks`` it overflows, while the engine preempts and recomputes (TTFTs
-of tens of seconds; the default 1024 blocks keep the default load clear of that); its routers
+and interleaves 512-token chunks); it admits a prefill only when the whole prompt fits and
+preempts the newest decoding request when decodes outgrow ``--capacity-blocks``, where the
+engine admits on a prompt's first chunk and may preempt one still prefilling; its routers
 see every replica's exact state at once, the real ones the stats Serve polls each second and
 their own in-flight counts; its router config takes the profile's rates as the replicas'
 rates, the real routers each replica's measured ones. The speculative-entry TTL is the
@@ -82,8 +82,8 @@ tok/s, the routers' index-lookup and whole-decision latency over the run
 (``router_decision_cpu_seconds``, the same way), the engines' preemptions over the run
 (``prefixserve:num_preemptions_total``), idle CPU-s/s by kind of process and per engine
 replica (its Ray actor plus its engine process), CPU-s/s by kind under load, the machine's
-used memory after startup, the simulator's hit rate, TTFT p50/p90/p99, max/mean and overflow
-blocks (KV it lets replicas hold beyond their capacity, where an engine preempts), and the
+used memory after startup, the simulator's hit rate, TTFT p50/p90/p99, max/mean and
+preemptions (and, in files written before it modelled them, its overflow blocks), and the
 relative differences ``(real - sim) / sim`` of hit rate and TTFT p50/p90.
 
 Writes ``<out-dir>/scale_<tag>.json`` (``bench/result_files.py``'s header plus the run's
@@ -387,6 +387,8 @@ def simulate(args, plan: CellPlan, policy: str) -> dict:
     sim = Simulator(config, sim_policy(policy))
     result = sim.run(plan.workload)
     return {
+        "preemptions": result.num_preemptions,
+        "kv_waits": result.num_kv_waits,
         "overflow_blocks": sum(r.cache.num_overflow_blocks for r in sim.replicas),
         "hit_rate": result.hit_rate,
         "pulled_token_rate": result.pulled_token_rate,

@@ -159,11 +159,18 @@ def _pulled(row: dict, sim: dict) -> str:
     return f" (pulled {_f(row.get('pulled_token_rate'))} / {_f(sim.get('pulled_token_rate'))})"
 
 
+def _sim_preemptions(sim: dict) -> str:
+    """The simulator's preemptions, or the overflow blocks an older file recorded instead."""
+    if "preemptions" in sim or "overflow_blocks" not in sim:
+        return _f(sim.get("preemptions"), "d")
+    return f"{_f(sim['overflow_blocks'], 'd')} overflow"
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| N | index | workload | policy | S | req/s | ok/fail | hit real / sim | "
         "TTFT p50 real / sim s | TTFT p90 real / sim s | TTFT p99 real / sim s | "
-        "diff hit / p50 / p90 | max/mean real / sim | preempted / sim overflow blocks | "
+        "diff hit / p50 / p90 | max/mean real / sim | preemptions real / sim | "
         "startup s |",
         "|---" * 15 + "|",
     ]
@@ -198,7 +205,7 @@ def markdown(rows: list[dict]) -> str:
             f"{_pct(r.get('rel_diff_hit_rate'))} / {_pct(r.get('rel_diff_ttft_p50_s'))} / "
             f"{_pct(r.get('rel_diff_ttft_p90_s'))} | "
             f"{_f(r['max_mean_load'], '.2f')} / {_f(sim.get('max_mean_load'), '.2f')} | "
-            f"{_f(r.get('preemptions'), 'd')} / {_f(sim.get('overflow_blocks'), 'd')} | "
+            f"{_f(r.get('preemptions'), 'd')} / {_sim_preemptions(sim)} | "
             f"{_f(r.get('startup_s'), '.0f')} |"
         )
         load = r.get("load_cpu_s_per_s") or {}
@@ -219,8 +226,9 @@ def markdown(rows: list[dict]) -> str:
     lines.append(
         "\nS: the time scale (every time of the sim profile multiplied by S); req/s: the offered "
         "rate; hit: cached prompt tokens / prompt tokens (pulled: the part whose KV came from "
-        "a peer replica); preempted: the engines' preemptions; "
-        "sim overflow: KV blocks the simulator let replicas hold beyond their capacity; diff: "
+        "a peer replica); preemptions: the engines' and the simulator's (in files from before "
+        "the simulator modelled them, its overflow blocks: KV it let replicas hold beyond their "
+        "capacity, marked 'overflow'); diff: "
         "(real - sim) / sim; lookup: the routers' index-lookup latency over the run (p50, p99: "
         "their buckets' upper bounds); decision: the routers' whole decisions (lookup, board, "
         "views, policy), the same way; decision CPU: the CPU time of each decision's thread "

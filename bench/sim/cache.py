@@ -117,8 +117,10 @@ class BlockPool:
     still holding its hash (evictable, in the LRU), or one of ``num_reserved_blocks`` slots
     being computed (a prefill in flight, generated tokens). ``pinned + cached + reserved`` stays
     within ``capacity_blocks``: making room evicts the least recently freed cached block, which
-    falls into the optional host tier. If everything is pinned or reserved the pool overflows
-    (counted in ``num_overflow_blocks``) instead of preempting, which is not modelled.
+    falls into the optional host tier. ``fits`` and ``can_reserve`` say whether a request's
+    blocks would fit (what the simulator's admission and preemption ask, as the engine's
+    scheduler does); a reservation past the capacity is still taken and counted in
+    ``num_overflow_blocks`` (the simulator only makes one for a request larger than the pool).
     ``on_change(block, tier, stored)`` sees exactly the KV events an engine would publish.
     """
 
@@ -196,6 +198,18 @@ class BlockPool:
             else:
                 break
         return num_device, num_host
+
+    def can_reserve(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` more slots fit without touching pinned or reserved ones."""
+        return self.num_busy_blocks + num_blocks <= self.capacity_blocks
+
+    def fits(self, blocks: Sequence[BlockId], num_more_blocks: int = 0) -> bool:
+        """Whether ``begin(blocks)`` and then ``num_more_blocks`` more slots would fit: its
+        device hit pinned (a cached hit leaves the evictable set) and a slot for every other
+        block, evicting only cached blocks."""
+        num_device, _ = self.match(blocks)
+        newly_pinned = sum(1 for block in blocks[:num_device] if block not in self.pinned)
+        return self.can_reserve(newly_pinned + len(blocks) - num_device + num_more_blocks)
 
     def reserve(self, num_blocks: int) -> None:
         """Take ``num_blocks`` free slots, evicting cached blocks (LRU first) to make room."""

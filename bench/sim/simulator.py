@@ -14,13 +14,23 @@ Model of one replica (documented simplifications, shared by every policy alike):
   host_to_device_rate`` plus, per chunk of ``max_num_batched_tokens``, one decode step of the
   requests already running (chunked prefill shares each step with decodes). At least one
   token is always computed (the last prompt token).
-- KV lives in a ``BlockPool`` per replica (vLLM's model): a request pins its hit blocks and
-  reserves slots for the rest when its prefill starts; the computed blocks become stored (the
-  ``stored`` KV event) when its prefill ends; generated tokens reserve blocks while it decodes;
-  at the end everything is unpinned and stays cached until evicted (LRU). TTFT is the end of
-  its prefill minus its arrival.
+- KV admission and preemption (the engine's rules, at event times): a prefill starts only
+  when the request's prompt blocks fit in its replica's pool (``BlockPool.fits``: its hit
+  pinned, a slot for every other prompt block, evicting only cached blocks); otherwise the
+  prefill server waits, with the request at the head of the queue, until a decode ends or a
+  preemption frees blocks, and admission stops at it (requests behind it never take its
+  blocks). A decoding request holds one more block each ``block_size`` generated tokens;
+  at every event on a replica its decodes take the blocks they have grown into (evicting
+  cached ones), and where the pool has none left the newest decoding request is preempted
+  by recompute: its blocks are freed (its prompt's stay cached), it goes back to the head
+  of the queue (behind a prefill under way) and, when admitted again, computes its prompt's
+  uncached part and the tokens it had generated before decoding the rest. Its TTFT and
+  cached tokens stay those of its first prefill, as the engine's do. The engine's victim is
+  the newest running request, which can be one still prefilling; here it is the newest
+  decoding one. A request larger than an empty pool still starts and overflows
+  (``BlockPool.num_overflow_blocks``).
 - Decode then takes ``(output_tokens - 1)`` steps priced at the running batch size at entry.
-  The running batch is not capped (``max_num_seqs`` is not modelled, nor preemption).
+  The running batch is capped by KV only (``max_num_seqs`` is not modelled).
 - In-flight prefix dedup (worker/scheduler.py ``_admit``'s rule): when the prefill server
   picks its next request, one whose next uncached prompt block is in flight on that replica
   (being pulled in, or computed by the prefill under way) is passed over, not started: the
@@ -111,8 +121,29 @@ class SimReplica:
     """request id -> blocks its finished pull pinned, released when its prefill starts."""
     prefill_skips: dict = field(default_factory=dict)
     """request id -> prefill starts of younger requests that overtook it (shortest_first)."""
+    waiting_for_kv: bool = False
+    """The head of the queue does not fit in the pool: no prefill until blocks are freed."""
+    decoding: dict = field(default_factory=dict)
+    """request id -> its ``Decoding``, in admission order (the newest last: the victim)."""
+    generated_before: dict = field(default_factory=dict)
+    """request id -> output tokens a preempted request had generated (recomputed when it is
+    admitted again)."""
+    num_preemptions: int = 0
     version: int = 0
     """Bumped on every state change, so adapters can cache what they derive from the state."""
+
+
+@dataclass(eq=False)
+class Decoding:
+    """One request decoding on a replica: from ``start_s`` it generates a token per
+    ``step_s``, having generated ``generated_at_start`` by then; ``num_output_blocks`` are the
+    blocks its generated tokens hold in the pool so far."""
+
+    request: Request
+    start_s: float
+    step_s: float
+    generated_at_start: int
+    num_output_blocks: int = 0
 
 
 @dataclass
@@ -144,6 +175,10 @@ class SimResult:
     """Prompt tokens pulled from peers / all prompt tokens (part of ``hit_rate``)."""
     num_dedup_deferrals: int = 0
     """Times a prefill start passed over a request whose next block was in flight."""
+    num_kv_waits: int = 0
+    """Times a replica's next prefill waited for KV blocks to be freed."""
+    num_preemptions: int = 0
+    """Decoding requests preempted by recompute because their replica's pool was full."""
     pooled_hit_rate: float = 0.0
     """Hit rate of one LRU cache as large as all the replicas' device (and host) caches
     together, seeing every request at its arrival: the oracle with the cluster's capacity.
@@ -179,6 +214,8 @@ class Simulator:
         self._events: list = []
         self._seq = 0
         self.num_dedup_deferrals = 0
+        self.num_kv_waits = 0
+        self.num_preemptions = 0
         self.computing: dict[BlockId, int] = {}
         """Blocks some replica's prefill is computing now -> how many (pulls on only)."""
         self.waiters: dict[BlockId, set[int]] = {}
@@ -301,8 +338,10 @@ class Simulator:
             elif kind == _PULL_DONE:
                 self._finish_pull(payload, records)
             else:
-                replica, req = payload
-                self._finish_decode(replica, req, records)
+                replica, decoding = payload
+                if replica.decoding.get(decoding.request.request_id) is decoding:
+                    self._finish_decode(replica, decoding, records)
+                # else: preempted, its decode cancelled
         wall_s = time.perf_counter() - started
         result = self._summarize(workload, records, oracle_hit_tokens, pooled_hit_tokens, wall_s)
         return dataclasses.replace(result, copied_block_share=copied_share_sum / len(requests))
@@ -391,9 +430,6 @@ class Simulator:
         # the last prompt token is always computed (its logits give the first output token)
         return min(num_blocks * self.config.block_size, req.num_prompt_tokens - 1)
 
-    def _num_output_blocks(self, req: Request) -> int:
-        return math.ceil(req.num_output_tokens / self.config.block_size)
-
     def _next_prefill(self, replica: SimReplica) -> Request | None:
         """The first queued request whose next uncached block is not in flight (dedup), moved
         to the head of the queue; None when every queued request waits for one. With pulls,
@@ -457,16 +493,27 @@ class Simulator:
     def _start_prefill(self, replica: SimReplica, after_prefill: bool = False) -> None:
         """Starts the replica's next prefill; ``after_prefill``: the server just finished one
         (a step boundary), else it was idle and waits out the decode step under way, if any."""
+        self._grow_decodes(replica)
         req = self._next_prefill(replica)
         if req is None:
             return  # every queued request waits for a block in flight; its landing restarts
+        generated = replica.generated_before.get(req.request_id, 0)
+        recompute_blocks = self._generated_blocks(req, generated)
+        if not replica.cache.fits(req.block_ids, recompute_blocks) and replica.num_running:
+            if not replica.waiting_for_kv:
+                replica.waiting_for_kv = True
+                self.num_kv_waits += 1
+            return  # a decode's end or a preemption frees blocks and starts this again
+        replica.waiting_for_kv = False
         device, host = replica.cache.begin(req.block_ids)
+        replica.cache.reserve(recompute_blocks)
         pinned_end = replica.pull_pins.pop(req.request_id, 0)
         if pinned_end:
             replica.cache.release(req.block_ids[:pinned_end])  # the pull's pins; begin re-pinned
         device_tokens = self._cached_tokens(req, device)
         host_tokens = self._cached_tokens(req, device + host) - device_tokens
         uncached = req.num_prompt_tokens - device_tokens - host_tokens
+        uncached += generated  # a preempted request recomputes its output so far
         num_chunks = math.ceil(uncached / self.rates.max_num_batched_tokens)
         decode_share_s = (
             self.rates.decode_step_s(replica.num_running) if replica.num_running else 0.0
@@ -484,16 +531,66 @@ class Simulator:
             replica.in_flight.update(req.block_ids[device + host :])
             for block in req.block_ids[device + host :]:
                 self.computing[block] = self.computing.get(block, 0) + 1
-        payload = (replica, device, device_tokens + host_tokens)
+        payload = (replica, device, device_tokens + host_tokens, recompute_blocks)
         self._push(self.now_s + service_s, _PREFILL_DONE, payload)
 
+    def _generated_blocks(self, req: Request, num_generated: int) -> int:
+        """Blocks beyond the prompt's that ``num_generated`` output tokens occupy."""
+        size = self.config.block_size
+        return math.ceil((req.num_prompt_tokens + num_generated) / size) - math.ceil(
+            req.num_prompt_tokens / size
+        )
+
+    def _num_generated(self, decoding: Decoding) -> int:
+        steps = int((self.now_s - decoding.start_s) / decoding.step_s) if decoding.step_s else 0
+        return min(decoding.generated_at_start + steps, decoding.request.num_output_tokens)
+
+    def _grow_decodes(self, replica: SimReplica) -> None:
+        """Give each decoding request, oldest first, the blocks its tokens have grown into,
+        preempting the newest decoding request while the pool has none left."""
+        cache = replica.cache
+        for decoding in list(replica.decoding.values()):
+            if replica.decoding.get(decoding.request.request_id) is not decoding:
+                continue  # preempted for an older one's growth
+            needed = self._generated_blocks(decoding.request, self._num_generated(decoding))
+            needed -= decoding.num_output_blocks
+            while needed > 0 and not cache.can_reserve(needed):
+                victim = replica.decoding[next(reversed(replica.decoding))]
+                self._preempt(replica, victim)
+                if victim is decoding:
+                    break
+            if needed > 0 and replica.decoding.get(decoding.request.request_id) is decoding:
+                cache.reserve(needed)
+                decoding.num_output_blocks += needed
+
+    def _preempt(self, replica: SimReplica, decoding: Decoding) -> None:
+        """Preemption by recompute: free ``decoding``'s blocks (its prompt's stay cached) and
+        queue it again, first after a prefill under way."""
+        req = decoding.request
+        del replica.decoding[req.request_id]
+        generated = self._num_generated(decoding)
+        replica.generated_before[req.request_id] = generated
+        replica.cache.unreserve(decoding.num_output_blocks)
+        replica.cache.release(req.block_ids)
+        replica.num_running -= 1
+        replica.num_preemptions += 1
+        self.num_preemptions += 1
+        device, host = replica.cache.match(req.block_ids)
+        num_queued = req.num_prompt_tokens - self._cached_tokens(req, device + host) + generated
+        replica.queued_tokens_by_request[req.request_id] = num_queued
+        replica.num_queued_prefill_tokens += num_queued
+        replica.queue.insert(1 if replica.prefilling else 0, req)
+        replica.version += 1
+
     def _finish_prefill(self, payload, records) -> None:
-        replica, num_hit_blocks, num_cached_tokens = payload
+        replica, num_hit_blocks, num_cached_tokens, recompute_blocks = payload
         req = replica.queue.popleft()
         replica.prefill_skips.pop(req.request_id, None)
+        generated = replica.generated_before.pop(req.request_id, 0)
         record = records[req.request_id]
-        record.num_cached_tokens = num_cached_tokens
-        record.ttft_s = self.now_s - req.arrival_s
+        if not generated:  # a preempted request keeps its first prefill's figures
+            record.num_cached_tokens = num_cached_tokens
+            record.ttft_s = self.now_s - req.arrival_s
         replica.cache.commit(req.block_ids, num_hit_blocks)
         woken: set[int] = set()
         if self.config.pull is not None:
@@ -505,13 +602,16 @@ class Simulator:
                 else:
                     self.computing.pop(block, None)
                 woken |= self.waiters.pop(block, set())
-        replica.cache.reserve(self._num_output_blocks(req))
         replica.num_queued_prefill_tokens -= replica.queued_tokens_by_request.pop(req.request_id)
         replica.num_running += 1
         replica.prefilling = False
         replica.version += 1
-        decode_s = (req.num_output_tokens - 1) * self.rates.decode_step_s(replica.num_running)
-        self._push(self.now_s + decode_s, _DECODE_DONE, (replica, req))
+        step_s = self.rates.decode_step_s(replica.num_running)
+        decoding = Decoding(req, self.now_s, step_s, generated + 1, recompute_blocks)
+        replica.decoding[req.request_id] = decoding
+        decode_s = (req.num_output_tokens - decoding.generated_at_start) * step_s
+        self._push(self.now_s + max(decode_s, 0.0), _DECODE_DONE, (replica, decoding))
+        self._grow_decodes(replica)
         if replica.queue:
             self._start_prefill(replica, after_prefill=True)
         for i in sorted(woken - {replica.index}):
@@ -519,11 +619,13 @@ class Simulator:
             if peer.queue and not peer.prefilling:
                 self._start_prefill(peer)
 
-    def _finish_decode(self, replica: SimReplica, req: Request, records) -> None:
+    def _finish_decode(self, replica: SimReplica, decoding: Decoding, records) -> None:
+        req = decoding.request
+        del replica.decoding[req.request_id]
         replica.num_running -= 1
         replica.num_inflight -= 1
         replica.num_served += 1
-        replica.cache.unreserve(self._num_output_blocks(req))
+        replica.cache.unreserve(decoding.num_output_blocks)
         replica.cache.release(req.block_ids)
         replica.num_pulls.pop(req.request_id, None)
         replica.version += 1
@@ -531,6 +633,8 @@ class Simulator:
         done = getattr(self.policy, "on_finished", None)
         if done is not None:
             done(self, req, replica.index)
+        if replica.queue and not replica.prefilling:  # blocks freed: a step boundary
+            self._start_prefill(replica, after_prefill=True)
 
     def _summarize(
         self, workload: Workload, records, oracle_hit_tokens: int, pooled_hit_tokens: int, wall_s
@@ -549,6 +653,8 @@ class Simulator:
             hit_rate=sum(rec.num_cached_tokens for rec in records) / prompt_tokens,
             pulled_token_rate=sum(rec.num_pulled_tokens for rec in records) / prompt_tokens,
             num_dedup_deferrals=self.num_dedup_deferrals,
+            num_kv_waits=self.num_kv_waits,
+            num_preemptions=self.num_preemptions,
             oracle_hit_rate=oracle_hit_tokens / prompt_tokens,
             pooled_hit_rate=pooled_hit_tokens / prompt_tokens,
             ttft_p50_s=percentile(ttfts, 50),

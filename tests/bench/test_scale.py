@@ -304,7 +304,7 @@ def _row(n, policy, hit, p90, error=None):
         "rate_req_per_s": 6.0,
         "sim": {
             "hit_rate": hit + 0.01,
-            "overflow_blocks": 7,
+            "preemptions": 7,
             "ttft_p50_s": 0.5,
             "ttft_p90_s": (p90 or 2.0) / 2,
             "ttft_p99_s": 3.0,
@@ -334,6 +334,8 @@ def test_report_files(tmp_path):
         _row(8, "round_robin", 0.45, 3.0),
         _row(16, "round_robin", 0.3, None, error="RuntimeError: not healthy"),
     ]
+    older = rows[2]["sim"]  # a file from before the simulator modelled preemption
+    older["overflow_blocks"] = older.pop("preemptions")
     header = {"machine": "CPU X (2 CPUs)", "date": "d", "command": "python -m bench.scale"}
     paths = scale_report.write_report(tmp_path, "t", header, rows)
     assert [p.name for p in paths] == ["scale_t.json", "scale_t.md", "scale_t.png"]
@@ -344,6 +346,8 @@ def test_report_files(tmp_path):
     prefix8 = next(line for line in md.splitlines() if line.startswith("| 8 | embedded | g"))
     assert "0.800 / 0.810" in prefix8 and "-1% / +20% / +100%" in prefix8
     assert "| 3 / 7 |" in prefix8
+    round_robin8 = next(line for line in md.splitlines() if "| round_robin |" in line)
+    assert "| 3 / 7 overflow |" in round_robin8
     host8 = [line for line in md.splitlines() if line.startswith("| 8 | embedded | g")][-1]
     assert host8 != prefix8 and "0.8 / 1 / >100 |" in host8 and "| 1.25 | 0.05 | 7000 |" in host8
     header_cells = md.splitlines()[6].count("|")
