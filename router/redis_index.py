@@ -14,6 +14,9 @@ versions never meet); only 16-byte block hashes are stored, never prompt text:
 
 A lookup is one ``EVALSHA`` round trip: the script walks the live replicas and returns, per
 replica, its leading device and host block counts (``SMISMEMBER`` in doubling chunks).
+``match_async`` makes that round trip on the caller's event loop (an asyncio client per
+loop, made at its first lookup there), so a router's decision never waits for a worker
+thread to get the GIL; ``match`` is the same lookup for synchronous callers.
 Event batches are applied by a script that runs the epoch/sequence rules atomically, many
 batches per pipeline. Memory is bounded: heartbeats sweep replicas past their deadline
 (their keys are deleted), per-replica keys carry a TTL refreshed by heartbeats and events,
@@ -30,12 +33,15 @@ callers' clocks, so routers and replicas should agree on wall time to well under
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
 import redis
+import redis.asyncio
+import redis.asyncio.retry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -68,6 +74,14 @@ def _joined(block_hashes: Sequence[BlockHash]) -> bytes:
     if len(joined) != HASH_NUM_BYTES * len(block_hashes):
         raise ValueError(f"block hashes must be {HASH_NUM_BYTES} bytes each")
     return joined
+
+
+def _matches(flat: list) -> dict[ReplicaId, Match]:
+    """The lookup script's flat reply (replica, device blocks, host blocks, ...) as matches."""
+    return {
+        flat[i].decode(): Match(device_blocks=int(flat[i + 1]), host_blocks=int(flat[i + 2]))
+        for i in range(0, len(flat), 3)
+    }
 
 
 def namespace(model_id: str) -> str:
@@ -115,22 +129,46 @@ class RedisIndex:
         self._key_ttl_ms = int(heartbeat_timeout_s * KEY_TTL_FACTOR * 1000)
         self._connect()
 
-    def _make_client(self, timeout_s: float) -> redis.Redis:
+    def _client_options(self, timeout_s: float) -> dict:
+        """What both kinds of client are made with."""
         # A password in the URL wins; else PREFIXSERVE_REDIS_PASSWORD (the Helm chart sets it
         # from a Secret so the password never appears in the Serve config).
         extra = {}
         if not urlparse(self.redis_url).password and os.environ.get(REDIS_PASSWORD_ENV):
             extra["password"] = os.environ[REDIS_PASSWORD_ENV]
-        return redis.Redis.from_url(
-            self.redis_url,
+        return dict(
             **extra,
             socket_timeout=timeout_s,
             socket_connect_timeout=self.socket_timeout_s,
+            retry_on_timeout=False,
+        )
+
+    def _make_client(self, timeout_s: float) -> redis.Redis:
+        return redis.Redis.from_url(
+            self.redis_url,
+            **self._client_options(timeout_s),
             # One immediate retry on a broken connection (a pooled socket that died with a
             # restarted server), none on timeouts: a slow Redis must fail fast.
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-            retry_on_timeout=False,
         )
+
+    def _async_match_script(self):
+        """The lookup script on an asyncio client of the running loop, made at its first use
+        there (an asyncio client belongs to the loop it was made on)."""
+        loop = asyncio.get_running_loop()
+        made = self._async_lookup
+        if made is not None and made[0] is loop:
+            return made[2]
+        client = redis.asyncio.Redis.from_url(
+            self.redis_url,
+            **self._client_options(self.socket_timeout_s),
+            retry=redis.asyncio.retry.Retry(
+                NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)
+            ),
+        )
+        script = client.register_script(MATCH_LUA)
+        self._async_lookup = (loop, client, script)
+        return script
 
     def _connect(self) -> None:
         # Lookups and speculative entries sit on the request path and get the short timeout;
@@ -144,6 +182,8 @@ class RedisIndex:
         self._sweep = self._writer.register_script(SWEEP_LUA)
         self._remove = self._writer.register_script(REMOVE_LUA)
         self._replicas_key = self.prefix + "replicas"
+        self._async_lookup = None
+        """(loop, asyncio client, lookup script) of the loop ``match_async`` last ran on."""
 
     def __getstate__(self) -> dict:
         return {
@@ -159,6 +199,11 @@ class RedisIndex:
     def close(self) -> None:
         self._client.close()
         self._writer.close()
+        made, self._async_lookup = self._async_lookup, None
+        if made is not None:
+            loop, client, _ = made
+            if loop.is_running():  # its sockets belong to that loop: closed there
+                asyncio.run_coroutine_threadsafe(client.aclose(), loop)
 
     def _context(self, now: float) -> list:
         """The arguments every script starts with (see ``redis_scripts``)."""
@@ -198,11 +243,19 @@ class RedisIndex:
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
         if not block_hashes:
             return {}
-        flat = self._run(self._match, self._clock(), _joined(block_hashes))
-        return {
-            flat[i].decode(): Match(device_blocks=int(flat[i + 1]), host_blocks=int(flat[i + 2]))
-            for i in range(0, len(flat), 3)
-        }
+        return _matches(self._run(self._match, self._clock(), _joined(block_hashes)))
+
+    async def match_async(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, Match]:
+        """``match`` awaited on the caller's event loop."""
+        if not block_hashes:
+            return {}
+        script = self._async_match_script()
+        args = [*self._context(self._clock()), _joined(block_hashes)]
+        try:
+            flat = await script(keys=[self._replicas_key], args=args)
+        except _UNAVAILABLE as exc:
+            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
+        return _matches(flat)
 
     def record_speculative(
         self, replica_id: ReplicaId, block_hashes: Sequence[BlockHash], ttl_s: float

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 
 import pytest
@@ -9,7 +11,7 @@ import redis
 
 from bench.common import free_port
 from router.config import RouterConfig
-from router.index import make_index
+from router.index import FallbackIndex, make_index
 from router.index_types import IndexUnavailableError, Match
 from router.protocol import EventKind, KVEvent, KVEventBatch
 from router.redis_index import RedisIndex
@@ -72,6 +74,49 @@ def test_unreachable_redis_raises_index_unavailable_quickly(clock):
     ):
         with pytest.raises(IndexUnavailableError):
             call()
+    assert time.monotonic() - start_s < 2.0
+
+
+class _NoThreads(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, fn, /, *args, **kwargs):
+        raise AssertionError("a lookup went to a worker thread")
+
+
+def _on_a_loop_without_threads(coro_fn):
+    """Runs ``coro_fn()`` on a fresh loop whose default executor refuses work."""
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(_NoThreads())
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+def test_an_async_lookup_answers_as_the_sync_one_without_a_thread(redis_url, clock):
+    index = RedisIndex(redis_url, "async-model", clock=clock)
+    fallback = FallbackIndex(index, retry_interval_s=1.0)
+    blocks = chain(6)
+    for replica, held in (("a", 6), ("b", 2)):
+        index.heartbeat(replica, 0)
+        index.apply(batch(replica, 0, stored(blocks[:held])))
+    expected = {"a": Match(6, 0), "b": Match(2, 0)}
+    assert index.match(blocks) == expected
+    # Two loops one after the other: each gets its own asyncio client.
+    for _ in range(2):
+        assert _on_a_loop_without_threads(lambda: fallback.match_or_none_async(blocks)) == expected
+    assert _on_a_loop_without_threads(lambda: index.match_async([])) == {}
+    index.close()
+
+
+def test_an_unreachable_redis_fails_an_async_lookup_quickly(clock):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    index = RedisIndex(url, "m", socket_timeout_s=0.05, clock=clock)
+    fallback = FallbackIndex(index, retry_interval_s=60.0)
+    start_s = time.monotonic()
+    with pytest.raises(IndexUnavailableError, match="redis at"):
+        _on_a_loop_without_threads(lambda: index.match_async(chain(2)))
+    assert _on_a_loop_without_threads(lambda: fallback.match_or_none_async(chain(2))) is None
+    assert not fallback.available
     assert time.monotonic() - start_s < 2.0
 
 
