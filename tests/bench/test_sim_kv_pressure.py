@@ -1,6 +1,7 @@
-"""The simulator when KV runs out: admission waits for blocks, decodes that outgrow the pool
-preempt the newest decoding request, which recomputes and finishes; hand-checked timelines
-(times follow from the round rates below) and the pools' books after a pressured run."""
+"""The simulator's decodes and KV: admission waits for blocks, decodes that outgrow the pool
+preempt the newest decoding request, which recomputes and finishes, and a prefill slows the
+decodes that share its steps; hand-checked timelines (times follow from the round rates
+below) and the pools' books after a pressured run."""
 
 import dataclasses
 
@@ -65,23 +66,36 @@ def test_a_prefill_that_does_not_fit_waits_for_a_decode_to_end():
 
 
 def test_a_decode_that_outgrows_the_pool_preempts_the_newest_which_recomputes():
-    # A: 4 prompt blocks, 21 output tokens (grows to 6 more blocks); B: 4 other blocks, 2
-    # output tokens, arrives at 0.01. B fits at 0.16 (A holds 5 of 12) and prefills to 0.33
-    # (0.16 s of tokens plus one decode step shared with A). By then A's 18 tokens need 5
-    # blocks: 13 > 12, so B, the newest, is preempted right after its first token, and A's
-    # growth evicts one of B's freed blocks (the tail: released last to first). B waits for
-    # A's end (0.36) and recomputes its last prompt block and its output token (5 tokens,
-    # 0.05 s); its one token left came with that step.
+    # A and B: 4 prompt blocks each, 21 output tokens (6 more blocks each); B arrives at 0.01.
+    # B fits at 0.16 (A holds 5 of 12) and prefills to 0.33 (0.16 s of tokens plus one
+    # decode step shared with A, so A gets one token in that step). Then both decode a token
+    # per 0.01 s and their growth outruns the 2 free blocks at 0.40 (A's 9th token): A takes
+    # its blocks, B, the newest, is preempted with 8 tokens. It waits for A's end (0.52) and
+    # recomputes its last prompt token and its 8 tokens from the prefix cache (0.09 s), then
+    # decodes its last 12 tokens: 0.73.
     a = _req(0, 0.0, (1, 2, 3, 4), 21)
-    b = _req(1, 0.01, (5, 6, 7, 8), 2)
+    b = _req(1, 0.01, (5, 6, 7, 8), 21)
     sim, result, records = _run([a, b], capacity_blocks=12)
     assert sim.num_preemptions == 1 and result.num_preemptions == 1
     assert records[1].ttft_s == pytest.approx(0.32)  # its first prefill's, as the engine's
     assert records[1].num_cached_tokens == 0
-    assert records[0].finish_s == pytest.approx(0.36)
-    assert records[1].finish_s == pytest.approx(0.41)
+    assert records[0].finish_s == pytest.approx(0.52)
+    assert records[1].finish_s == pytest.approx(0.73)
     pool = sim.replicas[0].cache
     assert not pool.pinned and pool.num_reserved_blocks == 0 and pool.num_overflow_blocks == 0
+
+
+def test_a_prefill_slows_the_decodes_it_shares_its_steps_with():
+    # A decodes from 0.16; B's 96-token prefill (one chunk) runs 0.16-1.13 in one step
+    # (0.96 s of tokens plus A's decode), so A gets one token in it, then the other 9 at
+    # 0.01 s: A ends at 1.22, not at 0.26 as it would alone.
+    a = _req(0, 0.0, (1, 2, 3, 4), 11)
+    b = _req(1, 0.01, tuple(range(10, 34)), 2)
+    sim, _, records = _run([a, b], capacity_blocks=64)
+    assert records[1].ttft_s == pytest.approx(1.12)
+    assert records[0].finish_s == pytest.approx(1.22)
+    _, _, alone_records = _run([a], capacity_blocks=64)
+    assert alone_records[0].finish_s == pytest.approx(0.26)
 
 
 def test_a_pressured_cluster_preempts_and_its_pools_balance_at_the_end():
