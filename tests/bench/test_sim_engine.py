@@ -5,26 +5,11 @@ import pytest
 
 from bench.common import percentile
 from bench.sim.baselines import RandomPolicy, RoundRobinPolicy
-from bench.sim.calibration import EngineRates, rates_from_samples
+from bench.sim.calibration import rates_from_samples
 from bench.sim.simulator import SimConfig, Simulator
 from bench.sim.workloads import WORKLOADS, Request, Workload, WorkloadScale, llmd_shared_prefix
-
-# Round numbers so every time below can be checked by hand.
-RATES = EngineRates(
-    prefill_tokens_per_s=100.0,
-    decode_step_base_s=0.01,
-    decode_step_per_seq_s=0.0,
-    max_num_batched_tokens=512,
-    host_to_device_tokens_per_s=1000.0,
-    source="test",
-)
-
-
-class FirstReplica:
-    name = "first"
-
-    def choose(self, sim, req):
-        return 0
+from tests.bench.sim_helpers import HAND_RATES as RATES
+from tests.bench.sim_helpers import FirstReplica
 
 
 def _run(requests, policy=None, num_replicas=1, capacity_blocks=64, prefill_order="fcfs"):

@@ -8,30 +8,15 @@ import dataclasses
 import pytest
 
 from bench.sim.baselines import RoundRobinPolicy
-from bench.sim.calibration import EngineRates
 from bench.sim.simulator import SimConfig, Simulator
 from bench.sim.workloads import Request, Workload, WorkloadScale, llmd_shared_prefix
-
-RATES = EngineRates(
-    prefill_tokens_per_s=100.0,
-    decode_step_base_s=0.01,
-    decode_step_per_seq_s=0.0,
-    max_num_batched_tokens=512,
-    host_to_device_tokens_per_s=1000.0,
-    source="test",
-)
-
-
-class OneReplica:
-    name = "one_replica"
-
-    def choose(self, sim, req):
-        return 0
+from tests.bench.sim_helpers import HAND_RATES as RATES
+from tests.bench.sim_helpers import FirstReplica
 
 
 def _run(requests, capacity_blocks):
     config = SimConfig(1, capacity_blocks, block_size=4, rates=RATES, prefill_order="fcfs")
-    sim = Simulator(config, OneReplica())
+    sim = Simulator(config, FirstReplica())
     records = []
     original = sim._summarize
 

@@ -10,7 +10,6 @@ from bench.sim import report
 from bench.sim.baselines import RandomPolicy
 from bench.sim.calibration import (
     CALIBRATION_PATH,
-    EngineRates,
     PullRates,
     load_pull_rates,
     record_rates,
@@ -18,15 +17,8 @@ from bench.sim.calibration import (
 from bench.sim.ours import OursPolicy
 from bench.sim.simulator import SimConfig, Simulator
 from bench.sim.workloads import Request, Workload, WorkloadScale, llmd_shared_prefix
+from tests.bench.sim_helpers import HAND_RATES as RATES
 
-RATES = EngineRates(
-    prefill_tokens_per_s=100.0,
-    decode_step_base_s=0.01,
-    decode_step_per_seq_s=0.0,
-    max_num_batched_tokens=512,
-    host_to_device_tokens_per_s=1000.0,
-    source="test",
-)
 PULL = PullRates(kv_bytes_per_token=10.0, pull_bytes_per_s=1200.0, source="test")  # 120 tok/s
 
 
