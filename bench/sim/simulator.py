@@ -134,7 +134,6 @@ class SimReplica:
     generated_before: dict = field(default_factory=dict)
     """request id -> output tokens a preempted request had generated (recomputed when it is
     admitted again)."""
-    num_preemptions: int = 0
     growth_timer: int = 0
     """Bumped when the next growth check is rescheduled: only the latest one counts."""
     prefill_step_s: float = 0.0
@@ -655,7 +654,6 @@ class Simulator:
         replica.cache.unreserve(decoding.num_output_blocks)
         replica.cache.release(req.block_ids)
         replica.num_running -= 1
-        replica.num_preemptions += 1
         self.num_preemptions += 1
         device, host = replica.cache.match(req.block_ids)
         num_queued = req.num_prompt_tokens - self._cached_tokens(req, device + host) + generated
