@@ -45,6 +45,11 @@ QUESTION_TOKENS = 24
 # predicted TTFT, more than the tiny model takes to prefill a whole system prompt, so the
 # policy would rightly send the repeat elsewhere.
 THINK_TIME_S = ROUTING_STATS_PERIOD_S + 0.3
+# Between one adapter's requests: a stats period more. The tiny model loads an adapter in
+# milliseconds, so its holder wins only while no router still prices the previous request
+# on it (a 20 ms decode step); a router that gets the next stats more than 0.3 s late (two
+# busy CI cores) would rightly send the request to the replica that loads the adapter.
+ADAPTER_THINK_TIME_S = 2 * ROUTING_STATS_PERIOD_S + 0.3
 # Token ids of ordinary words in the SmolLM2 vocabulary (clear of the special tokens).
 TOKEN_RANGE = (1000, 40000)
 # Two ingress replicas: rounds of the workload until this many system prompts were routed
@@ -502,6 +507,6 @@ def test_an_adapters_requests_gather_on_the_replica_that_holds_it(ray_cluster, t
             )
             assert response.status_code == 200, response.text
             served[name].append(response.headers[REPLICA_HEADER])
-            time.sleep(THINK_TIME_S)
+            time.sleep(ADAPTER_THINK_TIME_S)
     for name, replicas in served.items():
         assert set(replicas) == {replicas[0]}, (name, replicas)
