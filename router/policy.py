@@ -7,8 +7,10 @@ share. The policies live in ``router.prefix_policy`` (``prefix``: load bound, th
 ``router.baselines`` (``round_robin``/``least_loaded``/``pow2``, which the simulator runs
 too). ``routing.Router`` combines a policy with an index; policies themselves do no I/O.
 
-The TTFT model: ``queue_s + miss_cost_factor * miss_tokens / prefill_rate + host_tokens /
-host_rate + remote_tokens / pull_rate + (one decode step if the replica is busy)``, where
+The TTFT model: ``queue_s + kv_wait_s + miss_cost_factor * miss_tokens / prefill_rate +
+host_tokens / host_rate + remote_tokens / pull_rate + (one decode step if the replica is
+busy)``, where ``kv_wait_s`` is the wait for KV space when the blocks the prompt needs past
+the replica's device match do not fit in its free blocks (``TTFTModel.kv_wait_s``), and
 ``remote_tokens`` are prompt tokens past the replica's own match that a peer holds and it
 would pull (only when ``RouterConfig.kv_pull_tokens_per_s`` is set; else they are misses),
 and ``queue_s = queued_prefill_tokens / prefill_rate + num_queued * step_s``: the replica's
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -157,6 +160,29 @@ class TTFTModel:
             view.stats
         ) + load.num_queued * self.decode_step_s(view)
 
+    def kv_wait_s(self, view: ReplicaView, num_prompt_blocks: int) -> float:
+        """Wait before the replica has KV space for ``num_prompt_blocks`` more blocks: 0 while
+        they fit in its free blocks (those no running request holds, less what the prompts
+        queued ahead take), else until enough running requests finish. Those finish
+        ``decode_s`` after their first token, so with the residual times spread evenly the
+        k-th of n ends about ``k / (n + 1)`` of it from now, each freeing the blocks a running
+        request holds on average. The blocks the running requests will still grow by are not
+        counted: the engine admits a prompt into blocks they may later need (and preempts
+        then), and counting them sent a workload's repeats away from their prefix's holders
+        to prefill it again. 0 for a replica that reports neither its blocks nor
+        ``decode_s``."""
+        stats = view.stats
+        num_running = stats.num_running
+        if stats.num_kv_blocks <= 0 or stats.decode_s <= 0 or num_running <= 0:
+            return 0.0
+        held_blocks = stats.kv_usage * stats.num_kv_blocks
+        queued_blocks = view.load.queued_prefill_tokens / self.block_size
+        deficit_blocks = num_prompt_blocks - (stats.num_kv_blocks - held_blocks - queued_blocks)
+        if deficit_blocks <= 0 or held_blocks <= 0:
+            return 0.0
+        num_finishes = min(math.ceil(deficit_blocks * num_running / held_blocks), num_running)
+        return stats.decode_s * num_finishes / (num_running + 1)
+
     def predicted_ttft_s(
         self,
         view: ReplicaView,
@@ -189,8 +215,10 @@ class TTFTModel:
             pull_s = num_remote_tokens / self.kv_pull_tokens_per_s
         host_rate = stats.host_to_device_tokens_per_s or self.default_host_to_device_tokens_per_s
         busy = view.load.num_requests > 0
+        num_prompt_blocks = -(-(num_prompt_tokens - num_device_tokens) // self.block_size)
         return (
             self.queue_s(view)
+            + self.kv_wait_s(view, num_prompt_blocks)
             + miss_cost_factor * num_miss_tokens / self.prefill_tokens_per_s(stats)
             + num_host_tokens / host_rate
             + pull_s

@@ -178,6 +178,13 @@ class ReplicaStats:
     lora_load_s: float = 0.0
     """Measured seconds to put an adapter into a device slot (mean of the last loads); 0
     until the replica has loaded one."""
+    num_kv_blocks: int = 0
+    """Device KV blocks in all (what ``kv_usage`` is a fraction of); 0 from a replica that
+    does not say: routers then price no wait for KV space there."""
+    decode_s: float = 0.0
+    """Measured seconds a request runs after its first token, until it finishes (a moving
+    average over finished requests): how soon a running request frees its KV blocks. 0 until
+    one finished."""
 
     def to_dict(self) -> dict:
         return {
@@ -195,6 +202,8 @@ class ReplicaStats:
             "kv_cache_dtype": self.kv_cache_dtype,
             "lora_adapters": list(self.lora_adapters),
             "lora_load_s": self.lora_load_s,
+            "num_kv_blocks": self.num_kv_blocks,
+            "decode_s": self.decode_s,
         }
 
     @classmethod

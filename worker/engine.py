@@ -457,6 +457,7 @@ class LLMEngine:
             req.finish_reason, req.stop_reason = FinishReason.STOP, None  # the grammar is complete
         if req.finish_reason is not None:
             self.scheduler.finish(req)
+            self.metrics.record_finish(now - req.first_token_time)
         finished = req.finish_reason is not None
         return StepDelta([token], req.detokenizer.take_delta(finished), is_first)
 
@@ -572,6 +573,8 @@ class LLMEngine:
             kv_cache_dtype=self.runner.kv_cache_dtype,
             lora_adapters=tuple(lora.loaded_names) if lora is not None else (),
             lora_load_s=lora.load_s_mean if lora is not None else 0.0,
+            num_kv_blocks=self.pool.num_blocks,
+            decode_s=self.metrics.decode_s,
         )
 
     def metrics_snapshot(self) -> EngineMetricsSnapshot:

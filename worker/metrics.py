@@ -1,9 +1,10 @@
 """``EngineMetrics``: token counters and the measured prefill/decode rates the router uses;
 ``EngineMetricsSnapshot``: the engine's counters and gauges after a step, as exported.
 
-Rates are exponential moving averages over steps, so they follow load changes within a few
-steps; a step's time is split between its prefill and decode tokens by token count. Nothing
-here exports: ``EngineMetricsSnapshot.as_dict()`` is what travels to ``cluster/metrics.py``.
+Rates are exponential moving averages over steps (the decode time: over finished requests),
+so they follow load changes within a few steps; a step's time is split between its prefill
+and decode tokens by token count. Nothing here exports: ``EngineMetricsSnapshot.as_dict()``
+is what travels to ``cluster/metrics.py``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,18 @@ class EngineMetrics:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
+    num_finished: int = 0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    decode_s: float = 0.0
+    """Seconds a request runs from its first token to its finish, a moving average over the
+    finished requests (0 until one finished): how soon running requests free their KV."""
+
+    def record_finish(self, decode_s: float) -> None:
+        """A request finished ``decode_s`` seconds after its first token."""
+        weight = 1.0 if self.num_finished == 0 else RATE_SMOOTHING
+        self.decode_s += weight * (decode_s - self.decode_s)
+        self.num_finished += 1
 
     def record_step(self, batch, sampling_reqs, step_s: float) -> None:
         self.num_steps += 1

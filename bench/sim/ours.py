@@ -11,8 +11,9 @@ what the cluster would:
   Same leading-run semantics as ``router.embedded_index``: device blocks (speculative
   included) first, then host blocks. ``speculative=False`` turns that off.
 - ``ReplicaView``: ``ReplicaStats`` from the replica's simulated state (waiting and running
-  requests, KV usage, the calibrated prefill/decode/host rates, prompt tokens queued for
-  prefill) and its ``ReplicaLoad``, exact: the simulator knows every request's state when it
+  requests, KV usage and capacity, the calibrated prefill/decode/host rates, prompt tokens
+  queued for prefill, the measured decode time of its finished requests) and its
+  ``ReplicaLoad``, exact: the simulator knows every request's state when it
   decides, as a router whose tracker hears every event at once would. Views are rebuilt only
   when a replica changed (``SimViews``; ``bench/sim/baselines.py`` runs ``router.baselines``
   on the same views).
@@ -93,6 +94,8 @@ class SimViews:
                 ),
                 num_empty_kv_blocks=replica.cache.num_empty_blocks,
                 kv_lru_age=replica.cache.lru_age,
+                num_kv_blocks=sim.config.capacity_blocks,
+                decode_s=replica.metrics.decode_s,
             )
             load = ReplicaLoad(
                 num_queued=stats.num_waiting + (1 if replica.prefilling else 0),

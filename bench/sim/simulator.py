@@ -77,6 +77,7 @@ from bench.sim.cache import BlockId, BlockPool, LRUBlockCache, OracleCache
 from bench.sim.calibration import DEFAULT_RATES, EngineRates, PullRates
 from bench.sim.workloads import Request, Workload
 from worker.config import PREFILL_ORDERS, EngineConfig
+from worker.metrics import EngineMetrics
 from worker.scheduler import MAX_PREFILL_SKIPS
 
 
@@ -138,6 +139,8 @@ class SimReplica:
     """Bumped when the next growth check is rescheduled: only the latest one counts."""
     prefill_step_s: float = 0.0
     """Length of one step of the prefill under way: its chunk's tokens and the decodes."""
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    """What the engine measures and reports of it: here the decode time of finished requests."""
     version: int = 0
     """Bumped on every state change, so adapters can cache what they derive from the state."""
 
@@ -709,7 +712,9 @@ class Simulator:
         replica.cache.release(req.block_ids)
         replica.num_pulls.pop(req.request_id, None)
         replica.version += 1
-        records[req.request_id].finish_s = self.now_s
+        record = records[req.request_id]
+        record.finish_s = self.now_s
+        replica.metrics.record_finish(self.now_s - req.arrival_s - record.ttft_s)
         done = getattr(self.policy, "on_finished", None)
         if done is not None:
             done(self, req, replica.index)

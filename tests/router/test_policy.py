@@ -226,6 +226,51 @@ def test_the_ttft_model_prices_the_queue_and_the_running_batch_of_the_load():
     assert model.predicted_ttft_s(idle_now, None, 40) == pytest.approx(40 / 400.0)  # not busy
 
 
+def test_a_prompt_that_does_not_fit_waits_for_running_requests_to_finish():
+    """100 blocks, 80 held by 4 running requests (20 each), 10 queued ahead: 10 free. A request
+    that needs more waits until enough of the 4 finish; they finish ``decode_s`` (10 s) after
+    their first token, the k-th of 4 about k/5 of it from now."""
+    stats = ReplicaStats(num_running=4, kv_usage=0.8, num_kv_blocks=100, decode_s=10.0)
+    view = ReplicaView("a", stats, ReplicaLoad(num_queued=1, queued_prefill_tokens=160))
+    model = TTFTModel(CONFIG)
+    assert model.kv_wait_s(view, 10) == 0.0
+    assert model.kv_wait_s(view, 11) == pytest.approx(10.0 * 1 / 5)  # one finish frees 20
+    assert model.kv_wait_s(view, 50) == pytest.approx(10.0 * 2 / 5)  # 40 short: two
+    assert model.kv_wait_s(view, 500) == pytest.approx(10.0 * 4 / 5)  # all four, at most
+    # The blocks its device match covers need no slot: 16 of 20 matched leave 4.
+    match = Match(device_blocks=16)
+    without_wait = ReplicaView("a", dataclasses.replace(stats, decode_s=0.0), view.load)
+    assert model.predicted_ttft_s(view, match, 20 * BLOCK_SIZE) == pytest.approx(
+        model.predicted_ttft_s(without_wait, match, 20 * BLOCK_SIZE)
+    )
+    assert model.predicted_ttft_s(view, None, 20 * BLOCK_SIZE) == pytest.approx(
+        model.predicted_ttft_s(without_wait, None, 20 * BLOCK_SIZE) + 10.0 * 1 / 5
+    )
+    # A replica that does not report its blocks, or has finished nothing yet: no wait.
+    for unknown in (dataclasses.replace(stats, num_kv_blocks=0), ReplicaStats(num_running=4)):
+        assert model.kv_wait_s(ReplicaView("a", unknown, view.load), 500) == 0.0
+
+
+def test_a_holder_with_no_kv_space_loses_a_repeat_to_a_replica_with_room():
+    """The holder has the prompt's first 10 of 16 blocks, the other 8; the holder's KV is full
+    of running requests that run 20 s after their first token, so its 6 new blocks wait
+    seconds there, far more than 2 blocks' prefill on the other. With room, the longer match
+    wins."""
+    policy = make_policy(CONFIG)
+    blocks = prompt_blocks(3, num_blocks=16)
+    full = ReplicaStats(num_running=2, kv_usage=1.0, num_kv_blocks=64, decode_s=20.0)
+    roomy = dataclasses.replace(full, kv_usage=0.25)
+    matches = {"holder": Match(device_blocks=10), "other": Match(device_blocks=8)}
+    other = idle("other", **dataclasses.asdict(roomy))
+    decision = policy.choose(
+        blocks, 16 * BLOCK_SIZE, [idle("holder", **dataclasses.asdict(full)), other], matches
+    )
+    assert decision.replica_id == "other"
+    with_room = [idle("holder", **dataclasses.asdict(roomy)), other]
+    decision = policy.choose(blocks, 16 * BLOCK_SIZE, with_room, matches)
+    assert (decision.replica_id, decision.reason) == ("holder", "prefix")
+
+
 def test_least_loaded_reads_the_load_not_the_stats():
     """Both replicas reported 4 running a moment ago; since then one of a's finished. The
     load (3 running on a) decides, not the stats."""

@@ -23,6 +23,8 @@ def test_every_field_survives_the_round_trip(kv_cache_dtype):
         as_of_s=1700000000.25,
         engine_alive=False,
         kv_cache_dtype=kv_cache_dtype,
+        num_kv_blocks=512,
+        decode_s=3.5,
     )
     data = stats.to_dict()
     assert set(data) == {f.name for f in dataclasses.fields(ReplicaStats)}

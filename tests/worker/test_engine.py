@@ -28,6 +28,21 @@ def smol_engine(smollm2_path):
     return LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=512, max_num_batched_tokens=512))
 
 
+def test_the_stats_say_how_many_blocks_and_how_long_a_request_decodes(tiny_models):
+    """``num_kv_blocks`` is the pool; ``decode_s`` is 0 until a request finished, then the time
+    from its first token to its finish (measured around the run here), a moving average."""
+    engine = LLMEngine(EngineConfig(model=tiny_models["llama"], num_kv_blocks=96))
+    assert (engine.stats().num_kv_blocks, engine.stats().decode_s) == (96, 0.0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    started = time.monotonic()
+    run(engine, {"a": ([1, 2, 3, 4], params)})
+    elapsed_s = time.monotonic() - started
+    assert 0.0 < engine.stats().decode_s < elapsed_s
+    first_s = engine.stats().decode_s
+    run(engine, {"b": ([5, 6, 7], dataclasses.replace(params, max_tokens=1))})
+    assert engine.stats().decode_s == pytest.approx(0.8 * first_s)  # a 1-token request: 0 s
+
+
 @pytest.mark.slow
 def test_shared_system_prompt_is_served_from_cache(smol_engine):
     tok = smol_engine.tokenizer
