@@ -51,14 +51,21 @@ LOG_LEVEL_ENV = "PREFIXSERVE_LOG_LEVEL"
 # (which aborts what is left) and then killing the actor.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 15.0
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
-# Ray Serve's own "throughput optimized" event loops (part of RAY_SERVE_THROUGHPUT_OPTIMIZED):
-# a replica's code runs on the loop that receives its calls, and a handle's router on the loop
-# that calls it, instead of each on a thread of its own with a hop between them per message,
-# which costs CPU and latency per message (docs/design.md, Decisions). What the user's
-# environment sets wins (``serve_env``).
-SERVE_LOOP_ENV = {
+# Ray Serve settings for every process of the application: each deployment's through its
+# runtime_env, a local cluster's controller and proxy through the environment `prefixserve
+# serve` starts Ray in. What the user's environment sets wins (``serve_env``).
+SERVE_ENV = {
+    # Serve's own "throughput optimized" event loops (part of RAY_SERVE_THROUGHPUT_OPTIMIZED):
+    # a replica's code runs on the loop that receives its calls, and a handle's router on the
+    # loop that calls it, instead of each on a thread of its own with a hop between them per
+    # message, which costs CPU and latency per message (docs/design.md, Decisions).
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # How often each replica and handle hands the request counts and latencies it cached to
+    # Ray's metrics (Serve's own `serve_deployment_*` series): once a second, not Serve's ten
+    # times, which wake every idle replica's event loop for nothing a scrape every 10-15 s
+    # would see.
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }
 # How often Serve collects each replica's routing stats (queue, prefill rate) for the
 # router: often enough to see a burst build up, rarely enough to cost the controller little.
@@ -129,8 +136,8 @@ def logging_options(cluster: ClusterConfig) -> dict:
 
 
 def serve_env() -> dict[str, str]:
-    """``SERVE_LOOP_ENV``, each variable as this process's environment sets it if it does."""
-    return {name: os.environ.get(name, value) for name, value in SERVE_LOOP_ENV.items()}
+    """``SERVE_ENV``, each variable as this process's environment sets it if it does."""
+    return {name: os.environ.get(name, value) for name, value in SERVE_ENV.items()}
 
 
 PROXY_GRPC_ENV = "RAY_SERVE_PROXY_USE_GRPC"
@@ -143,8 +150,8 @@ controller and by each replica's process when Serve is imported there."""
 
 def runtime_env(cluster: ClusterConfig) -> dict:
     """Env variables of every deployment's processes (and their children: engine processes):
-    the log level, Serve's event loops (``SERVE_LOOP_ENV``) and, with ``direct_ingress``,
-    Serve's direct-ingress switch."""
+    the log level, Serve's event loops and metrics export (``SERVE_ENV``) and, with
+    ``direct_ingress``, Serve's direct-ingress switch."""
     env = {LOG_LEVEL_ENV: cluster.log_level.upper(), **serve_env()}
     if cluster.direct_ingress:
         env[DIRECT_INGRESS_ENV] = "1"

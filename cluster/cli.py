@@ -221,7 +221,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         # client, a peer server) that competes for the cores; the engine replicas are the work.
         os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
         # Serve's proxy and controller read these from the cluster's environment (the
-        # deployments get them through their runtime_env): cluster/app.py's SERVE_LOOP_ENV.
+        # deployments get them through their runtime_env): cluster/app.py's SERVE_ENV.
         os.environ.update(serve_env())
         if cluster.direct_ingress:
             os.environ[DIRECT_INGRESS_ENV] = "1"  # the controller allocates the ports

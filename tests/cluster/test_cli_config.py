@@ -451,11 +451,11 @@ def test_a_drain_order_lets_requests_finish_then_aborts_the_rest_once():
 
 
 def test_deployments_run_serve_code_on_the_loop_that_receives_it(monkeypatch):
-    """Serve's throughput-optimized event loops reach both deployments' processes, unless the
-    deploying environment says otherwise."""
-    from cluster.app import SERVE_LOOP_ENV, engine_replica_options, ingress_options
+    """Serve's throughput-optimized event loops and its once-a-second metrics export reach
+    both deployments' processes, unless the deploying environment says otherwise."""
+    from cluster.app import SERVE_ENV, engine_replica_options, ingress_options
 
-    for name in SERVE_LOOP_ENV:
+    for name in SERVE_ENV:
         monkeypatch.delenv(name, raising=False)
     cluster = ClusterConfig()
     engine_env = engine_replica_options(EngineConfig(), cluster, RouterConfig())[
@@ -465,9 +465,12 @@ def test_deployments_run_serve_code_on_the_loop_that_receives_it(monkeypatch):
     for env in (engine_env, ingress_env):
         assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
         assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+        assert env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"
     monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
+    monkeypatch.setenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100")
     ingress_env = ingress_options(cluster)["ray_actor_options"]["runtime_env"]["env_vars"]
     assert ingress_env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+    assert ingress_env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "100"
 
 
 def test_lora_flags_take_vllm_forms_and_reach_the_engine_config(tmp_path, monkeypatch, capsys):

@@ -146,6 +146,14 @@ def test_handle_transport_sets_the_proxy_transport_in_every_ray_container(
     assert app["args"]["cluster"]["handle_transport"] == transport
 
 
+def test_every_ray_container_exports_serves_metrics_as_the_deployments_do() -> None:
+    from cluster.app import SERVE_ENV
+
+    for container in _all_containers(chart.render()):
+        value = _env(container)["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]["value"]
+        assert value == SERVE_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
+
+
 def test_model_cache_claim_is_mounted_everywhere() -> None:
     docs = chart.render(values={"modelCache": {"enabled": True, "accessModes": ["ReadWriteMany"]}})
     claim = chart.only(docs, "PersistentVolumeClaim")["metadata"]["name"]

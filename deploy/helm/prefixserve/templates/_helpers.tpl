@@ -286,6 +286,10 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
 {{- /* Serve's proxy calls the ingress on the transport the ingress uses for the engines. */}}
 - name: RAY_SERVE_PROXY_USE_GRPC
   value: {{ ternary "1" "0" (eq .Values.cluster.handleTransport "grpc") | quote }}
+{{- /* Serve's proxy and controller hand their cached request metrics to Ray once a second, as
+the deployments do (cluster/app.py's SERVE_ENV, in their runtime_env). */}}
+- name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
+  value: "1000"
 {{- if .Values.apiKey.enabled }}
 - name: PREFIXSERVE_API_KEY
   valueFrom:
