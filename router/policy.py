@@ -169,8 +169,8 @@ class TTFTModel:
         request holds on average. The blocks the running requests will still grow by are not
         counted: the engine admits a prompt into blocks they may later need (and preempts
         then), and counting them sent a workload's repeats away from their prefix's holders
-        to prefill it again. 0 for a replica that reports neither its blocks nor
-        ``decode_s``."""
+        to prefill it again. 0 for a replica that does not report its blocks or has no
+        ``decode_s`` yet."""
         stats = view.stats
         num_running = stats.num_running
         if stats.num_kv_blocks <= 0 or stats.decode_s <= 0 or num_running <= 0:
