@@ -61,11 +61,10 @@ workload, size and policy (``prefix``: ``bench/sim/ours.py``, the others
 ``bench/sim/baselines.py``) with ``EngineRates`` from the slowed profile
 (``engine_rates``). What cannot match exactly: the simulator's decode step is ``base +
 per_seq * (n - 1)`` with no context term, so the profile's per-context-token seconds are
-folded in at the workload's mean context (prompt plus half the output); it prefills one
-request at a time and does not cap the running batch (the engine runs ``max_num_seqs`` 64
-and interleaves 512-token chunks); it admits a prefill only when the whole prompt fits and
-preempts the newest decoding request when decodes outgrow ``--capacity-blocks``, where the
-engine admits on a prompt's first chunk and may preempt one still prefilling; its routers
+folded in at the workload's mean context (prompt plus half the output); a step computes one
+prompt's chunk, where the engine may fill a step's 512 tokens from several, and the running
+batch is not capped (the engine runs ``max_num_seqs`` 64); decodes take their growing blocks
+lazily (at the replica's events, and on time only when the pool would run short); its routers
 see every replica's exact state at once, the real ones the stats Serve polls each second and
 their own in-flight counts; its router config takes the profile's rates as the replicas'
 rates, the real routers each replica's measured ones. The speculative-entry TTL is the

@@ -80,7 +80,7 @@ class SimViews:
     def view(self, sim, replica) -> ReplicaView:
         if self._versions[replica.index] != replica.version:
             rates = sim.rates
-            num_running = replica.num_running + (1 if replica.prefilling else 0)
+            num_running = replica.num_running + replica.num_prefills
             step_s = rates.decode_step_s(max(replica.num_running, 1))
             stats = ReplicaStats(
                 num_waiting=sim.num_waiting(replica),
@@ -98,7 +98,7 @@ class SimViews:
                 decode_s=replica.metrics.decode_s,
             )
             load = ReplicaLoad(
-                num_queued=stats.num_waiting + (1 if replica.prefilling else 0),
+                num_queued=stats.num_waiting + replica.num_prefills,
                 queued_prefill_tokens=replica.num_queued_prefill_tokens,
                 num_running=replica.num_running,
                 as_of_s=sim.now_s,

@@ -1,47 +1,51 @@
 """The discrete-event routing simulator: replicas with LRU block caches, queues and costs.
 
 Model of one replica (documented simplifications, shared by every policy alike):
-- Prefill is one server. A request's prefill starts when the previous one ends; its cache
-  hit is looked up *then* (so a request queued behind a same-prefix request hits). One that
-  finds the server idle while requests decode first waits for the decode step under way to
-  end, as the engine admits work only between steps: a uniform share of that step (drawn from
-  an RNG of its own, seeded from ``SimConfig.seed``, so the policies' draws do not move).
-  Which queued request goes next follows ``SimConfig.prefill_order``, as the engine's
-  scheduler does: the fewest uncached tokens first (``shortest_first``, with the engine's
-  starvation bound ``MAX_PREFILL_SKIPS``) or arrival order (``fcfs``). A request's prefill is
-  not split between others' (the engine interleaves chunks; with one prefill at a time the
-  order is what counts). Its service time is ``uncached / prefill_rate + host /
-  host_to_device_rate`` plus, per chunk of ``max_num_batched_tokens``, one decode step of the
-  requests already running (chunked prefill shares each step with decodes). At least one
-  token is always computed (the last prompt token).
+- Prefill runs a chunk of at most ``max_num_batched_tokens`` per engine step, one request's
+  chunk per step (the engine can fill a step's budget from several prompts). A request's
+  cache hit is looked up when it is admitted (so a request queued behind a same-prefix
+  request hits). A chunk that finds the server idle while requests decode first waits for the
+  decode step under way to end, as the engine admits work only between steps: a uniform share
+  of that step (drawn from an RNG of its own, seeded from ``SimConfig.seed``, so the
+  policies' draws do not move). At every step boundary the next chunk goes, as the engine's
+  scheduler decides, to the first of the admitted prefills and the queued requests in
+  ``SimConfig.prefill_order``: the fewest tokens left first (``shortest_first``, with the
+  engine's starvation bound ``MAX_PREFILL_SKIPS``, a skip counted per step), so a mostly
+  cached prompt overtakes a cold one between two of its chunks (the overtaken prefill keeps
+  its blocks, ``SimReplica.paused``); or admitted ones first, then arrival order (``fcfs``).
+  A chunk's step takes ``tokens / prefill_rate`` plus one decode step of the requests already
+  decoding, and the first chunk also ``host / host_to_device_rate`` for its host hits. At
+  least one token is always computed (the last prompt token).
 - Decode: after its prefill a request generates one token per step of its replica. A step
   is a decode-only step priced at the running batch size, ``decode_step_s(num_running)``,
-  or, while a prefill runs, one of that prefill's steps (its service time over its chunks:
-  a chunk's tokens and the decodes), as the engine's chunked prefill shares each step with
-  the decodes, which slows them. Every decode's end is rescheduled whenever its replica's
-  step length changes (a prefill starts or ends, a decode joins or leaves). The running
-  batch is capped by KV only (``max_num_seqs`` is not modelled).
-- KV admission and preemption (the engine's rules): a prefill starts only when the
-  request's prompt blocks fit in its replica's pool (``BlockPool.fits``: its hit pinned, a
-  slot for every other prompt block, evicting only cached blocks); otherwise the prefill
-  server waits, with the request at the head of the queue, until a decode ends or a
-  preemption frees blocks, and admission stops at it (requests behind it never take its
-  blocks). A decoding request needs one more block every ``block_size`` generated tokens;
-  its decodes take the blocks they have grown into at every event on the replica (evicting
-  cached ones), and at the moment their growth would need more blocks than the pool has
-  free (a growth check scheduled for it), and where the pool has none left the newest
-  decoding request is preempted by recompute: its blocks are freed (its prompt's stay
-  cached), it goes back to the head of the queue (behind a prefill under way) and, when
-  admitted again, computes its prompt's uncached part and the tokens it had generated
-  before decoding the rest. Its TTFT and cached tokens stay those of its first prefill, as
-  the engine's do. The engine's victim is the newest running request, which can be one still
-  prefilling; here it is the newest decoding one. A request larger than an empty pool still
-  starts and overflows (``BlockPool.num_overflow_blocks``).
+  or, while a chunk runs, that chunk's step, which slows the decodes. Every decode's end is
+  rescheduled whenever its replica's step length changes (a chunk starts or ends, a decode
+  joins or leaves). The running batch is capped by KV only (``max_num_seqs`` is not
+  modelled).
+- KV admission and preemption (the engine's rules, ``worker/scheduler.py``): a request is
+  admitted when its first chunk's blocks fit in its replica's pool (``BlockPool.fits``: its
+  hit pinned, a slot for each host hit and for each block the chunk fills, evicting only
+  cached blocks); otherwise it waits at the head of the queue and no request behind it is
+  admitted until a decode ends or a preemption frees blocks. Each later chunk takes the
+  blocks it fills when it starts. A decoding request needs one more block every
+  ``block_size`` generated tokens; decodes take the blocks they have grown into at every
+  step boundary and event on the replica (evicting cached ones), and at the moment their
+  growth would need more blocks than the pool has free (a growth check scheduled for it,
+  between chunks only: a chunk's step ends first). Where the pool has none left, the newest
+  admitted running request is preempted by recompute: a prefill, which then keeps the
+  prompt blocks its finished chunks computed in the prefix cache, or a decoding request,
+  whose blocks are freed (its prompt's stay cached) and which, admitted again, computes its
+  prompt's uncached part and the tokens it had generated before decoding the rest. A
+  prefill whose next chunk's blocks are short preempts the newest admitted prefill, itself
+  unless one was admitted after it (the decodes hold theirs already). Either goes back to
+  the head of the queue. A request's TTFT and cached tokens are those of its first
+  admission and prefill, as the engine's are. A request larger than an empty pool still
+  runs and overflows (``BlockPool.num_overflow_blocks``).
 - In-flight prefix dedup (worker/scheduler.py ``_admit``'s rule): when the prefill server
   picks its next request, one whose next uncached prompt block is in flight on that replica
-  (being pulled in, or computed by the prefill under way) is passed over, not started: the
-  requests behind it go ahead, and it starts once the block has landed (then it hits). One
-  prefill runs at a time, so the blocks a prefill computes are in flight only while it runs.
+  (being pulled in, or computed by an admitted prefill) is passed over, not admitted: the
+  requests behind it go ahead, and it is admitted once the block has landed (then it hits).
+  A prefill's uncomputed blocks are in flight from its admission to its end or preemption.
 - KV pulls (``SimConfig.pull``; None: off, the old model): a request routed to a replica that
   lacks part of its prefix which another replica holds on its device (the exact index, i.e. a
   live peer) pulls those blocks first, on a per-replica FCFS transfer link separate from the
@@ -111,14 +115,18 @@ class SimReplica:
     replica_id: str
     cache: BlockPool
     queue: deque = field(default_factory=deque)
-    prefilling: bool = False
+    prefill: Prefill | None = None
+    """The prefill whose chunk is under way, None while the server is idle."""
+    paused: list = field(default_factory=list)
+    """Admitted prefills waiting for their next chunk (overtaken at a step boundary), holding
+    their blocks; empty while the server is idle."""
     num_running: int = 0
     num_inflight: int = 0
     num_queued_prefill_tokens: int = 0
     queued_tokens_by_request: dict = field(default_factory=dict)
     num_served: int = 0
     in_flight: set = field(default_factory=set)
-    """Blocks being pulled into this replica or computed by its current prefill (dedup)."""
+    """Blocks being pulled into this replica or computed by its admitted prefills (dedup)."""
     pull_queue: deque = field(default_factory=deque)
     """(request, first block, end block) pulls waiting for or using the transfer link."""
     pulling: bool = False
@@ -132,17 +140,58 @@ class SimReplica:
     """The head of the queue does not fit in the pool: no prefill until blocks are freed."""
     decoding: dict = field(default_factory=dict)
     """request id -> its ``Decoding``, in admission order (the newest last: the victim)."""
+    first_cached_tokens: dict = field(default_factory=dict)
+    """request id -> cached tokens at its first admission (what it reports, as the engine's
+    ``num_cached_tokens``), kept until its prefill ends."""
     generated_before: dict = field(default_factory=dict)
     """request id -> output tokens a preempted request had generated (recomputed when it is
     admitted again)."""
     growth_timer: int = 0
     """Bumped when the next growth check is rescheduled: only the latest one counts."""
     prefill_step_s: float = 0.0
-    """Length of one step of the prefill under way: its chunk's tokens and the decodes."""
+    """Length of the step of the chunk under way: its tokens and one decode of each running
+    request."""
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     """What the engine measures and reports of it: here the decode time of finished requests."""
     version: int = 0
     """Bumped on every state change, so adapters can cache what they derive from the state."""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefill is not None
+
+    @property
+    def num_prefills(self) -> int:
+        """Admitted requests still prefilling (the engine counts them as running)."""
+        return len(self.paused) + (1 if self.prefill is not None else 0)
+
+
+@dataclass(eq=False)
+class Prefill:
+    """A request's prefill on a replica, computed a chunk of at most ``max_num_batched_tokens``
+    per step. It holds its device hit (pinned), a slot for every host hit and slots for the
+    chunks computed so far and the one under way, as the engine's scheduler allocates them."""
+
+    request: Request
+    seq: int
+    """Admission order on the simulator (the newest admitted is preempted first)."""
+    num_device_blocks: int
+    """Prompt blocks found on the device at admission (pinned)."""
+    num_host_blocks: int
+    """Prompt blocks brought back from the host tier at admission (a slot each)."""
+    num_tokens: int
+    """Tokens to compute: the uncached prompt, plus a preempted request's output so far."""
+    num_final_slots: int
+    """Slots held at the end: every prompt block past the device hit, plus the blocks a
+    preempted request's recomputed output fills."""
+    num_computed: int = 0
+    """Tokens of the finished chunks."""
+    num_slots: int = 0
+    """Slots reserved so far."""
+    chunk_tokens: int = 0
+    """Tokens of the chunk under way."""
+    timer: int = 0
+    """Bumped when a chunk starts: only the latest chunk's end event counts."""
 
 
 @dataclass(eq=False)
@@ -152,6 +201,8 @@ class Decoding:
     ``num_output_blocks`` are the blocks its generated tokens hold in the pool so far."""
 
     request: Request
+    seq: int
+    """Its prefill's admission order (the newest admitted is preempted first)."""
     tokens: float
     at_s: float
     interval_s: float
@@ -190,9 +241,11 @@ class SimResult:
     num_dedup_deferrals: int = 0
     """Times a prefill start passed over a request whose next block was in flight."""
     num_kv_waits: int = 0
-    """Times a replica's next prefill waited for KV blocks to be freed."""
+    """Times a replica's next prefill (a queued request, or a prefill that preempted itself)
+    waited for KV blocks to be freed."""
     num_preemptions: int = 0
-    """Decoding requests preempted by recompute because their replica's pool was full."""
+    """Running requests (decoding or prefilling) preempted by recompute because their
+    replica's pool was full."""
     pooled_hit_rate: float = 0.0
     """Hit rate of one LRU cache as large as all the replicas' device (and host) caches
     together, seeing every request at its arrival: the oracle with the cluster's capacity.
@@ -204,7 +257,7 @@ class SimResult:
     distinct prefixes, the part of the gap to ``pooled_hit_rate`` that routing decides."""
 
 
-_ARRIVAL, _PREFILL_DONE, _DECODE_DONE, _PULL_DONE, _GROWTH = 0, 1, 2, 3, 4
+_ARRIVAL, _CHUNK_DONE, _DECODE_DONE, _PULL_DONE, _GROWTH = 0, 1, 2, 3, 4
 _MAX_PULLS_PER_REQUEST = 2
 
 
@@ -235,6 +288,7 @@ class Simulator:
         self.waiters: dict[BlockId, set[int]] = {}
         """Block being computed -> replicas with a request waiting for it (pulls on only)."""
         self._fcfs = config.prefill_order == "fcfs"
+        self._num_admitted = 0
 
     def _make_replica(self, i: int) -> SimReplica:
         device, host = self.holders, self.host_holders
@@ -303,8 +357,8 @@ class Simulator:
 
     @staticmethod
     def num_waiting(replica: SimReplica) -> int:
-        """Requests queued behind the one being prefilled, pulling ones included."""
-        return len(replica.queue) - (1 if replica.prefilling else 0) + len(replica.pull_queue)
+        """Requests not admitted yet, pulling ones included."""
+        return len(replica.queue) + len(replica.pull_queue)
 
     def kv_usage(self, replica: SimReplica) -> float:
         return min(1.0, replica.cache.num_busy_blocks / self.config.capacity_blocks)
@@ -347,13 +401,16 @@ class Simulator:
                 continue
             at_s, _, kind, payload = heapq.heappop(self._events)
             self.now_s = at_s
-            if kind == _PREFILL_DONE:
-                self._finish_prefill(payload, records)
+            if kind == _CHUNK_DONE:
+                replica, prefill, timer = payload
+                if replica.prefill is prefill and prefill.timer == timer:
+                    self._finish_chunk(replica, prefill, records)
+                # else: preempted, a later admission computes it
             elif kind == _PULL_DONE:
                 self._finish_pull(payload, records)
             elif kind == _GROWTH:
                 replica, timer = payload
-                if replica.growth_timer == timer:
+                if replica.growth_timer == timer and not replica.prefilling:
                     self._grow_decodes(replica)
                     if replica.queue and not replica.prefilling:  # a preemption's victim
                         self._start_prefill(replica, after_prefill=True)
@@ -454,11 +511,13 @@ class Simulator:
         return min(num_blocks * self.config.block_size, req.num_prompt_tokens - 1)
 
     def _next_prefill(self, replica: SimReplica) -> Request | None:
-        """The first queued request whose next uncached block is not in flight (dedup), moved
-        to the head of the queue; None when every queued request waits for one. With pulls,
-        this is also where a request is checked again (as vLLM's KV connector is asked at
-        admission): one that a peer could now give more blocks than the replica holds goes to
-        the pull link instead (at most ``_MAX_PULLS_PER_REQUEST`` times)."""
+        """The first queued request, in the scheduler's order, whose next uncached block is not
+        in flight (dedup); None when every queued request waits for one. With pulls, this is
+        also where a request is checked again (as vLLM's KV connector is asked at admission):
+        one that a peer could now give more blocks than the replica holds goes to the pull link
+        instead (at most ``_MAX_PULLS_PER_REQUEST`` times)."""
+        if not replica.queue:
+            return None
         if not replica.in_flight and self.config.pull is None and self._fcfs:
             return replica.queue[0]
         for req in self._prefill_order(replica):
@@ -481,83 +540,239 @@ class Simulator:
                     if not replica.pulling:
                         self._start_pull(replica)
                     continue
-            if not self._fcfs:
-                self._count_skips(replica, req)
-            if req is not replica.queue[0]:
-                replica.queue.remove(req)
-                replica.queue.appendleft(req)
             return req
         return None
+
+    def _starving(self, replica: SimReplica, req: Request) -> bool:
+        return replica.prefill_skips.get(req.request_id, 0) >= MAX_PREFILL_SKIPS
 
     def _prefill_order(self, replica: SimReplica) -> list[Request]:
         """The queue in the order the engine's scheduler would serve it (a copy)."""
         if self._fcfs:
             return list(replica.queue)
-        skips = replica.prefill_skips
 
         def priority(req: Request) -> tuple[bool, int, int]:
-            if skips.get(req.request_id, 0) >= MAX_PREFILL_SKIPS:
+            if self._starving(replica, req):
                 return (False, 0, req.request_id)  # starving: first, oldest first
-            device, host = replica.cache.match(req.block_ids)
-            uncached = req.num_prompt_tokens - self._cached_tokens(req, device + host)
-            return (True, uncached, req.request_id)
+            return (True, self._tokens_to_admit(replica, req), req.request_id)
 
         return sorted(replica.queue, key=priority)
 
-    @staticmethod
-    def _count_skips(replica: SimReplica, chosen: Request) -> None:
-        """Every queued request older than the one starting its prefill was overtaken once."""
-        for req in replica.queue:
+    def _tokens_to_admit(self, replica: SimReplica, req: Request) -> int:
+        """Tokens a queued request would compute if admitted now: its uncached prompt, and
+        the output a preempted one had generated."""
+        device, host = replica.cache.match(req.block_ids)
+        generated = replica.generated_before.get(req.request_id, 0)
+        return req.num_prompt_tokens - self._cached_tokens(req, device + host) + generated
+
+    def _count_skips(self, replica: SimReplica, chosen: Request) -> None:
+        """Every queued or paused request older than the one whose chunk starts was overtaken
+        once (the engine counts a skip per step)."""
+        if self._fcfs:
+            return
+        skips = replica.prefill_skips
+        for req in (*replica.queue, *(p.request for p in replica.paused)):
             if req.request_id < chosen.request_id:
-                replica.prefill_skips[req.request_id] = (
-                    replica.prefill_skips.get(req.request_id, 0) + 1
-                )
+                skips[req.request_id] = skips.get(req.request_id, 0) + 1
 
     def _start_prefill(self, replica: SimReplica, after_prefill: bool = False) -> None:
-        """Starts the replica's next prefill; ``after_prefill``: the server just finished one
-        (a step boundary), else it was idle and waits out the decode step under way, if any."""
+        """Starts the next prefill chunk on a replica with none under way: of the admitted
+        prefills waiting for their next chunk (``paused``) and the queued request
+        ``_next_prefill`` picks, the first in the scheduler's order (``fcfs``: admitted ones
+        first, oldest first; ``shortest_first``: fewest tokens left, starving ones first).
+        A queued request is admitted only when its first chunk fits; when it does not, no
+        request behind it is admitted, but the admitted ones go on. ``after_prefill``: a step
+        just ended; else the server was idle and waits out the decode step under way."""
         self._grow_decodes(replica)
-        req = self._next_prefill(replica)
-        if req is None:
-            return  # every queued request waits for a block in flight; its landing restarts
+        waiting = self._next_prefill(replica)
+        candidates: list = sorted(replica.paused, key=lambda p: p.seq)
+        if waiting is not None:
+            candidates.append(waiting)
+        if not self._fcfs:
+            candidates.sort(key=lambda item: self._priority(replica, item))
+        for item in candidates:
+            if isinstance(item, Prefill):
+                if item in replica.paused and self._grow_prefill(replica, item):
+                    replica.paused.remove(item)
+                    replica.prefill = item
+                    self._count_skips(replica, item.request)
+                    self._run_chunk(replica, item, self._step_wait_s(replica, after_prefill))
+                    return
+            elif self._admit(replica, item, after_prefill):
+                return
+
+    def _priority(self, replica: SimReplica, item) -> tuple[bool, int, int]:
+        """Where a paused prefill or a queued request stands in ``shortest_first`` order."""
+        if isinstance(item, Prefill):
+            req, left = item.request, item.num_tokens - item.num_computed
+        else:
+            req, left = item, self._tokens_to_admit(replica, item)
+        if self._starving(replica, req):
+            return (False, 0, req.request_id)
+        return (True, left, req.request_id)
+
+    def _step_wait_s(self, replica: SimReplica, after_prefill: bool) -> float:
+        """How long a chunk that finds the server idle waits for the decode step under way
+        to end (a uniform share of it); none at a step boundary."""
+        if after_prefill or not replica.num_running:
+            return 0.0
+        return self._step_phase.random() * self.rates.decode_step_s(replica.num_running)
+
+    def _admit(self, replica: SimReplica, req: Request, after_prefill: bool) -> bool:
+        """Admits queued ``req`` and starts its first chunk, if that chunk's blocks fit (its
+        device hit pinned, a slot for each host hit and each block the chunk fills); else the
+        replica waits for blocks (``waiting_for_kv``) and False. A request alone on its
+        replica is admitted even when larger than the pool (it overflows)."""
         generated = replica.generated_before.get(req.request_id, 0)
-        recompute_blocks = self._generated_blocks(req, generated)
-        if not replica.cache.fits(req.block_ids, recompute_blocks) and replica.num_running:
+        device, host = replica.cache.match(req.block_ids)
+        device_tokens = self._cached_tokens(req, device)
+        num_cached_tokens = self._cached_tokens(req, device + host)
+        prefill = Prefill(
+            request=req,
+            seq=self._num_admitted,
+            num_device_blocks=device,
+            num_host_blocks=host,
+            num_tokens=req.num_prompt_tokens - num_cached_tokens + generated,
+            num_final_slots=len(req.block_ids) - device + self._generated_blocks(req, generated),
+        )
+        first_slots = self._slots_after(prefill, self._next_chunk_tokens(prefill))
+        holders = replica.num_running or replica.paused
+        if holders and not replica.cache.fits(req.block_ids[:device], first_slots):
             if not replica.waiting_for_kv:
                 replica.waiting_for_kv = True
                 self.num_kv_waits += 1
-            return  # a decode's end or a preemption frees blocks and starts this again
+            return False  # a step boundary, a decode's end or a preemption tries again
         replica.waiting_for_kv = False
-        device, host = replica.cache.begin(req.block_ids)
-        replica.cache.reserve(recompute_blocks)
+        self._num_admitted += 1
+        replica.queue.remove(req)
+        replica.cache.begin(req.block_ids[: device + host])  # pins the device hit
+        replica.cache.reserve(first_slots - host)
+        prefill.num_slots = first_slots
         pinned_end = replica.pull_pins.pop(req.request_id, 0)
         if pinned_end:
             replica.cache.release(req.block_ids[:pinned_end])  # the pull's pins; begin re-pinned
-        device_tokens = self._cached_tokens(req, device)
-        host_tokens = self._cached_tokens(req, device + host) - device_tokens
-        uncached = req.num_prompt_tokens - device_tokens - host_tokens
-        uncached += generated  # a preempted request recomputes its output so far
-        num_chunks = math.ceil(uncached / self.rates.max_num_batched_tokens)
-        decode_share_s = (
-            self.rates.decode_step_s(replica.num_running) if replica.num_running else 0.0
-        )
-        step_wait_s = 0.0 if after_prefill else self._step_phase.random() * decode_share_s
-        service_s = (
-            step_wait_s
-            + uncached / self.rates.prefill_tokens_per_s
-            + host_tokens / self.rates.host_to_device_tokens_per_s
-            + num_chunks * decode_share_s
-        )
-        replica.prefilling = True
-        replica.prefill_step_s = (service_s - step_wait_s) / max(num_chunks, 1)
-        replica.version += 1
-        self._retime_decodes(replica)
+        replica.first_cached_tokens.setdefault(req.request_id, num_cached_tokens)
         if self.config.pull is not None:
             replica.in_flight.update(req.block_ids[device + host :])
             for block in req.block_ids[device + host :]:
                 self.computing[block] = self.computing.get(block, 0) + 1
-        payload = (replica, device, device_tokens + host_tokens, recompute_blocks)
-        self._push(self.now_s + service_s, _PREFILL_DONE, payload)
+        replica.prefill = prefill
+        self._count_skips(replica, req)
+        host_s = (num_cached_tokens - device_tokens) / self.rates.host_to_device_tokens_per_s
+        self._run_chunk(replica, prefill, self._step_wait_s(replica, after_prefill) + host_s)
+        return True
+
+    def _next_chunk_tokens(self, prefill: Prefill) -> int:
+        return min(prefill.num_tokens - prefill.num_computed, self.rates.max_num_batched_tokens)
+
+    def _slots_after(self, prefill: Prefill, num_computed: int) -> int:
+        """Slots ``prefill`` holds once ``num_computed`` of its tokens are computed: one per
+        host hit and per block those tokens reach into, all of them at the end."""
+        if num_computed >= prefill.num_tokens:
+            return prefill.num_final_slots
+        reached = math.ceil(num_computed / self.config.block_size)
+        return min(prefill.num_final_slots, prefill.num_host_blocks + reached)
+
+    def _grow_prefill(self, replica: SimReplica, prefill: Prefill) -> bool:
+        """Reserves the slots ``prefill``'s next chunk reaches into, preempting the newest
+        admitted prefill while they are short (the decodes are the step's already); False
+        when that was ``prefill`` itself. Alone on its replica it overflows instead."""
+        more = self._slots_after(prefill, prefill.num_computed + self._next_chunk_tokens(prefill))
+        more -= prefill.num_slots
+        if more <= 0:
+            return True
+        while not replica.cache.can_reserve(more):
+            if not replica.num_running and replica.paused == [prefill]:
+                break  # larger than the pool: it overflows
+            victim = max(replica.paused, key=lambda p: p.seq)
+            self._preempt_prefill(replica, victim)
+            if victim is prefill:
+                if not replica.waiting_for_kv:  # it waits at the head of the queue
+                    replica.waiting_for_kv = True
+                    self.num_kv_waits += 1
+                return False
+        replica.cache.reserve(more)
+        prefill.num_slots += more
+        return True
+
+    def _run_chunk(self, replica: SimReplica, prefill: Prefill, extra_s: float = 0.0) -> None:
+        """Computes ``prefill``'s next chunk in one step that also decodes a token of every
+        running request, ending ``extra_s`` later (a wait for the step under way, the first
+        chunk's copy of its host hits back)."""
+        prefill.chunk_tokens = self._next_chunk_tokens(prefill)
+        step_s = prefill.chunk_tokens / self.rates.prefill_tokens_per_s
+        if replica.num_running:
+            step_s += self.rates.decode_step_s(replica.num_running)
+        replica.prefill_step_s = step_s
+        replica.version += 1
+        self._retime_decodes(replica)
+        prefill.timer += 1
+        self._push(self.now_s + extra_s + step_s, _CHUNK_DONE, (replica, prefill, prefill.timer))
+
+    def _finish_chunk(self, replica: SimReplica, prefill: Prefill, records) -> None:
+        """A step boundary: the prefill ends with its last chunk; else it waits with the other
+        admitted ones while the decodes take the blocks they have grown into and the next
+        chunk is chosen (maybe its own, maybe a shorter request's)."""
+        prefill.num_computed += prefill.chunk_tokens
+        if prefill.num_computed >= prefill.num_tokens:
+            self._finish_prefill(replica, prefill, records)
+            return
+        replica.prefill = None
+        replica.paused.append(prefill)
+        self._start_prefill(replica, after_prefill=True)
+        if not replica.prefilling:
+            self._retime_decodes(replica)  # decode-only steps until blocks are freed
+
+    def _preempt_prefill(self, replica: SimReplica, prefill: Prefill) -> None:
+        """Preempts an admitted prefill: the prompt blocks its finished chunks computed stay
+        in the prefix cache (so it recomputes only the rest), its other slots are freed and it
+        goes back to the head of the queue."""
+        req, bs = prefill.request, self.config.block_size
+        if replica.prefill is prefill:
+            replica.prefill = None
+        else:
+            replica.paused.remove(prefill)
+        num_done = prefill.num_device_blocks + prefill.num_host_blocks
+        num_done = min(len(req.block_ids), num_done + prefill.num_computed // bs)
+        done = req.block_ids[:num_done]
+        replica.cache.commit(done, prefill.num_device_blocks)
+        replica.cache.release(done)
+        replica.cache.unreserve(prefill.num_slots - (num_done - prefill.num_device_blocks))
+        start = prefill.num_device_blocks + prefill.num_host_blocks
+        woken = self._stop_computing(replica, req, start)
+        replica.queue.appendleft(req)
+        num_queued = self._tokens_to_admit(replica, req)
+        replica.num_queued_prefill_tokens += (
+            num_queued - replica.queued_tokens_by_request[req.request_id]
+        )
+        replica.queued_tokens_by_request[req.request_id] = num_queued
+        self.num_preemptions += 1
+        replica.version += 1
+        self._retime_decodes(replica)
+        self._wake(replica, woken)
+
+    def _stop_computing(self, replica: SimReplica, req: Request, start: int) -> set[int]:
+        """``req``'s blocks from ``start`` are no longer being computed on ``replica``; returns
+        the peers with a request waiting for one of them (pulls on only)."""
+        woken: set[int] = set()
+        if self.config.pull is None:
+            return woken
+        replica.in_flight.difference_update(req.block_ids[start:])
+        for block in req.block_ids[start:]:
+            count = self.computing.get(block, 0) - 1
+            if count > 0:
+                self.computing[block] = count
+            else:
+                self.computing.pop(block, None)
+            woken |= self.waiters.pop(block, set())
+        return woken
+
+    def _wake(self, replica: SimReplica, woken: set[int]) -> None:
+        """Starts the idle prefill servers of the peers in ``woken``."""
+        for i in sorted(woken - {replica.index}):
+            peer = self.replicas[i]
+            if peer.queue and not peer.prefilling:
+                self._start_prefill(peer)
 
     def _generated_blocks(self, req: Request, num_generated: int) -> int:
         """Blocks beyond the prompt's that ``num_generated`` output tokens occupy."""
@@ -604,6 +819,8 @@ class Simulator:
         block every ``block_size`` tokens, would need more blocks than the pool has free
         (none when they all fit: their growth is taken at the replica's next event)."""
         replica.growth_timer += 1
+        if replica.prefilling:
+            return  # its chunk's end is the next step boundary, where the decodes grow
         free = replica.cache.capacity_blocks - replica.cache.num_busy_blocks
         size = self.config.block_size
         boundaries = []  # (time, order, decoding, generated tokens that need a new block)
@@ -636,7 +853,10 @@ class Simulator:
             needed = self._generated_blocks(decoding.request, self._num_generated(decoding))
             needed -= decoding.num_output_blocks
             while needed > 0 and not cache.can_reserve(needed):
-                victim = replica.decoding[next(reversed(replica.decoding))]
+                victim = self._newest_admitted(replica)
+                if isinstance(victim, Prefill):
+                    self._preempt_prefill(replica, victim)
+                    continue
                 self._preempt(replica, victim)
                 if victim is decoding:
                     break
@@ -649,7 +869,7 @@ class Simulator:
 
     def _preempt(self, replica: SimReplica, decoding: Decoding) -> None:
         """Preemption by recompute: free ``decoding``'s blocks (its prompt's stay cached) and
-        queue it again, first after a prefill under way."""
+        queue it again, at the head."""
         req = decoding.request
         del replica.decoding[req.request_id]
         generated = self._num_generated(decoding)
@@ -662,45 +882,44 @@ class Simulator:
         num_queued = req.num_prompt_tokens - self._cached_tokens(req, device + host) + generated
         replica.queued_tokens_by_request[req.request_id] = num_queued
         replica.num_queued_prefill_tokens += num_queued
-        replica.queue.insert(1 if replica.prefilling else 0, req)
+        replica.queue.appendleft(req)
         replica.version += 1
 
-    def _finish_prefill(self, payload, records) -> None:
-        replica, num_hit_blocks, num_cached_tokens, recompute_blocks = payload
-        req = replica.queue.popleft()
+    @staticmethod
+    def _newest_admitted(replica: SimReplica) -> Prefill | Decoding:
+        """The running request admitted last: the engine's preemption victim."""
+        newest = max(replica.decoding.values(), key=lambda d: d.seq, default=None)
+        for prefill in (replica.prefill, *replica.paused):
+            if prefill is not None and (newest is None or prefill.seq > newest.seq):
+                newest = prefill
+        return newest
+
+    def _finish_prefill(self, replica: SimReplica, prefill: Prefill, records) -> None:
+        req = prefill.request
         replica.prefill_skips.pop(req.request_id, None)
         generated = replica.generated_before.pop(req.request_id, 0)
+        num_cached_tokens = replica.first_cached_tokens.pop(req.request_id)
         record = records[req.request_id]
-        if not generated:  # a preempted request keeps its first prefill's figures
+        if not generated:  # a preempted decode keeps its first prefill's figures
             record.num_cached_tokens = num_cached_tokens
             record.ttft_s = self.now_s - req.arrival_s
-        replica.cache.commit(req.block_ids, num_hit_blocks)
-        woken: set[int] = set()
-        if self.config.pull is not None:
-            replica.in_flight.difference_update(req.block_ids[num_hit_blocks:])
-            for block in req.block_ids[num_hit_blocks:]:
-                count = self.computing.get(block, 0) - 1
-                if count > 0:
-                    self.computing[block] = count
-                else:
-                    self.computing.pop(block, None)
-                woken |= self.waiters.pop(block, set())
+        replica.cache.commit(req.block_ids, prefill.num_device_blocks)
+        start = prefill.num_device_blocks + prefill.num_host_blocks
+        woken = self._stop_computing(replica, req, start)
         replica.num_queued_prefill_tokens -= replica.queued_tokens_by_request.pop(req.request_id)
         replica.num_running += 1
-        replica.prefilling = False
+        replica.prefill = None
         replica.version += 1
         interval_s = self._decode_interval_s(replica)
-        decoding = Decoding(req, generated + 1, self.now_s, interval_s, recompute_blocks)
+        output_blocks = prefill.num_final_slots - (len(req.block_ids) - prefill.num_device_blocks)
+        decoding = Decoding(req, prefill.seq, generated + 1, self.now_s, interval_s, output_blocks)
         replica.decoding[req.request_id] = decoding
         self._schedule_end(replica, decoding)
         self._retime_decodes(replica)
         self._grow_decodes(replica)
-        if replica.queue:
+        if (replica.queue or replica.paused) and not replica.prefilling:
             self._start_prefill(replica, after_prefill=True)
-        for i in sorted(woken - {replica.index}):
-            peer = self.replicas[i]
-            if peer.queue and not peer.prefilling:
-                self._start_prefill(peer)
+        self._wake(replica, woken)
 
     def _finish_decode(self, replica: SimReplica, decoding: Decoding, records) -> None:
         req = decoding.request

@@ -106,3 +106,75 @@ def test_a_pressured_cluster_preempts_and_its_pools_balance_at_the_end():
         assert not pool.pinned and pool.num_reserved_blocks == 0
         assert pool.num_overflow_blocks == 0
         assert len(pool.cached) <= pool.capacity_blocks
+
+
+def _run_chunked(requests, capacity_blocks, prefill_order="fcfs"):
+    """``_run`` with 8-token chunks (two blocks of 4), so a prompt takes several steps."""
+    rates = dataclasses.replace(RATES, max_num_batched_tokens=8)
+    config = SimConfig(1, capacity_blocks, block_size=4, rates=rates, prefill_order=prefill_order)
+    sim = Simulator(config, FirstReplica())
+    records = []
+    original = sim._summarize
+
+    def keep_records(workload, recs, *args):
+        records.extend(recs)
+        return original(workload, recs, *args)
+
+    sim._summarize = keep_records
+    result = sim.run(Workload("hand", tuple(requests), "hand-checked"))
+    return sim, result, records
+
+
+def test_a_prefill_is_admitted_on_its_first_chunk_and_preempts_itself_when_the_next_is_short():
+    # A: 16 prompt tokens in two chunks (0-0.16 s), then 5 output tokens; it holds 5 of the 12
+    # blocks. B (32 tokens, 8 blocks, arrives at 0.01) would not fit whole, but its first
+    # chunk's 2 blocks do: admitted at 0.16, its chunks share steps with A's decode (0.09 s
+    # each: 0.25, 0.34, 0.43). At 0.43 its last chunk needs 2 blocks more than the 1 free:
+    # B, the newest, preempts itself; its 24 computed tokens (6 blocks) stay cached. A, alone,
+    # ends at 0.44; B is admitted again on its cached 6 blocks and computes only its last 8
+    # tokens: first token at 0.52. It reports the hit of its first admission: none.
+    a = _req(0, 0.0, (1, 2, 3, 4), 5)
+    b = _req(1, 0.01, (5, 6, 7, 8, 9, 10, 11, 12), 2)
+    sim, result, records = _run_chunked([a, b], capacity_blocks=12)
+    assert records[0].ttft_s == pytest.approx(0.16)
+    assert records[0].finish_s == pytest.approx(0.44)
+    assert records[1].ttft_s == pytest.approx(0.51)
+    assert records[1].num_cached_tokens == 0
+    assert result.num_preemptions == 1 and result.num_kv_waits == 1
+    pool = sim.replicas[0].cache
+    assert not pool.pinned and pool.num_reserved_blocks == 0 and pool.num_overflow_blocks == 0
+
+
+def test_a_decode_that_outgrows_the_pool_preempts_a_prefill_admitted_after_it():
+    # A: 4-token prompt (0-0.04 s), 12 output tokens, a block per 4 of them. B (39 tokens in
+    # 10 blocks, one output token, at 0.01) is admitted at 0.04 on its first chunk; its steps
+    # carry A's decode (0.09 s). At 0.40 B has computed 32 tokens and the pool of 10 is full
+    # when A's 5th token needs a block: the newest running request, B, is preempted, not A
+    # (which the engine admitted first). B's 8 computed blocks are cached, one is evicted for
+    # A's block; B's next chunk does not fit beside A's blocks, so it waits for A's end
+    # (0.47), then computes its 11 uncached tokens in two chunks: first token at 0.58.
+    a = _req(0, 0.0, (1,), 12)
+    b = Request(1, 0.01, tuple(range(10, 20)), num_prompt_tokens=39, num_output_tokens=1)
+    sim, result, records = _run_chunked([a, b], capacity_blocks=10)
+    assert records[0].ttft_s == pytest.approx(0.04)
+    assert records[0].finish_s == pytest.approx(0.47)
+    assert records[1].ttft_s == pytest.approx(0.57)
+    assert result.num_preemptions == 1 and result.num_kv_waits == 1
+    pool = sim.replicas[0].cache
+    assert not pool.pinned and pool.num_reserved_blocks == 0 and pool.num_overflow_blocks == 0
+
+
+def test_a_short_prompt_overtakes_a_long_prefill_at_a_step_boundary():
+    # A: 32 cold tokens, four 8-token chunks; B: 8 tokens, arrives at 0.01. Shortest first:
+    # after A's first chunk (0.08) B, with fewer tokens left, takes the next step (first
+    # token at 0.16), then A's chunks resume (the first sharing its step with B's last
+    # decode): A's first token at 0.41. First come, first served: B waits for A's whole
+    # prefill (0.32); its one chunk shares a step with A's decode: first token at 0.41.
+    a = _req(0, 0.0, tuple(range(1, 9)), 2)
+    b = _req(1, 0.01, (20, 21), 2)
+    _, _, shortest = _run_chunked([a, b], capacity_blocks=64, prefill_order="shortest_first")
+    assert shortest[1].ttft_s == pytest.approx(0.15)
+    assert shortest[0].ttft_s == pytest.approx(0.41)
+    _, _, fcfs = _run_chunked([a, b], capacity_blocks=64, prefill_order="fcfs")
+    assert fcfs[0].ttft_s == pytest.approx(0.32)
+    assert fcfs[1].ttft_s == pytest.approx(0.40)
