@@ -160,6 +160,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._board_lock = threading.Lock()
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
+        self._stats_cache: dict[str, tuple[dict, ReplicaStats]] = {}
+        """Replica id -> (the routing-stats dict Serve last handed over, it parsed)."""
         """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
         register_request_router(self)  # for cluster.metrics.router_metrics_snapshot
 
@@ -224,11 +226,23 @@ class PrefixAwareRequestRouter(RequestRouter):
         self, replicas: list[RunningReplica], peers: LoadSnapshot | None = None
     ) -> list[ReplicaView]:
         """One view per replica: its routing stats and its load (``router.load``)."""
-        stats = {
-            r.replica_id.unique_id: ReplicaStats.from_dict(r.routing_stats or {}) for r in replicas
-        }
+        stats = {r.replica_id.unique_id: self._parsed_stats(r) for r in replicas}
+        self._stats_cache = {rid: self._stats_cache[rid] for rid in stats}
         loads = self.load.loads(stats, peers)
         return [ReplicaView(replica_id, s, loads[replica_id]) for replica_id, s in stats.items()]
+
+    def _parsed_stats(self, replica: RunningReplica) -> ReplicaStats:
+        """``replica``'s routing stats, parsed once per report: Serve replaces a replica's
+        ``RunningReplicaInfo`` (and its stats dict) whenever they change, never updates it in
+        place, so the same dict object means the same stats."""
+        raw = replica.routing_stats or {}
+        replica_id = replica.replica_id.unique_id
+        cached = self._stats_cache.get(replica_id)
+        if cached is not None and cached[0] is raw:
+            return cached[1]
+        stats = ReplicaStats.from_dict(raw)
+        self._stats_cache[replica_id] = (raw, stats)
+        return stats
 
     async def choose_replicas(
         self,

@@ -27,7 +27,6 @@ or a negative prompt length.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import statistics
@@ -314,8 +313,8 @@ def pooled_prefill_rate(views: Sequence[ReplicaView]) -> list[ReplicaView]:
         return list(views)
     rate = statistics.median(rates)
     return [
-        dataclasses.replace(v, stats=dataclasses.replace(v.stats, prefill_tokens_per_s=rate))
-        if v.stats.prefill_tokens_per_s > 0
+        ReplicaView(v.replica_id, v.stats.with_prefill_rate(rate), v.load)
+        if 0 < v.stats.prefill_tokens_per_s != rate
         else v
         for v in views
     ]

@@ -187,17 +187,17 @@ class PrefixPolicy:
         load_s = adapter_load_s(replicas, lora_name)
         with self._lock:
             key, copy = self._copy_price(block_hashes, num_prompt_tokens, replicas, matches)
+            costs = {
+                v.replica_id: self._cost(v, matches, num_prompt_tokens, peers, copy, load_s)
+                for v in replicas
+            }
             candidates = self._under_bound(replicas)
-            view, longest, reason = self._pick(
-                block_hashes, num_prompt_tokens, candidates, matches, peers, copy, load_s
-            )
-            if len(candidates) < len(replicas):
-                best_all_s = min(
-                    self._cost(v, matches, num_prompt_tokens, peers, copy, load_s) for v in replicas
-                )
-                chosen_s = self._cost(view, matches, num_prompt_tokens, peers, copy, load_s)
-                if best_all_s + self.tie_tolerance_s < chosen_s:
-                    reason = RoutingReason.LOAD_BOUND  # the bound, not the price, decided
+            view, longest, reason = self._pick(block_hashes, candidates, matches, costs, load_s)
+            if (
+                len(candidates) < len(replicas)
+                and min(costs.values()) + self.tie_tolerance_s < costs[view.replica_id]
+            ):
+                reason = RoutingReason.LOAD_BOUND  # the bound, not the price, decided
             self._recent.add(view.replica_id, len(replicas))
             self._heat.add(key, len(replicas))
         ttft_s = load_s[view.replica_id] + self.model.predicted_ttft_s(
@@ -266,17 +266,14 @@ class PrefixPolicy:
     def _pick(
         self,
         block_hashes: Sequence[BlockHash],
-        num_prompt_tokens: int,
         replicas: Sequence[ReplicaView],
         matches: Mapping[str, Match],
-        peers: Mapping[str, int] | None,
-        copy: CopyPrice | None = None,
+        costs: Mapping[str, float],
         load_s: Mapping[str, float] | None = None,
     ) -> tuple[ReplicaView, int, RoutingReason]:
-        """The cheapest of ``replicas`` (after tie-breaks), its matched blocks and the reason."""
-        scored = [
-            (self._cost(v, matches, num_prompt_tokens, peers, copy, load_s), v) for v in replicas
-        ]
+        """The cheapest of ``replicas`` by ``costs`` (replica id -> ``_cost``, after
+        tie-breaks), its matched blocks and the reason."""
+        scored = [(costs[v.replica_id], v) for v in replicas]
         best_s = min(score for score, _ in scored)
         tied = [v for score, v in scored if score <= best_s + self.tie_tolerance_s]
         longest = max(num_matched(matches, v.replica_id) for v in tied)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 
 from cluster.request_router import PrefixAwareRequestRouter
@@ -96,8 +97,24 @@ def test_replicas_that_measured_are_priced_at_one_rate_the_median():
     pooled = pooled_prefill_rate(views)
     # The median of 190, 80 and 120; the replica that measured nothing keeps the default.
     assert [v.stats.prefill_tokens_per_s for v in pooled] == [120.0, 120.0, 120.0, 0.0]
-    assert pooled[0].stats.num_running == 8 and pooled[0].load == views[0].load  # the rest
+    # Every other field as it was; a view already at the median is not copied.
+    assert pooled[0].stats == dataclasses.replace(views[0].stats, prefill_tokens_per_s=120.0)
+    assert pooled[0].load == views[0].load and pooled[2] is views[2]
     assert pooled_prefill_rate([view()]) == [view()]
+
+
+def test_a_replicas_stats_are_parsed_once_per_report():
+    router = request_router({"block_size": BLOCK_SIZE}, EmbeddedIndex(), MODEL_ID)
+    candidates = [running("a", prefill_tokens_per_s=100.0), running("b", num_running=2)]
+    first = router._views(candidates)
+    again = router._views(candidates)
+    assert [v.stats for v in again] == [v.stats for v in first]
+    assert all(a.stats is b.stats for a, b in zip(again, first, strict=True))  # not parsed again
+    candidates[0] = running("a", prefill_tokens_per_s=150.0)  # Serve hands over a new report
+    fresh = router._views(candidates)
+    assert fresh[0].stats.prefill_tokens_per_s == 150.0
+    assert fresh[1].stats is first[1].stats
+    assert [v.replica_id for v in router._views(candidates[1:])] == ["b"]  # "a" left
 
 
 def test_a_replica_that_measured_a_slow_prefill_still_gets_cold_prompts():
