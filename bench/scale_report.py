@@ -103,9 +103,15 @@ def histogram_delta(after: dict, before: dict) -> dict:
     }
 
 
+SHARE_ABOVE_MS = 5.0
+"""``histogram_summary`` says what share of the observations took longer than this (the
+decision latency target's bound): how far a p99 bucket above it is from meeting it."""
+
+
 def histogram_summary(hist: dict) -> dict:
-    """Mean (ms) and the upper bounds (ms) of the buckets holding p50 and p99 (None when above
-    the last finite bucket, ``last_bucket_ms``)."""
+    """Mean (ms), the upper bounds (ms) of the buckets holding p50 and p99 (None when above
+    the last finite bucket, ``last_bucket_ms``) and the share above ``SHARE_ABOVE_MS`` (None
+    when that is not a bucket bound)."""
     n = hist["count"]
     if not n:
         return {"count": 0, "mean_ms": None, "p50_le_ms": None, "p99_le_ms": None}
@@ -123,6 +129,11 @@ def histogram_summary(hist: dict) -> dict:
         "p50_le_ms": q(0.5),
         "p99_le_ms": q(0.99),
         "last_bucket_ms": 1000 * max(finite) if finite else None,
+        "share_above_5_ms": (
+            1.0 - hist["buckets"][SHARE_ABOVE_MS / 1000] / n
+            if SHARE_ABOVE_MS / 1000 in hist["buckets"]
+            else None
+        ),
     }
 
 

@@ -267,6 +267,7 @@ def test_lookup_histogram_from_metrics():
     summary = scale_report.histogram_summary(delta)
     assert summary["mean_ms"] == pytest.approx(1.0)
     assert summary["p50_le_ms"] == pytest.approx(1.0) and summary["p99_le_ms"] == pytest.approx(5)
+    assert summary["share_above_5_ms"] == pytest.approx(0.01)  # 99 of 100 within 5 ms
     assert scale_report.histogram_summary({"buckets": {}, "sum": 0, "count": 0})["mean_ms"] is None
 
 
