@@ -64,10 +64,12 @@ per_seq * (n - 1)`` with no context term, so the profile's per-context-token sec
 folded in at the workload's mean context (prompt plus half the output); a step computes one
 prompt's chunk, where the engine may fill a step's 512 tokens from several, and the running
 batch is not capped (the engine runs ``max_num_seqs`` 64); decodes take their growing blocks
-lazily (at the replica's events, and on time only when the pool would run short); its routers
-see every replica's exact state at once, the real ones the stats Serve polls each second and
-their own in-flight counts; its router config takes the profile's rates as the replicas'
-rates, the real routers each replica's measured ones. The speculative-entry TTL is the
+lazily (at the replica's events, and on time only when the pool would run short); it runs as
+many ``prefix`` routers as the cluster has ingress replicas, requests dealt to them in turn
+where Serve's proxy picks by the ingress replicas' queues, and its routers see every
+replica's exact state at once, the real ones the stats Serve polls each second and their own
+and the board's in-flight counts; its router config takes the profile's rates as the
+replicas' rates, the real routers each replica's measured ones. The speculative-entry TTL is the
 simulator's (``max(5 s, 8192 tokens at the slowed prefill rate)``), given to the cluster as
 ``--speculative-ttl-s``. The simulator's TTFT is its prefill's end minus arrival; the real
 one is the client's, send to first text.
@@ -356,13 +358,16 @@ def plan_cell(args, base_profile: dict, replicas: int, workload_name: str) -> Ce
 
 
 # -- the simulator's half ----------------------------------------------------------------------
-def sim_policy(name: str):
+def sim_policy(name: str, num_routers: int = 1):
+    """The simulator's ``name`` policy; ``prefix`` as ``num_routers`` routers (the cluster's
+    ingress replicas: each keeps its own load-bound counts). The cache-blind baselines keep no
+    state a second router would split (round robin's counter aside)."""
     from bench.sim import baselines
 
     if name == "prefix":
         from bench.sim.ours import OursPolicy
 
-        return OursPolicy()
+        return OursPolicy(num_routers=num_routers)
     return {
         "round_robin": baselines.RoundRobinPolicy,
         "least_loaded": baselines.LeastLoadedPolicy,
@@ -383,7 +388,7 @@ def simulate(args, plan: CellPlan, policy: str) -> dict:
         pull_rates(plan.profile) if pulls_on(args, policy) else None,
         PREFILL_ORDER,
     )
-    sim = Simulator(config, sim_policy(policy))
+    sim = Simulator(config, sim_policy(policy, args.ingress_replicas))
     result = sim.run(plan.workload)
     return {
         "preemptions": result.num_preemptions,

@@ -17,6 +17,11 @@ what the cluster would:
   decides, as a router whose tracker hears every event at once would. Views are rebuilt only
   when a replica changed (``SimViews``; ``bench/sim/baselines.py`` runs ``router.baselines``
   on the same views).
+- Several routers (``num_routers``), as a cluster runs one per ingress replica: each its own
+  policy, whose state (the recent counts its load bound reads, the prefix heat its copy
+  pricing reads) sees only the requests dealt to it, in turn, as Serve's proxy spreads them
+  over the ingress replicas. They share the matches and the speculative entries (one index)
+  and the views (the in-flight board shows each router the others' requests).
 
 Block ids are handed to the policy as 16-byte big-endian values, the shape of real hashes.
 Failure modes: if ``router.policy`` is missing or its interface changed, construction raises
@@ -117,12 +122,17 @@ class OursPolicy:
         router_config: RouterConfig | None = None,
         router_overrides: dict | None = None,
         pull_price_factor: float | None = None,
+        num_routers: int = 1,
     ) -> None:
+        if num_routers < 1:
+            raise ValueError(f"num_routers must be at least 1, got {num_routers}")
+        self.num_routers = num_routers
         self.router_config = router_config
         self.router_overrides = router_overrides or {}
         self.pull_price_factor = pull_price_factor
         self.speculative = speculative
-        self._policy = None
+        self._policies: list = []
+        self._num_routed = 0
         self._views: SimViews | None = None
         self._index_of: dict[str, int] = {}
         self._speculative: list[dict] = []  # per replica: block -> expiry (simulated seconds)
@@ -132,7 +142,7 @@ class OursPolicy:
             self.router_config = sim_router_config(
                 sim, "prefix", self.pull_price_factor, **self.router_overrides
             )
-        self._policy = make_policy(self.router_config)
+        self._policies = [make_policy(self.router_config) for _ in range(self.num_routers)]
         self._views = SimViews(sim)
         self._index_of = {r.replica_id: r.index for r in sim.replicas}
         self._speculative = [{} for _ in sim.replicas]
@@ -169,12 +179,14 @@ class OursPolicy:
         return num_device, n - num_device
 
     def choose(self, sim, req) -> int:
-        if self._policy is None:
+        if not self._policies:
             self._setup(sim)
         views = self._views.all(sim)
         matches = self._matches(sim, req.block_ids)
         hashes = block_hashes(req.block_ids)
-        decision = self._policy.choose(hashes, req.num_prompt_tokens, views, matches)
+        policy = self._policies[self._num_routed % self.num_routers]
+        self._num_routed += 1
+        decision = policy.choose(hashes, req.num_prompt_tokens, views, matches)
         chosen = self._index_of[decision.replica_id]
         if self.speculative:
             expiry_s = sim.now_s + self.router_config.speculative_ttl_s

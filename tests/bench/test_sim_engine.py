@@ -6,6 +6,7 @@ import pytest
 from bench.common import percentile
 from bench.sim.baselines import RandomPolicy, RoundRobinPolicy
 from bench.sim.calibration import rates_from_samples
+from bench.sim.ours import OursPolicy
 from bench.sim.simulator import SimConfig, Simulator
 from bench.sim.workloads import WORKLOADS, Request, Workload, WorkloadScale, llmd_shared_prefix
 from tests.bench.sim_helpers import HAND_RATES as RATES
@@ -208,3 +209,25 @@ def test_pooled_reference_is_the_oracle_with_the_clusters_capacity():
     assert result.oracle_hit_rate == pytest.approx((7 + 7) / prompt_tokens)  # c and e
     assert result.pooled_hit_rate == pytest.approx((7 + 4) / prompt_tokens)
     assert result.hit_rate <= result.oracle_hit_rate
+
+
+def test_several_routers_take_the_requests_in_turn_each_with_its_own_counts():
+    policy = OursPolicy(num_routers=2)
+    sim = Simulator(SimConfig(2, 64, block_size=4, rates=RATES), policy)
+    policy._setup(sim)
+    dealt = []
+    for i, router in enumerate(policy._policies):
+        choose = router.choose
+
+        def recording(*args, _i=i, _choose=choose, **kwargs):
+            dealt.append(_i)
+            return _choose(*args, **kwargs)
+
+        router.choose = recording
+    requests = tuple(Request(i, 0.01 * i, (i + 1, i + 2), 8, 2) for i in range(5))
+    sim.run(Workload("turns", requests, "five requests"))
+    assert dealt == [0, 1, 0, 1, 0]
+    first, second = (router._recent for router in policy._policies)
+    assert first is not second
+    with pytest.raises(ValueError, match="num_routers"):
+        OursPolicy(num_routers=0)
