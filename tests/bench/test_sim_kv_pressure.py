@@ -1,7 +1,8 @@
-"""The simulator's decodes and KV: admission waits for blocks, decodes that outgrow the pool
-preempt the newest decoding request, which recomputes and finishes, and a prefill slows the
-decodes that share its steps; hand-checked timelines (times follow from the round rates
-below) and the pools' books after a pressured run."""
+"""The simulator's decodes and KV: admission waits for a first chunk's blocks, decodes that
+outgrow the pool preempt the newest admitted request (a prefill keeps its computed chunks;
+a decode recomputes and finishes), a shorter prompt overtakes a long one between its chunks,
+and a prefill slows the decodes that share its steps; hand-checked timelines (times follow
+from the round rates below) and the pools' books after a pressured run."""
 
 import dataclasses
 
@@ -13,9 +14,12 @@ from bench.sim.workloads import Request, Workload, WorkloadScale, llmd_shared_pr
 from tests.bench.sim_helpers import HAND_RATES as RATES
 from tests.bench.sim_helpers import FirstReplica
 
+CHUNKED_RATES = dataclasses.replace(RATES, max_num_batched_tokens=8)
+"""8-token chunks (two blocks of 4), so a prompt takes several steps."""
 
-def _run(requests, capacity_blocks):
-    config = SimConfig(1, capacity_blocks, block_size=4, rates=RATES, prefill_order="fcfs")
+
+def _run(requests, capacity_blocks, rates=RATES, prefill_order="fcfs"):
+    config = SimConfig(1, capacity_blocks, block_size=4, rates=rates, prefill_order=prefill_order)
     sim = Simulator(config, FirstReplica())
     records = []
     original = sim._summarize
@@ -108,23 +112,6 @@ def test_a_pressured_cluster_preempts_and_its_pools_balance_at_the_end():
         assert len(pool.cached) <= pool.capacity_blocks
 
 
-def _run_chunked(requests, capacity_blocks, prefill_order="fcfs"):
-    """``_run`` with 8-token chunks (two blocks of 4), so a prompt takes several steps."""
-    rates = dataclasses.replace(RATES, max_num_batched_tokens=8)
-    config = SimConfig(1, capacity_blocks, block_size=4, rates=rates, prefill_order=prefill_order)
-    sim = Simulator(config, FirstReplica())
-    records = []
-    original = sim._summarize
-
-    def keep_records(workload, recs, *args):
-        records.extend(recs)
-        return original(workload, recs, *args)
-
-    sim._summarize = keep_records
-    result = sim.run(Workload("hand", tuple(requests), "hand-checked"))
-    return sim, result, records
-
-
 def test_a_prefill_is_admitted_on_its_first_chunk_and_preempts_itself_when_the_next_is_short():
     # A: 16 prompt tokens in two chunks (0-0.16 s), then 5 output tokens; it holds 5 of the 12
     # blocks. B (32 tokens, 8 blocks, arrives at 0.01) would not fit whole, but its first
@@ -135,7 +122,7 @@ def test_a_prefill_is_admitted_on_its_first_chunk_and_preempts_itself_when_the_n
     # tokens: first token at 0.52. It reports the hit of its first admission: none.
     a = _req(0, 0.0, (1, 2, 3, 4), 5)
     b = _req(1, 0.01, (5, 6, 7, 8, 9, 10, 11, 12), 2)
-    sim, result, records = _run_chunked([a, b], capacity_blocks=12)
+    sim, result, records = _run([a, b], capacity_blocks=12, rates=CHUNKED_RATES)
     assert records[0].ttft_s == pytest.approx(0.16)
     assert records[0].finish_s == pytest.approx(0.44)
     assert records[1].ttft_s == pytest.approx(0.51)
@@ -155,7 +142,7 @@ def test_a_decode_that_outgrows_the_pool_preempts_a_prefill_admitted_after_it():
     # (0.47), then computes its 11 uncached tokens in two chunks: first token at 0.58.
     a = _req(0, 0.0, (1,), 12)
     b = Request(1, 0.01, tuple(range(10, 20)), num_prompt_tokens=39, num_output_tokens=1)
-    sim, result, records = _run_chunked([a, b], capacity_blocks=10)
+    sim, result, records = _run([a, b], capacity_blocks=10, rates=CHUNKED_RATES)
     assert records[0].ttft_s == pytest.approx(0.04)
     assert records[0].finish_s == pytest.approx(0.47)
     assert records[1].ttft_s == pytest.approx(0.57)
@@ -172,9 +159,9 @@ def test_a_short_prompt_overtakes_a_long_prefill_at_a_step_boundary():
     # prefill (0.32); its one chunk shares a step with A's decode: first token at 0.41.
     a = _req(0, 0.0, tuple(range(1, 9)), 2)
     b = _req(1, 0.01, (20, 21), 2)
-    _, _, shortest = _run_chunked([a, b], capacity_blocks=64, prefill_order="shortest_first")
+    _, _, shortest = _run([a, b], 64, CHUNKED_RATES, "shortest_first")
     assert shortest[1].ttft_s == pytest.approx(0.15)
     assert shortest[0].ttft_s == pytest.approx(0.41)
-    _, _, fcfs = _run_chunked([a, b], capacity_blocks=64, prefill_order="fcfs")
+    _, _, fcfs = _run([a, b], 64, CHUNKED_RATES)
     assert fcfs[0].ttft_s == pytest.approx(0.32)
     assert fcfs[1].ttft_s == pytest.approx(0.40)
