@@ -652,8 +652,8 @@ class Simulator:
         if pinned_end:
             replica.cache.release(req.block_ids[:pinned_end])  # the pull's pins; begin re-pinned
         replica.first_cached_tokens.setdefault(req.request_id, num_cached_tokens)
+        replica.in_flight.update(req.block_ids[device + host :])
         if self.config.pull is not None:
-            replica.in_flight.update(req.block_ids[device + host :])
             for block in req.block_ids[device + host :]:
                 self.computing[block] = self.computing.get(block, 0) + 1
         replica.prefill = prefill
@@ -755,9 +755,9 @@ class Simulator:
         """``req``'s blocks from ``start`` are no longer being computed on ``replica``; returns
         the peers with a request waiting for one of them (pulls on only)."""
         woken: set[int] = set()
+        replica.in_flight.difference_update(req.block_ids[start:])
         if self.config.pull is None:
             return woken
-        replica.in_flight.difference_update(req.block_ids[start:])
         for block in req.block_ids[start:]:
             count = self.computing.get(block, 0) - 1
             if count > 0:

@@ -165,3 +165,18 @@ def test_a_short_prompt_overtakes_a_long_prefill_at_a_step_boundary():
     _, _, fcfs = _run([a, b], 64, CHUNKED_RATES)
     assert fcfs[0].ttft_s == pytest.approx(0.32)
     assert fcfs[1].ttft_s == pytest.approx(0.40)
+
+
+def test_a_request_whose_prefix_an_admitted_prefill_computes_waits_for_it():
+    # Shortest first, 8-token chunks. A (16 cold tokens) is admitted at 0; B (4 tokens, A's
+    # first block) arrives at 0.01. At A's first step boundary B has fewer tokens left (4
+    # against 8), but its block is being computed by A: it waits (in-flight dedup) rather
+    # than compute a copy. A's last chunk ends at 0.16; B then finds 3 of its 4 tokens cached
+    # and computes the last one in a step it shares with A's decode: first token at 0.18.
+    a = _req(0, 0.0, (1, 2, 3, 4), 2)
+    b = _req(1, 0.01, (1,), 1)
+    sim, result, records = _run([a, b], 64, CHUNKED_RATES, "shortest_first")
+    assert records[0].ttft_s == pytest.approx(0.16)
+    assert records[1].ttft_s == pytest.approx(0.17)
+    assert records[1].num_cached_tokens == 3
+    assert result.num_dedup_deferrals >= 1
