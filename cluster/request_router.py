@@ -160,9 +160,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._board_lock = threading.Lock()
         self._next_metrics_log_s = time.monotonic() + METRICS_LOG_PERIOD_S
         self._removals = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-index-removal")
+        """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
         self._stats_cache: dict[str, tuple[dict, ReplicaStats]] = {}
         """Replica id -> (the routing-stats dict Serve last handed over, it parsed)."""
-        """Tells the index about replicas that left, off Serve's event loop (a round trip)."""
         register_request_router(self)  # for cluster.metrics.router_metrics_snapshot
 
     # ---------------------------------------------------------------------- the decision

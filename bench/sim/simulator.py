@@ -550,13 +550,7 @@ class Simulator:
         """The queue in the order the engine's scheduler would serve it (a copy)."""
         if self._fcfs:
             return list(replica.queue)
-
-        def priority(req: Request) -> tuple[bool, int, int]:
-            if self._starving(replica, req):
-                return (False, 0, req.request_id)  # starving: first, oldest first
-            return (True, self._tokens_to_admit(replica, req), req.request_id)
-
-        return sorted(replica.queue, key=priority)
+        return sorted(replica.queue, key=lambda req: self._priority(replica, req))
 
     def _tokens_to_admit(self, replica: SimReplica, req: Request) -> int:
         """Tokens a queued request would compute if admitted now: its uncached prompt, and
@@ -608,7 +602,7 @@ class Simulator:
         else:
             req, left = item, self._tokens_to_admit(replica, item)
         if self._starving(replica, req):
-            return (False, 0, req.request_id)
+            return (False, 0, req.request_id)  # starving: first, oldest first
         return (True, left, req.request_id)
 
     def _step_wait_s(self, replica: SimReplica, after_prefill: bool) -> float:
