@@ -129,7 +129,7 @@ def histogram_summary(hist: dict) -> dict:
         "p50_le_ms": q(0.5),
         "p99_le_ms": q(0.99),
         "last_bucket_ms": 1000 * max(finite) if finite else None,
-        "share_above_5_ms": (
+        f"share_above_{SHARE_ABOVE_MS:g}_ms": (
             1.0 - hist["buckets"][SHARE_ABOVE_MS / 1000] / n
             if SHARE_ABOVE_MS / 1000 in hist["buckets"]
             else None

@@ -210,7 +210,7 @@ class ReplicaStats:
         """These stats with ``prefill_tokens_per_s`` replaced: a copy of the fields, which
         routers make for every replica on every decision (``policy.pooled_prefill_rate``),
         where ``dataclasses.replace`` costs several times more."""
-        stats = object.__new__(ReplicaStats)
+        stats = object.__new__(type(self))
         stats.__dict__.update(self.__dict__)
         stats.__dict__["prefill_tokens_per_s"] = tokens_per_s
         return stats

@@ -548,14 +548,12 @@ class Simulator:
             self._retime_decodes(replica)  # decode-only steps until blocks are freed
 
     def _preempt_prefill(self, replica: SimReplica, prefill: Prefill) -> None:
-        """Preempts an admitted prefill: the prompt blocks its finished chunks computed stay
-        in the prefix cache (so it recomputes only the rest), its other slots are freed and it
-        goes back to the head of the queue."""
+        """Preempts a paused prefill (preemptions happen between steps, where every admitted
+        prefill is paused): the prompt blocks its finished chunks computed stay in the prefix
+        cache (so it recomputes only the rest), its other slots are freed and it goes back to
+        the head of the queue."""
         req, bs = prefill.request, self.config.block_size
-        if replica.prefill is prefill:
-            replica.prefill = None
-        else:
-            replica.paused.remove(prefill)
+        replica.paused.remove(prefill)
         num_done = prefill.num_device_blocks + prefill.num_host_blocks
         num_done = min(len(req.block_ids), num_done + prefill.num_computed // bs)
         done = req.block_ids[:num_done]
@@ -668,7 +666,8 @@ class Simulator:
 
     def _grow_decodes(self, replica: SimReplica) -> None:
         """Give each decoding request, oldest first, the blocks its tokens have grown into,
-        preempting the newest decoding request while the pool has none left."""
+        preempting the newest admitted running request (``_newest_admitted``) while the pool
+        has none left. Called between steps only."""
         cache = replica.cache
         num_running = replica.num_running
         for decoding in list(replica.decoding.values()):
@@ -711,12 +710,9 @@ class Simulator:
 
     @staticmethod
     def _newest_admitted(replica: SimReplica) -> Prefill | Decoding:
-        """The running request admitted last: the engine's preemption victim."""
-        newest = max(replica.decoding.values(), key=lambda d: d.seq, default=None)
-        for prefill in (replica.prefill, *replica.paused):
-            if prefill is not None and (newest is None or prefill.seq > newest.seq):
-                newest = prefill
-        return newest
+        """The running request admitted last, a decode or a paused prefill: the engine's
+        preemption victim (asked between steps, when no chunk is under way)."""
+        return max((*replica.decoding.values(), *replica.paused), key=lambda r: r.seq)
 
     def _finish_prefill(self, replica: SimReplica, prefill: Prefill, records) -> None:
         req = prefill.request

@@ -70,7 +70,8 @@ class SimReplica:
     prefill_skips: dict = field(default_factory=dict)
     """request id -> prefill starts of younger requests that overtook it (shortest_first)."""
     waiting_for_kv: bool = False
-    """The head of the queue does not fit in the pool: no prefill until blocks are freed."""
+    """A queued request's first chunk, or a paused prefill's next, did not fit in the pool: it
+    waits at the head of the queue until blocks are freed."""
     decoding: dict = field(default_factory=dict)
     """request id -> its ``Decoding``, in admission order (the newest last: the victim)."""
     first_cached_tokens: dict = field(default_factory=dict)
