@@ -67,8 +67,6 @@ class ReplicaLoad:
     """Prompt tokens those requests have still to prefill (cache hits excluded)."""
     num_running: int = 0
     """Requests past their first output: decoding."""
-    as_of_s: float = 0.0
-    """Wall-clock time of the newest stats or event this load was made from (0: none)."""
 
     @property
     def num_requests(self) -> int:
@@ -102,11 +100,6 @@ class TrackedRequest(NamedTuple):
         completed_at_s = self.completed_at_s
         return self.decided_at_s <= as_of_s and (completed_at_s is None or completed_at_s > as_of_s)
 
-    @property
-    def last_event_s(self) -> float:
-        times = (self.decided_at_s, self.first_output_at_s, self.completed_at_s)
-        return max(t for t in times if t is not None)
-
 
 @dataclass(frozen=True)
 class LoadSnapshot:
@@ -133,16 +126,15 @@ class LoadSnapshot:
 
 
 class _Tally:
-    """What ``replica_load`` needs of a replica's tracked requests, summed one request at a
-    time against its stats' ``as_of_s``: no request list is built or sorted."""
+    """What ``replica_load`` needs of a replica's tracked requests, summed against its stats'
+    ``as_of_s``: one request at a time (``add``) or a group already counted (``add_counts``);
+    no request list is built or sorted."""
 
-    __slots__ = ("as_of_s", "num_in_flight", "num_queued", "queued_prefill_tokens", "num_shown",
-                 "last_event_s")  # fmt: skip
+    __slots__ = ("as_of_s", "num_in_flight", "num_queued", "queued_prefill_tokens", "num_shown")
 
     def __init__(self, as_of_s: float) -> None:
         self.as_of_s = as_of_s
         self.num_in_flight = self.num_queued = self.queued_prefill_tokens = self.num_shown = 0
-        self.last_event_s = as_of_s
 
     def add(
         self,
@@ -151,8 +143,7 @@ class _Tally:
         first_output_at_s: float | None,
         completed_at_s: float | None,
     ) -> None:
-        """One request, as ``TrackedRequest``'s fields (``shown_by`` inlined: this runs for
-        every tracked request on every routing decision)."""
+        """One request, as ``TrackedRequest``'s fields (``shown_by`` inlined)."""
         as_of_s = self.as_of_s
         if completed_at_s is None:
             self.num_in_flight += 1
@@ -163,9 +154,17 @@ class _Tally:
                 self.num_shown += 1
         elif as_of_s > 0 and decided_at_s <= as_of_s < completed_at_s:
             self.num_shown += 1
-        for t in (decided_at_s, first_output_at_s, completed_at_s):
-            if t is not None and t > self.last_event_s:
-                self.last_event_s = t
+
+    def add_counts(self, counts: _Counts) -> None:
+        self.num_in_flight += counts.num_in_flight
+        self.num_queued += counts.num_queued
+        self.queued_prefill_tokens += counts.queued_prefill_tokens
+        self.num_shown += counts.num_shown
+
+    def counts(self) -> _Counts:
+        return _Counts(
+            self.num_in_flight, self.num_queued, self.queued_prefill_tokens, self.num_shown
+        )
 
     def load(self, stats: ReplicaStats) -> ReplicaLoad:
         """The rule (module docstring): the tracked requests, and the stats' share of the
@@ -180,8 +179,16 @@ class _Tally:
                 self.queued_prefill_tokens + round(stats.num_queued_prefill_tokens * share)
             ),
             num_running=(self.num_in_flight - self.num_queued + num_untracked - untracked_queued),
-            as_of_s=self.last_event_s,
         )
+
+
+class _Counts(NamedTuple):
+    """A group of tracked requests on one replica as ``_Tally`` counts them."""
+
+    num_in_flight: int
+    num_queued: int
+    queued_prefill_tokens: int
+    num_shown: int
 
 
 def replica_load(stats: ReplicaStats, requests: Sequence[TrackedRequest] = ()) -> ReplicaLoad:
@@ -210,6 +217,70 @@ class _Entry:
         )
 
 
+class _OnReplica:
+    """One tracker's requests in flight on one replica, with the sums ``LoadTracker.loads``
+    needs kept as they change: a decision reads them instead of walking every request.
+
+    ``num_shown(as_of_s)`` counts the requests decided by ``as_of_s``; it recounts this
+    replica's requests only when ``as_of_s`` changes (a new stats report), and keeps the
+    count as requests come and go in between."""
+
+    __slots__ = ("entries", "num_queued", "queued_prefill_tokens", "_as_of_s", "_num_unshown",
+                 "_rows")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+        self.num_queued = 0
+        self.queued_prefill_tokens = 0
+        self._as_of_s = 0.0
+        """The stats time ``_num_unshown`` counts against (0: none yet)."""
+        self._num_unshown = 0
+        """Requests decided after ``_as_of_s``."""
+        self._rows: tuple[tuple[int, TrackedRequest], ...] | None = None
+        """The requests as ``snapshot`` lists them; None after a change."""
+
+    def add(self, key: str, entry: _Entry) -> None:
+        self.entries[key] = entry
+        self._count(entry, 1)
+
+    def remove(self, key: str) -> _Entry:
+        entry = self.entries.pop(key)
+        self._count(entry, -1)
+        return entry
+
+    def started(self, entry: _Entry, at_s: float) -> None:
+        """``entry``'s first output, at ``at_s``: queued no longer."""
+        self._count(entry, -1)
+        entry.first_output_at_s = at_s
+        self._count(entry, 1)
+
+    def _count(self, entry: _Entry, sign: int) -> None:
+        if entry.first_output_at_s is None:
+            self.num_queued += sign
+            self.queued_prefill_tokens += sign * entry.prefill_tokens
+        if self._as_of_s > 0 and entry.decided_at_s > self._as_of_s:
+            self._num_unshown += sign
+        self._rows = None
+
+    def counts(self, as_of_s: float) -> _Counts:
+        """The requests in flight here as ``_Tally`` counts them against ``as_of_s``."""
+        num_in_flight = len(self.entries)
+        if as_of_s <= 0:
+            num_shown = num_in_flight
+        else:
+            if as_of_s != self._as_of_s:
+                self._as_of_s = as_of_s
+                self._num_unshown = sum(e.decided_at_s > as_of_s for e in self.entries.values())
+            num_shown = num_in_flight - self._num_unshown
+        return _Counts(num_in_flight, self.num_queued, self.queued_prefill_tokens, num_shown)
+
+    def rows(self) -> tuple[tuple[int, TrackedRequest], ...]:
+        """(decision order, request) for each request in flight, built once per change."""
+        if self._rows is None:
+            self._rows = tuple((e.order, e.tracked()) for e in self.entries.values())
+        return self._rows
+
+
 class LoadTracker:
     """The requests a router sent each replica, from decision to completion, keyed by the
     caller's request key; and the replicas' loads from them (``loads``).
@@ -221,6 +292,12 @@ class LoadTracker:
     completion of an attempt the replica rejected can arrive after the retry was decided
     elsewhere. What it cannot tell apart: a retry decided for the very replica that rejected
     the first attempt, whose rejection completes after the retry's decision, is not counted.
+
+    Cost: every event updates its replica's sums (``_OnReplica``), so ``loads`` costs a
+    decision one step per replica, plus the completions its stats may still show, plus the
+    peers' requests on replicas whose peer rows or stats changed since the last call.
+    Unconfirmed decisions expire in the order they were made (one TTL; a clock stepping back
+    delays the expiry of the decisions made just before the step by as much).
     """
 
     def __init__(
@@ -234,11 +311,17 @@ class LoadTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self._on: dict[str, _OnReplica] = {}
+        """Replica id -> the entries in flight there, with their sums."""
+        self._unconfirmed: OrderedDict[str, None] = OrderedDict()
+        """Keys of the decisions Serve has not confirmed, oldest decision first."""
         self._order = itertools.count()
         self._done: dict[str, list[TrackedRequest]] = {}
         """Replica id -> completed requests stats may still show (``COMPLETED_SHOWN_S``)."""
         self._completed_keys: OrderedDict[str, tuple[float, str]] = OrderedDict()
         """Key -> (time it completed, the replica it completed on), oldest first."""
+        self._peer_counts: dict[str, tuple[tuple[TrackedRequest, ...], float, _Counts]] = {}
+        """Replica id -> (the peers' rows, the stats time, their counts) of the last ``loads``."""
         self._listeners: list[Callable[[], None]] = []
 
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -253,6 +336,36 @@ class LoadTracker:
         for listener in list(self._listeners):  # a router may come or go meanwhile
             listener()
 
+    # ------------------------------------------------------------- entries (under the lock)
+    def _add(self, key: str, entry: _Entry) -> None:
+        self._entries[key] = entry
+        on = self._on.get(entry.replica_id)
+        if on is None:
+            on = self._on[entry.replica_id] = _OnReplica()
+        on.add(key, entry)
+        if entry.expiry_s is not None:
+            self._unconfirmed[key] = None
+
+    def _remove(self, key: str) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        on = self._on[entry.replica_id]
+        on.remove(key)
+        if not on.entries:
+            del self._on[entry.replica_id]
+        self._unconfirmed.pop(key, None)
+        return entry
+
+    def _expire(self, now_s: float) -> None:
+        """Drops the unconfirmed decisions whose time is up."""
+        while self._unconfirmed:
+            key = next(iter(self._unconfirmed))
+            entry = self._entries[key]
+            if entry.expiry_s is None or entry.expiry_s > now_s:
+                break
+            self._remove(key)
+
     # ------------------------------------------------------------------------- events
     def decided(self, key: str, replica_id: str, prefill_tokens: int) -> None:
         """A router chose ``replica_id`` for request ``key`` (again, on a retry: the newer
@@ -260,8 +373,16 @@ class LoadTracker:
         now_s = self._clock()
         with self._lock:
             self._completed_keys.pop(key, None)  # a retry after a rejection: a new attempt
-            self._entries[key] = _Entry(
-                replica_id, prefill_tokens, next(self._order), now_s, now_s + self.unconfirmed_ttl_s
+            self._remove(key)
+            self._add(
+                key,
+                _Entry(
+                    replica_id,
+                    prefill_tokens,
+                    next(self._order),
+                    now_s,
+                    now_s + self.unconfirmed_ttl_s,
+                ),
             )
         self._changed()
 
@@ -274,11 +395,13 @@ class LoadTracker:
             done = self._completed_keys.get(key)
             if done is not None and done[1] == replica_id:
                 del self._completed_keys[key]
-                self._entries.pop(key, None)  # its decision, if Serve fell through to here
+                self._remove(key)  # its decision, if Serve fell through to here
             elif (entry := self._entries.get(key)) is None:
-                self._entries[key] = _Entry(replica_id, 0, next(self._order), now_s, None)
+                self._add(key, _Entry(replica_id, 0, next(self._order), now_s, None))
             elif entry.expiry_s is not None:
+                self._remove(key)
                 entry.replica_id, entry.expiry_s = replica_id, None
+                self._add(key, entry)
         self._changed()
 
     def first_output(self, key: str) -> bool:
@@ -289,7 +412,7 @@ class LoadTracker:
             if entry is None:
                 return False
             if entry.first_output_at_s is None:
-                entry.first_output_at_s = self._clock()
+                self._on[entry.replica_id].started(entry, self._clock())
         self._changed()
         return True
 
@@ -299,7 +422,7 @@ class LoadTracker:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.replica_id == replica_id:
-                del self._entries[key]
+                self._remove(key)
                 self._done.setdefault(replica_id, []).append(entry.tracked(now_s))
             self._completed_keys[key] = (now_s, replica_id)
             self._completed_keys.move_to_end(key)
@@ -314,10 +437,9 @@ class LoadTracker:
         now_s = self._clock()
         rows: dict[str, list[tuple[int, TrackedRequest]]] = {}
         with self._lock:
-            for key in [k for k, e in self._entries.items() if _expired(e, now_s)]:
-                del self._entries[key]
-            for entry in self._entries.values():
-                rows.setdefault(entry.replica_id, []).append((entry.order, entry.tracked()))
+            self._expire(now_s)
+            for replica_id, on in self._on.items():
+                rows[replica_id] = list(on.rows())
             for replica_id, done in self._done.items():
                 done[:] = [r for r in done if r.completed_at_s > now_s - COMPLETED_SHOWN_S]
                 rows.setdefault(replica_id, []).extend((-1, r) for r in done)
@@ -332,43 +454,50 @@ class LoadTracker:
     ) -> dict[str, ReplicaLoad]:
         """Replica id -> its load (``replica_load``) for every replica in ``stats``, from this
         tracker's requests and ``peers`` (other routers' snapshots). Forgets the completed
-        requests that these stats no longer show, and decisions that expired. One pass over
-        the requests, summed per replica (``_Tally``): it runs on every routing decision."""
+        requests that these stats no longer show, and decisions that expired. It runs on
+        every routing decision: its cost is in the class docstring."""
         tallies = {rid: _Tally(s.as_of_s) for rid, s in stats.items()}
         now_s = self._clock()
         with self._lock:
+            self._expire(now_s)
             for replica_id, done in self._done.items():
                 tally = tallies.get(replica_id)
                 as_of_s = tally.as_of_s if tally is not None else 0.0
                 cutoff_s = max(as_of_s, now_s - COMPLETED_SHOWN_S)
-                done[:] = [r for r in done if r.completed_at_s > cutoff_s]
+                if done and done[0].completed_at_s <= cutoff_s:
+                    done[:] = [r for r in done if r.completed_at_s > cutoff_s]
                 if tally is not None:
                     for request in done:
                         tally.add(*request)
-            expired = []
-            for key, entry in self._entries.items():
-                if entry.expiry_s is not None and entry.expiry_s <= now_s:
-                    expired.append(key)
-                elif (tally := tallies.get(entry.replica_id)) is not None:
-                    tally.add(
-                        entry.decided_at_s, entry.prefill_tokens, entry.first_output_at_s, None
-                    )
-            for key in expired:
-                del self._entries[key]
-        if peers is not None:
-            for replica_id, requests in peers.requests.items():
-                if (tally := tallies.get(replica_id)) is not None:
-                    for request in requests:
-                        tally.add(*request)
+            for replica_id, tally in tallies.items():
+                if (on := self._on.get(replica_id)) is not None:
+                    tally.add_counts(on.counts(tally.as_of_s))
+            if peers is not None:
+                for replica_id, tally in tallies.items():
+                    requests = peers.requests.get(replica_id)
+                    if requests:
+                        tally.add_counts(self._counts_of_peers(replica_id, requests, tally.as_of_s))
         return {rid: tallies[rid].load(s) for rid, s in stats.items()}
+
+    def _counts_of_peers(
+        self, replica_id: str, requests: tuple[TrackedRequest, ...], as_of_s: float
+    ) -> _Counts:
+        """The peers' ``requests`` on ``replica_id`` counted against ``as_of_s``; recounted
+        only when either changed since the last decision (a peer snapshot's rows are kept
+        until the next sync replaces them)."""
+        cached = self._peer_counts.get(replica_id)
+        if cached is not None and cached[0] is requests and cached[1] == as_of_s:
+            return cached[2]
+        tally = _Tally(as_of_s)
+        for request in requests:
+            tally.add(*request)
+        counts = tally.counts()
+        self._peer_counts[replica_id] = (requests, as_of_s, counts)
+        return counts
 
 
 def _decided_at(request: TrackedRequest) -> float:
     return request.decided_at_s
-
-
-def _expired(entry: _Entry, now_s: float) -> bool:
-    return entry.expiry_s is not None and entry.expiry_s <= now_s
 
 
 def _decision_order(row: tuple[int, TrackedRequest]) -> tuple[float, int]:

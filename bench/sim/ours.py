@@ -106,7 +106,6 @@ class SimViews:
                 num_queued=stats.num_waiting + replica.num_prefills,
                 queued_prefill_tokens=replica.num_queued_prefill_tokens,
                 num_running=replica.num_running,
-                as_of_s=sim.now_s,
             )
             self._views[replica.index] = ReplicaView(replica.replica_id, stats, load)
             self._versions[replica.index] = replica.version
