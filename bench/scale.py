@@ -569,6 +569,7 @@ ROUTER_HISTOGRAMS = (
 
 def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: int) -> dict:
     """One fresh cluster: start, warm up, idle CPU, the load, stop. The row's real half."""
+    from bench.host_probe import HostProbe
     from bench.serve.processes import Server, server_env
     from bench.serve.systems import replicas_in_metrics
     from bench.serve_path import cpu_kind
@@ -629,9 +630,13 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         text0 = _metrics_text(base)
         before = {key: histogram_from_metrics(text0, name) for key, name in ROUTER_HISTOGRAMS}
         c1, t1 = srv.cpu_by_process(), time.monotonic()
-        records, duration = asyncio.run(
-            send_open_loop(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
-        )
+        probe = HostProbe().start()
+        try:
+            records, duration = asyncio.run(
+                send_open_loop(base, model, prompts, arrivals, max_tokens, args.request_timeout_s)
+            )
+        finally:
+            out["host_burst"] = probe.stop()
         out["load_cpu_s_per_s"] = cpu_rates(
             c1, srv.cpu_by_process(), time.monotonic() - t1, cpu_kind
         )

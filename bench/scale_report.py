@@ -108,6 +108,9 @@ SHARE_ABOVE_MS = 5.0
 decision latency target's bound): how far a p99 bucket above it is from meeting it."""
 
 
+SHARE_KEY = f"share_above_{SHARE_ABOVE_MS:g}_ms"
+
+
 def histogram_summary(hist: dict) -> dict:
     """Mean (ms), the upper bounds (ms) of the buckets holding p50 and p99 (None when above
     the last finite bucket, ``last_bucket_ms``) and the share above ``SHARE_ABOVE_MS`` (None
@@ -129,7 +132,7 @@ def histogram_summary(hist: dict) -> dict:
         "p50_le_ms": q(0.5),
         "p99_le_ms": q(0.99),
         "last_bucket_ms": 1000 * max(finite) if finite else None,
-        f"share_above_{SHARE_ABOVE_MS:g}_ms": (
+        SHARE_KEY: (
             1.0 - hist["buckets"][SHARE_ABOVE_MS / 1000] / n
             if SHARE_ABOVE_MS / 1000 in hist["buckets"]
             else None
@@ -151,8 +154,10 @@ def _f(x, spec: str = ".3f") -> str:
     return "" if x is None else format(x, spec)
 
 
-def _pct(x) -> str:
-    return "" if x is None else f"{100 * x:+.0f}%"
+def _pct(x, signed: bool = True) -> str:
+    if x is None:
+        return ""
+    return f"{100 * x:+.0f}%" if signed else f"{100 * x:.1f}%"
 
 
 def _lookup_p(lookup: dict, key: str) -> str:
@@ -187,9 +192,10 @@ def markdown(rows: list[dict]) -> str:
     ]
     host = [
         "| N | index | workload | policy | lookup mean / p50 / p99 ms | decision mean / p50 / "
-        "p99 ms | decision CPU mean / p50 / p99 ms | idle CPU-s/s per replica / all | load "
-        "CPU-s/s all | send late p99 s | memory used MB |",
-        "|---" * 11 + "|",
+        "p99 ms | decisions > 5 ms | decision CPU mean / p50 / p99 ms | host 1 ms burst p50 / "
+        "p99 ms | idle CPU-s/s per replica / all | load CPU-s/s all | send late p99 s | memory "
+        "used MB |",
+        "|---" * 13 + "|",
     ]
     for r in rows:
         sim = r.get("sim") or {}
@@ -220,14 +226,16 @@ def markdown(rows: list[dict]) -> str:
             f"{_f(r.get('startup_s'), '.0f')} |"
         )
         load = r.get("load_cpu_s_per_s") or {}
+        burst = r.get("host_burst") or {}
         host.append(
             f"| {r['replicas']} | {r['index']} | {r['workload']} | {r['policy']} | "
             f"{_f(lk.get('mean_ms'), '.1f')} / {_lookup_p(lk, 'p50_le_ms')} / "
             f"{_lookup_p(lk, 'p99_le_ms')} | "
             f"{_f(dl.get('mean_ms'), '.1f')} / {_lookup_p(dl, 'p50_le_ms')} / "
-            f"{_lookup_p(dl, 'p99_le_ms')} | "
+            f"{_lookup_p(dl, 'p99_le_ms')} | {_pct(dl.get(SHARE_KEY), signed=False)} | "
             f"{_f(dc.get('mean_ms'), '.1f')} / {_lookup_p(dc, 'p50_le_ms')} / "
             f"{_lookup_p(dc, 'p99_le_ms')} | "
+            f"{_f(burst.get('p50_ms'), '.1f')} / {_f(burst.get('p99_ms'), '.1f')} | "
             f"{_f(r.get('idle_cpu_s_per_s_per_engine_replica'), '.3f')} / "
             f"{_f(r.get('idle_cpu_s_per_s_total'), '.2f')} | "
             f"{_f(sum(load.values()) if load else None, '.2f')} | "
@@ -236,18 +244,20 @@ def markdown(rows: list[dict]) -> str:
     lines += ["", *host]
     lines.append(
         "\nS: the time scale (every time of the sim profile multiplied by S); req/s: the offered "
-        "rate; hit: cached prompt tokens / prompt tokens (pulled: the part whose KV came from "
-        "a peer replica); preemptions: the engines' and the simulator's (in files from before "
-        "the simulator modelled them, its overflow blocks: KV it let replicas hold beyond their "
-        "capacity, marked 'overflow'); diff: "
-        "(real - sim) / sim; lookup: the routers' index-lookup latency over the run (p50, p99: "
-        "their buckets' upper bounds); decision: the routers' whole decisions (lookup, board, "
-        "views, policy), the same way; decision CPU: the CPU time of each decision's thread "
-        "(the decision less its waits for the GIL and for a core); idle CPU: before the load, "
-        "per engine replica (actor + engine process) and of every server process; load CPU: "
-        "every server process during the load (the client not counted); send late: how late "
-        "the client sent its requests against their arrival times (a saturated host); memory: "
-        "the machine's, after startup."
+        "rate; hit: cached prompt tokens / prompt tokens (pulled: the part whose KV came from a"
+        " peer replica); preemptions: the engines' and the simulator's (in files from before "
+        "the simulator modelled them, its overflow blocks: KV it let replicas hold beyond their"
+        " capacity, marked 'overflow'); diff: (real - sim) / sim; lookup: the routers' index-"
+        "lookup latency over the run (p50, p99: their buckets' upper bounds); decision: the "
+        "routers' whole decisions (lookup, board, views, policy), the same way, and the share "
+        "of them above 5 ms; decision CPU: the CPU time of each decision's thread (the decision"
+        " less its waits for the GIL and for a core); host 1 ms burst: the wall time a separate"
+        " process took for 1 ms of its own CPU, every 20 ms during the load (the wait for a "
+        "core any timed section on this host shares); idle CPU: before the load, per engine "
+        "replica (actor + engine process) and of every server process; load CPU: every server "
+        "process during the load (the client not counted); send late: how late the client sent "
+        "its requests against their arrival times (a saturated host); memory: the machine's, "
+        "after startup."
     )
     return "\n".join(lines)
 
