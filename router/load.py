@@ -262,17 +262,21 @@ class _OnReplica:
             self._num_unshown += sign
         self._rows = None
 
-    def counts(self, as_of_s: float) -> _Counts:
-        """The requests in flight here as ``_Tally`` counts them against ``as_of_s``."""
+    def add_to(self, tally: _Tally) -> None:
+        """Adds the requests in flight here to ``tally``, as it counts them against its
+        ``as_of_s``."""
         num_in_flight = len(self.entries)
+        tally.num_in_flight += num_in_flight
+        tally.num_queued += self.num_queued
+        tally.queued_prefill_tokens += self.queued_prefill_tokens
+        as_of_s = tally.as_of_s
         if as_of_s <= 0:
-            num_shown = num_in_flight
-        else:
-            if as_of_s != self._as_of_s:
-                self._as_of_s = as_of_s
-                self._num_unshown = sum(e.decided_at_s > as_of_s for e in self.entries.values())
-            num_shown = num_in_flight - self._num_unshown
-        return _Counts(num_in_flight, self.num_queued, self.queued_prefill_tokens, num_shown)
+            tally.num_shown += num_in_flight
+            return
+        if as_of_s != self._as_of_s:
+            self._as_of_s = as_of_s
+            self._num_unshown = sum(e.decided_at_s > as_of_s for e in self.entries.values())
+        tally.num_shown += num_in_flight - self._num_unshown
 
     def rows(self) -> tuple[tuple[int, TrackedRequest], ...]:
         """(decision order, request) for each request in flight, built once per change."""
@@ -456,28 +460,28 @@ class LoadTracker:
         tracker's requests and ``peers`` (other routers' snapshots). Forgets the completed
         requests that these stats no longer show, and decisions that expired. It runs on
         every routing decision: its cost is in the class docstring."""
-        tallies = {rid: _Tally(s.as_of_s) for rid, s in stats.items()}
         now_s = self._clock()
+        peer_rows = peers.requests if peers is not None else {}
+        loads = {}
         with self._lock:
             self._expire(now_s)
             for replica_id, done in self._done.items():
-                tally = tallies.get(replica_id)
-                as_of_s = tally.as_of_s if tally is not None else 0.0
+                replica_stats = stats.get(replica_id)
+                as_of_s = replica_stats.as_of_s if replica_stats is not None else 0.0
                 cutoff_s = max(as_of_s, now_s - COMPLETED_SHOWN_S)
                 if done and done[0].completed_at_s <= cutoff_s:
                     done[:] = [r for r in done if r.completed_at_s > cutoff_s]
-                if tally is not None:
-                    for request in done:
-                        tally.add(*request)
-            for replica_id, tally in tallies.items():
+            for replica_id, replica_stats in stats.items():
+                as_of_s = replica_stats.as_of_s
+                tally = _Tally(as_of_s)
                 if (on := self._on.get(replica_id)) is not None:
-                    tally.add_counts(on.counts(tally.as_of_s))
-            if peers is not None:
-                for replica_id, tally in tallies.items():
-                    requests = peers.requests.get(replica_id)
-                    if requests:
-                        tally.add_counts(self._counts_of_peers(replica_id, requests, tally.as_of_s))
-        return {rid: tallies[rid].load(s) for rid, s in stats.items()}
+                    on.add_to(tally)
+                for request in self._done.get(replica_id, ()):
+                    tally.add(*request)
+                if requests := peer_rows.get(replica_id):
+                    tally.add_counts(self._counts_of_peers(replica_id, requests, as_of_s))
+                loads[replica_id] = tally.load(replica_stats)
+        return loads
 
     def _counts_of_peers(
         self, replica_id: str, requests: tuple[TrackedRequest, ...], as_of_s: float
