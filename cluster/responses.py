@@ -21,14 +21,20 @@ the prompt's: the first prompt token's logprob and top_logprobs are null, each o
 token's top_logprobs holds the token itself beside the top ``logprobs`` (OpenAI's shape, what
 lm-eval-harness reads). vLLM's ``prompt_logprobs`` field (per completions choice, top level for
 chat) maps token id -> ``{logprob, rank, decoded_token}``.
+
+Streamed chunks are encoded with orjson (``compact_json``), once per streamed token, in a
+tenth of the standard library's time: the same compact JSON, but a float in exponent form is
+spelled without Python's leading zero (``2.5e-7``) and a float JSON cannot carry (NaN, an
+infinity) is written as null, where the standard library wrote text no JSON parser reads.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import orjson
 
 from cluster.tool_calls import ToolPlan
 from cluster.tool_parsers import ToolCallStream
@@ -37,9 +43,15 @@ from worker.outputs import OutputDelta
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def compact_json(payload) -> str:
+    """``payload`` as compact JSON text, non-ASCII characters as they are; integer keys (vLLM's
+    ``prompt_logprobs``) become strings, as the standard library writes them."""
+    return orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
 def sse_event(payload: dict) -> str:
     """One server-sent event carrying ``payload`` as compact JSON."""
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {compact_json(payload)}\n\n"
 
 
 def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.responses import SSE_DONE, ResponseBuilder
+from cluster.responses import SSE_DONE, ResponseBuilder, sse_event
 from tests.cluster.helpers import delta
 from worker.outputs import TokenLogprob
 
@@ -141,3 +141,28 @@ def test_check_item_raises_what_a_refusal_or_an_engine_failure_stands_for():
     with pytest.raises(APIError) as internal:
         check_item(failed)
     assert internal.value.status == 500 and "grammar" in str(internal.value)
+
+
+def test_sse_events_carry_the_standard_librarys_compact_json():
+    """Streamed chunks are encoded by orjson: the text the standard library's compact form
+    writes, for the shapes the responses carry (non-ASCII text, nulls, floats, vLLM's
+    integer-keyed prompt logprobs); a float in exponent form is spelled without Python's
+    leading zero (2.5e-7), the same number to a parser."""
+    payloads = [
+        {"id": "cmpl-1", "choices": [{"index": 0, "text": " héllo ✓", "logprobs": None}]},
+        {"choices": [{"logprobs": {"token_logprobs": [-0.1234567891, -1.75, 0.0]}}]},
+        {"prompt_logprobs": [None, {17: {"logprob": -1.75, "rank": 2, "decoded_token": "a"}}]},
+        {"usage": {"prompt_tokens": 32, "total_tokens": 160, "cached": True}},
+    ]
+    for payload in payloads:
+        expected = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        assert sse_event(payload) == f"data: {expected}\n\n"
+    tiny = {"logprob": -2.5e-07}
+    assert sse_event(tiny) == 'data: {"logprob":-2.5e-7}\n\n'
+    assert json.loads(sse_event(tiny).removeprefix("data: ")) == tiny
+
+
+def test_a_float_json_cannot_carry_is_sent_as_null():
+    assert sse_event({"logprob": float("-inf"), "x": float("nan")}) == (
+        'data: {"logprob":null,"x":null}\n\n'
+    )
