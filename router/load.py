@@ -221,9 +221,9 @@ class _OnReplica:
     """One tracker's requests in flight on one replica, with the sums ``LoadTracker.loads``
     needs kept as they change: a decision reads them instead of walking every request.
 
-    ``num_shown(as_of_s)`` counts the requests decided by ``as_of_s``; it recounts this
-    replica's requests only when ``as_of_s`` changes (a new stats report), and keeps the
-    count as requests come and go in between."""
+    ``add_to`` counts the requests decided by its tally's ``as_of_s`` as shown by the stats;
+    it recounts this replica's requests only when ``as_of_s`` changes (a new stats report),
+    and keeps the count as requests come and go in between."""
 
     __slots__ = ("entries", "num_queued", "queued_prefill_tokens", "_as_of_s", "_num_unshown",
                  "_rows")  # fmt: skip
@@ -481,6 +481,10 @@ class LoadTracker:
                 if requests := peer_rows.get(replica_id):
                     tally.add_counts(self._counts_of_peers(replica_id, requests, as_of_s))
                 loads[replica_id] = tally.load(replica_stats)
+            if len(self._peer_counts) > len(stats):  # replicas gone: their rows go too
+                self._peer_counts = {
+                    rid: counts for rid, counts in self._peer_counts.items() if rid in stats
+                }
         return loads
 
     def _counts_of_peers(
