@@ -214,7 +214,9 @@ class ActorIndexClient:
         """The ``IndexUnavailableError`` a failed call stands for; a dead or missing actor is
         resolved (and maybe re-created) on the next call."""
         if isinstance(exc, TimeoutError):  # ray.get's GetTimeoutError or asyncio's
-            return IndexUnavailableError(f"index actor {method} took over {timeout_s}s")
+            return IndexUnavailableError(
+                f"index actor {method} took over {timeout_s}s", timed_out=True
+            )
         if isinstance(exc, ray.exceptions.RayActorError | ValueError):
             with self._lock:
                 self._actor = None

@@ -81,9 +81,18 @@ class PrefixIndex(Protocol):
         ...
 
 
+SLOW_ANSWERS_BEFORE_DOWN = 3
+"""Timeouts in a row that count the store as down. A store that refuses or fails is down at
+its first failure; one that answers too slowly may only be busy (a crowded host's scheduling
+stalls last tens of milliseconds), so a single late answer costs its own call, not a
+``retry_interval_s`` of routing by load alone. A store that hangs costs this many timeouts."""
+
+
 class FallbackIndex:
     """Wraps a backend so that an unreachable store degrades routing instead of failing it.
 
+    The store is down after a failure that is not a timeout, or after
+    ``SLOW_ANSWERS_BEFORE_DOWN`` timeouts in a row; each failed call returns its default.
     While the store is down, calls skip it (no timeout paid per request) except one probe
     per ``retry_interval_s``. Events that arrive meanwhile are dropped; the sequence gap
     they leave makes the store mark those replicas stale once it is back, which asks them
@@ -104,6 +113,7 @@ class FallbackIndex:
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._next_probe: float = 0.0
+        self._timeouts_in_a_row = 0
 
     @property
     def available(self) -> bool:
@@ -121,13 +131,16 @@ class FallbackIndex:
 
     def _failed(self, exc: IndexUnavailableError) -> None:
         with self._lock:
-            if self._down_since is None:
+            self._timeouts_in_a_row = self._timeouts_in_a_row + 1 if exc.timed_out else 0
+            slow_only = 0 < self._timeouts_in_a_row < SLOW_ANSWERS_BEFORE_DOWN
+            if self._down_since is None and not slow_only:
                 self._down_since = self._clock()
                 self._next_probe = self._down_since + self.retry_interval_s
                 logger.warning("prefix index unavailable, routing by load alone: %s", exc)
         self.metrics.record_index_error()
 
     def _succeeded(self) -> None:
+        self._timeouts_in_a_row = 0
         if self._down_since is None:
             return
         with self._lock:

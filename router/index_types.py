@@ -17,7 +17,12 @@ Clock = Callable[[], float]
 
 
 class IndexUnavailableError(RuntimeError):
-    """The index's store cannot be reached right now; route by load alone."""
+    """The index's store cannot be reached right now; route by load alone. ``timed_out``: it
+    did not answer within its timeout (it may only be busy), as against refusing or failing."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,12 @@ class RedisIndex:
         self.__dict__.update(state)
         self._connect()
 
+    def _unavailable(self, exc: BaseException) -> IndexUnavailableError:
+        return IndexUnavailableError(
+            f"redis at {self.display_url}: {exc}",
+            timed_out=isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)),
+        )
+
     def close(self) -> None:
         self._client.close()
         self._writer.close()
@@ -213,7 +219,7 @@ class RedisIndex:
         try:
             return script(keys=[self._replicas_key], args=[*self._context(now), *args])
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
+            raise self._unavailable(exc) from exc
 
     # ----------------------------------------------------------------------------- events
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
@@ -236,7 +242,7 @@ class RedisIndex:
                 self._apply(keys=[self._replicas_key], args=args, client=pipe)
             replies = pipe.execute()
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
+            raise self._unavailable(exc) from exc
         return [_OUTCOMES.get(reply, ApplyOutcome.STALE) for reply in replies]
 
     # --------------------------------------------------------------------------- lookups
@@ -254,7 +260,7 @@ class RedisIndex:
         try:
             flat = await script(keys=[self._replicas_key], args=args)
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
+            raise self._unavailable(exc) from exc
         return _matches(flat)
 
     def record_speculative(
@@ -282,7 +288,7 @@ class RedisIndex:
                 self._speculative(keys=[self._replicas_key], args=args, client=pipe)
             pipe.execute()
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
+            raise self._unavailable(exc) from exc
 
     # -------------------------------------------------------------------------- liveness
     def heartbeat(self, replica_id: ReplicaId, epoch: int, now: float | None = None) -> bool:
@@ -295,7 +301,7 @@ class RedisIndex:
         try:
             deadlines = self._writer.hgetall(self._replicas_key)
         except _UNAVAILABLE as exc:
-            raise IndexUnavailableError(f"redis at {self.display_url}: {exc}") from exc
+            raise self._unavailable(exc) from exc
         return sorted(r.decode() for r, deadline in deadlines.items() if float(deadline) > now)
 
     def remove_replica(self, replica_id: ReplicaId) -> None:
