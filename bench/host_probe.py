@@ -21,10 +21,9 @@ import sys
 import time
 
 from bench.common import percentile
+from bench.scale_report import SHARE_ABOVE_MS, SHARE_KEY
 
 STOP_TIMEOUT_S = 10.0
-SHARE_ABOVE_MS = 5.0
-"""The summary's share of bursts that took longer than this (the decision latency bound)."""
 
 
 def burst_wall_ms(burst_ms: float) -> float:
@@ -46,9 +45,7 @@ def summarize(walls_ms: list[float], burst_ms: float) -> dict:
         "p50_ms": round(percentile(walls, 50), 3),
         "p99_ms": round(percentile(walls, 99), 3),
         "max_ms": round(walls[-1], 3),
-        f"share_above_{SHARE_ABOVE_MS:g}_ms": round(
-            sum(w > SHARE_ABOVE_MS for w in walls) / len(walls), 4
-        ),
+        SHARE_KEY: round(sum(w > SHARE_ABOVE_MS for w in walls) / len(walls), 4),
     }
 
 
