@@ -12,9 +12,11 @@ last to this ingress replica's push server (``deliver``, one frame per engine st
 request: ``cluster/ingress_channel.py``), the first included; each call's inbox gets them
 and, behind them, what its handle stream carries (the last output or a refusal: ``_Call``),
 in the replica's order.
-``merge`` then yields ``(prompt index, OutputDelta)`` as outputs arrive and, when the caller
-stops early (client gone, a sibling failed), cancels every stream not yet ended, which aborts
-the engine requests and frees their blocks.
+``merge`` then yields ``(prompt index, [OutputDelta, ...])`` as outputs arrive (every output of
+a stream that arrived while the caller was busy comes in one list, so a loaded ingress pays
+its per-write costs once for them) and, when the caller stops early (client gone, a sibling
+failed), cancels every stream not yet ended, which aborts the engine requests and frees their
+blocks.
 
 Stream failover: when the replica serving a stream dies mid-stream (its actor is gone, or its
 engine died and it says so), ``merge`` re-submits the request to a live replica with the
@@ -107,14 +109,25 @@ class _Call:
         return item
 
     async def rest(self):
-        """The outputs after the first, in order; raises what ended the handle stream."""
+        """The outputs after the first, in order, as lists: each list holds every output that
+        had arrived when the caller asked (one when it keeps up, more when it falls behind, so
+        a busy ingress writes them to the client at once); raises what ended the handle
+        stream, after the outputs before it."""
+        inbox = self.inbox
         while True:
-            item = await self.inbox.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            arrived = [await inbox.get()]
+            while not inbox.empty():
+                arrived.append(inbox.get_nowait())
+            outputs = []
+            for item in arrived:
+                if item is _END or isinstance(item, BaseException):
+                    if outputs:
+                        yield outputs
+                    if item is _END:
+                        return
+                    raise item
+                outputs.append(item)
+            yield outputs
 
     def stop(self) -> None:
         """Cancels the handle call (aborting the engine request if it still runs) and stops
@@ -365,20 +378,40 @@ class EngineClient:
                     raise
                 cause = exc
 
+    @staticmethod
+    def _accept(stream: _Stream, outputs: list) -> tuple[list, object]:
+        """(the outputs of ``outputs`` ``stream`` takes, in order; what ends it there or None):
+        a refusal of the replica (a dead one's as ``ReplicaDiedError``), or the
+        ``ReplicaDiedError`` of an output lost in transit."""
+        accepted = []
+        for item in outputs:
+            if isinstance(item, Rejected):
+                if item.kind is RejectKind.DEAD:
+                    return accepted, ReplicaDiedError(item.message)
+                return accepted, item
+            try:
+                accepted.append(stream.record(item))
+            except ReplicaDiedError as exc:
+                return accepted, exc
+        return accepted, None
+
     async def _items(self, stream: _Stream):
-        """``stream``'s outputs in order, from its first on; fails over (``_fail_over``)
-        while it may when its replica dies, and raises when it may not."""
-        yield stream.record(stream.first)
+        """``stream``'s outputs in order, from its first on, as lists of those that arrived
+        together (``_Call.rest``); fails over (``_fail_over``) while it may when its replica
+        dies, and raises when it may not. A refusal mid-stream comes alone, last."""
+        yield [stream.record(stream.first)]
         while not stream.finished:
             rest = stream.call.rest()
             try:
-                async for item in rest:
-                    if isinstance(item, Rejected):
-                        if item.kind is RejectKind.DEAD:
-                            raise ReplicaDiedError(item.message)
-                        yield item  # the caller raises what it stands for
+                async for outputs in rest:
+                    accepted, end = self._accept(stream, outputs)
+                    if accepted:
+                        yield accepted
+                    if isinstance(end, Rejected):
+                        yield [end]  # the caller raises what it stands for
                         return
-                    yield stream.record(item)
+                    if end is not None:
+                        raise end
                 break
             except Exception as exc:
                 if _died(exc) and stream.finished:
@@ -394,12 +427,13 @@ class EngineClient:
                     raise
                 self.close(stream.call)
                 first = await self._fail_over(stream, exc)
-                yield stream.record(first)
+                yield [stream.record(first)]
             finally:
                 await rest.aclose()
 
     async def merge(self, opened: list[_Stream]):
-        """(prompt index, output) from every stream as they arrive; raises on failure.
+        """(prompt index, outputs) from every stream as they arrive, each a list of one
+        stream's outputs that arrived together, in order; raises on failure.
 
         A stream whose replica dies fails over (``_fail_over``) while it may. One stream (a
         request with one prompt) is read in this task; several are pumped by a task each
@@ -408,8 +442,8 @@ class EngineClient:
             stream, ended = opened[0], False
             items = self._items(stream)
             try:
-                async for item in items:
-                    yield 0, item
+                async for outputs in items:
+                    yield 0, outputs
                 ended = True
             finally:
                 await items.aclose()
@@ -421,8 +455,8 @@ class EngineClient:
 
         async def pump(index: int, stream: _Stream) -> None:
             try:
-                async for item in self._items(stream):
-                    await queue.put((_Event.ITEM, index, item))
+                async for outputs in self._items(stream):
+                    await queue.put((_Event.ITEM, index, outputs))
                 await queue.put((_Event.END, index, None))
             except Exception as exc:
                 await queue.put((_Event.FAILED, index, exc))

@@ -303,10 +303,9 @@ class Ingress:
             return JSONResponse(builder.full_response(), headers=headers)
 
         async def events():
-            async for event in self._relay(items, builder, arrival_s, builder.stream_events):
-                yield event
-            for event in builder.closing_events():
-                yield event
+            async for chunk in self._relay(items, builder, arrival_s, builder.stream_events):
+                yield chunk
+            yield "".join(builder.closing_events())
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
@@ -320,14 +319,19 @@ class Ingress:
         return self.engines.merge(opened), replica_headers(self.cluster, replicas, self._ingress_id)
 
     async def _relay(self, items, builder: ResponseBuilder, arrival_s: float, events_of):
-        """The SSE events ``events_of(index, output)`` makes of each replica output; a failure
-        mid-stream becomes one error event and ends the stream (``builder.failed`` says so)."""
+        """The SSE events ``events_of(index, output)`` makes of each replica output, joined
+        into one chunk per list of outputs that arrived together (each token keeps its own
+        event; a client that fell behind gets them in one write); a failure mid-stream
+        becomes one error event and ends the stream (``builder.failed`` says so)."""
         builder.failed = False
         try:
-            async for index, item in items:
-                check_item(item)
-                for event in events_of(index, item):
-                    yield event
+            async for index, outputs in items:
+                events = []
+                for item in outputs:
+                    check_item(item)
+                    events += events_of(index, item)
+                if events:
+                    yield "".join(events)
         except APIError as exc:
             builder.failed = True
             yield exc.sse_payload()
@@ -343,9 +347,10 @@ class Ingress:
         a 503, an engine error its own status."""
         failed = False
         try:
-            async for index, item in items:
-                check_item(item)
-                builder.add(index, item)
+            async for index, outputs in items:
+                for item in outputs:
+                    check_item(item)
+                    builder.add(index, item)
         except APIError:
             failed = True
             raise

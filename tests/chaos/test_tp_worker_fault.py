@@ -124,9 +124,10 @@ def stream_tokens(handle: ScriptedHandle) -> list[int]:
     async def run() -> list[int]:
         opened = await client.open_all("cmpl-1", [PROMPT], [params], None)
         out: list[int] = []
-        async for _, item in client.merge(opened):
-            for choice in item.choices:
-                out += choice.new_token_ids
+        async for _, outputs in client.merge(opened):
+            for item in outputs:
+                for choice in item.choices:
+                    out += choice.new_token_ids
         return out
 
     return asyncio.run(run())

@@ -68,7 +68,7 @@ def _merge(items: list[OutputDelta]) -> list[OutputDelta]:
 
     async def collect():
         stream = _stream((asyncio.Queue(), _DyingCall(items)))
-        return [item async for _, item in client.merge([stream])]
+        return [item async for _, outputs in client.merge([stream]) for item in outputs]
 
     return asyncio.run(collect())
 
@@ -85,7 +85,7 @@ def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
 
     async def collect():
         stream = _stream((asyncio.Queue(), _DyingCall([_item(8, False, 1)])), params)
-        return [item async for _, item in client.merge([stream])]
+        return [item async for _, outputs in client.merge([stream]) for item in outputs]
 
     with pytest.raises(ActorUnavailableError):
         asyncio.run(collect())
@@ -133,7 +133,7 @@ def _pushed_run(
         client._inboxes["r"] = inbox
         call = _EndingCall([last], lambda: client.deliver(pushed))
         stream = _stream((inbox, call), params, first=_item(7, False, 0))
-        got = [item async for _, item in client.merge([stream])]
+        got = [item async for _, outputs in client.merge([stream]) for item in outputs]
         assert "r" not in client._inboxes  # the ended call's inbox is gone
         client.deliver([_item(99, False, 9)])  # a late push is dropped, not kept
         return got
@@ -182,7 +182,46 @@ def test_a_pushed_first_output_opens_the_call_before_the_handle_yields():
         client.deliver([_item(8, False, 1)])
         released.set()
         stream = _Stream("r", [1, 2, 3], SamplingParams(max_tokens=3), None, first, call)
-        return [item async for _, item in client.merge([stream])]
+        return [item async for _, outputs in client.merge([stream]) for item in outputs]
 
     got = asyncio.run(run())
     assert [i.new_token_ids for i in got] == [[7], [8], [9]]
+
+
+def _pushed_lists(pushed: list[OutputDelta], last: OutputDelta, params=None) -> list[list]:
+    """``merge``'s lists for a call whose pushes all arrived before the reader asked."""
+    client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
+
+    async def collect():
+        inbox = asyncio.Queue()
+        client._inboxes["r"] = inbox
+        client.deliver(pushed)
+        call = _EndingCall([last])
+        stream = _stream((inbox, call), params, first=_item(7, False, 0))
+        lists = []
+        try:
+            async for _, outputs in client.merge([stream]):
+                lists.append([i.new_token_ids[0] for i in outputs])
+        except ReplicaDiedError as exc:
+            lists.append(exc)
+        return lists
+
+    return asyncio.run(collect())
+
+
+def test_outputs_that_arrived_while_the_reader_was_busy_come_in_one_list():
+    """A reader that falls behind gets every output that waited in one list (one write to
+    its client); the first output comes alone, and the handle's last follows in order."""
+    lists = _pushed_lists([_item(8, False, 1), _item(9, False, 2)], _item(10, True, 3))
+    assert lists[0] == [7]
+    assert [t for part in lists for t in part] == [7, 8, 9, 10]
+    assert [8, 9] in lists or [8, 9, 10] in lists  # not one list per output
+
+
+def test_outputs_before_a_lost_push_reach_the_reader_before_the_error():
+    """A gap in a list that arrived together: what came before it is the client's (a
+    failover resumes from it), then the stream fails as for a dead replica."""
+    params = SamplingParams(max_tokens=3, n=2)  # never fails over: the error reaches us
+    lists = _pushed_lists([_item(8, False, 1), _item(10, False, 3)], _item(11, True, 4), params)
+    assert lists[:2] == [[7], [8]]
+    assert isinstance(lists[2], ReplicaDiedError) and "lost in transit" in str(lists[2])

@@ -166,3 +166,33 @@ def test_a_float_json_cannot_carry_is_sent_as_null():
     assert sse_event({"logprob": float("-inf"), "x": float("nan")}) == (
         'data: {"logprob":null,"x":null}\n\n'
     )
+
+
+def test_outputs_that_arrived_together_stream_as_one_chunk_of_their_events():
+    """The ingress writes one chunk per list of outputs ``merge`` hands it: each token keeps
+    its own SSE event in it; a refusal after them ends the stream with an error event."""
+    import asyncio
+
+    from cluster.ingress import Ingress
+    from cluster.stream_items import Rejected, RejectKind
+
+    class _Ingress:
+        def _count_finished(self, *args) -> None:
+            pass
+
+    async def merged():
+        yield 0, [output(0, "a", [1])]
+        yield 0, [output(0, "b", [2]), output(0, "c", [3])]
+        yield 0, [Rejected(RejectKind.INTERNAL, "engine step failed")]
+
+    b = builder()
+
+    async def relay() -> list[str]:
+        chunks = Ingress.func_or_class._relay(_Ingress(), merged(), b, 0.0, b.stream_events)
+        return [chunk async for chunk in chunks]
+
+    chunks = asyncio.run(relay())
+    assert len(chunks) == 3 and b.failed
+    second = decode([event + "\n\n" for event in chunks[1].split("\n\n") if event])
+    assert [p["choices"][0]["delta"]["content"] for p in second] == ["b", "c"]
+    assert "engine step failed" in chunks[2]
