@@ -66,6 +66,12 @@ SERVE_ENV = {
     # times, which wake every idle replica's event loop for nothing a scrape every 10-15 s
     # would see.
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    # How often Serve's controller reconciles: every 0.5 s, not Serve's 0.1 s. Each pass asks
+    # the GCS for the nodes and copies every application's target state, so at 0.1 s the
+    # controller and the GCS spend a twentieth of a core on an idle cluster. What the loop
+    # reacts to is slower than 0.5 s anyway: health checks every HEALTH_CHECK_PERIOD_S,
+    # autoscaling over seconds; routers drop a dead replica on their own first failed call.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 # How often Serve collects each replica's routing stats (queue, prefill rate) for the
 # router: often enough to see a burst build up, rarely enough to cost the controller little.

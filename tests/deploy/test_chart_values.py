@@ -146,12 +146,14 @@ def test_handle_transport_sets_the_proxy_transport_in_every_ray_container(
     assert app["args"]["cluster"]["handle_transport"] == transport
 
 
-def test_every_ray_container_exports_serves_metrics_as_the_deployments_do() -> None:
+def test_every_ray_container_sets_serves_controller_and_metrics_as_the_deployments_do() -> None:
+    """The controller and proxy read these from the container's environment, not from a
+    deployment's runtime_env."""
     from cluster.app import SERVE_ENV
 
     for container in _all_containers(chart.render()):
-        value = _env(container)["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]["value"]
-        assert value == SERVE_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
+        for name in ("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"):
+            assert _env(container)[name]["value"] == SERVE_ENV[name]
 
 
 def test_model_cache_claim_is_mounted_everywhere() -> None:

@@ -290,6 +290,9 @@ STRICT_PACKed onto one node, and Serve autoscaling when enabled.
 the deployments do (cluster/app.py's SERVE_ENV, in their runtime_env). */}}
 - name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
   value: "1000"
+{{- /* The controller reconciles every 0.5 s, not every 0.1 s (cluster/app.py's SERVE_ENV). */}}
+- name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
+  value: "0.5"
 {{- if .Values.apiKey.enabled }}
 - name: PREFIXSERVE_API_KEY
   valueFrom:
