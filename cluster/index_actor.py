@@ -74,7 +74,11 @@ def index_actor_name(app_name: str) -> str:
     return INDEX_ACTOR_PREFIX + app_name
 
 
-@ray.remote(num_cpus=0, max_concurrency=INDEX_ACTOR_MAX_CONCURRENCY)
+# Without Ray's task events: routers and replicas call it tens of times a second each, and
+# every call would otherwise be reported to the GCS twice (submitted, finished) for the
+# state API's task list, which costs the GCS and both sides more than the call's dict work.
+# Serve turns them off for its own actors the same way.
+@ray.remote(num_cpus=0, max_concurrency=INDEX_ACTOR_MAX_CONCURRENCY, enable_task_events=False)
 class IndexActor:
     """One embedded index (journaled, for the routers' copies) shared by every process of
     an application."""

@@ -80,6 +80,7 @@ class ActorMirror:
         self._clock = clock
         self._actor = None
         self._peers: LoadSnapshot | None = None
+        self._num_others: int | None = None
         self._synced_at_s: float | None = None
         self._created_at_s = clock()
         self._last_read_s = self._created_at_s
@@ -119,6 +120,10 @@ class ActorMirror:
         self._read()
         return self._peers if self.fresh() else None
 
+    def alone(self) -> bool:
+        """The last sync, fresh, counted no other router: none reads what this one writes."""
+        return self._num_others == 0 and self._synced_at_s is not None and self.fresh()
+
     # -------------------------------------------------------------------------- syncing
     def _handle(self):
         if self._actor is None:
@@ -153,6 +158,7 @@ class ActorMirror:
         if mirror is not None and answer is not None:
             mirror.catch_up(answer)
         self._peers = peers
+        self._num_others = num_others
         self._synced_at_s = self._clock()
         if self._down:
             self._down = False
@@ -178,7 +184,12 @@ class ActorMirror:
 
 class MirroredIndex:
     """The router's ``PrefixIndex`` over an ``ActorMirror``: lookups read the copy, writes
-    go to the actor through ``writer`` (``cluster.index_actor.ActorIndexClient``)."""
+    go to the actor through ``writer`` (``cluster.index_actor.ActorIndexClient``).
+
+    A speculative entry goes into the copy at once and to the actor only while another
+    router may read it (``ActorMirror.alone``): a router alone would pay an actor call per
+    burst of decisions for entries only it reads, from its copy. A router that appears later
+    sees the prefixes when the replicas' KV events report them (a prefill later)."""
 
     def __init__(self, mirror: ActorMirror, writer) -> None:
         if mirror.index is None:
@@ -202,7 +213,8 @@ class MirroredIndex:
         self, entries: Sequence[tuple[ReplicaId, Sequence[BlockHash]]], ttl_s: float
     ) -> None:
         self.mirror.index.record_speculative_many(entries, ttl_s)
-        self.writer.record_speculative_many(entries, ttl_s)
+        if not self.mirror.alone():
+            self.writer.record_speculative_many(entries, ttl_s)
 
     def apply(self, batch: KVEventBatch) -> ApplyOutcome:
         return self.writer.apply(batch)

@@ -72,6 +72,7 @@ def test_the_copy_answers_the_actors_index_and_the_routers_own_entries_at_once(a
     blocks = chain(6)
     actor.index.heartbeat("a", 0)
     actor.index.apply(batch("a", 0, stored(blocks[:4])))
+    actor.board.report("other", 1, LoadSnapshot(), ttl_s=10.0)  # another router reads it
     mirror = _mirror(actor)
     writer = ActorIndexClient("app", RouterConfig())
     writer._actor = actor
@@ -87,6 +88,28 @@ def test_the_copy_answers_the_actors_index_and_the_routers_own_entries_at_once(a
         assert mirror.sync_once()
         assert index.match(blocks) == {"a": Match(6, 0)}
         assert index.replicas() == ["a"]
+    finally:
+        mirror.close()
+
+
+def test_a_router_alone_keeps_its_speculative_entries_in_its_copy(actor):
+    """No other router reads the actor's index: the entry goes into the copy only, without
+    an actor call; once the copy counts another router, entries reach the actor too."""
+    blocks = chain(4)
+    actor.index.heartbeat("a", 0)
+    mirror = _mirror(actor)
+    writer = ActorIndexClient("app", RouterConfig())
+    writer._actor = actor
+    index = MirroredIndex(mirror, writer)
+    try:
+        assert mirror.sync_once() and mirror.alone()
+        index.record_speculative("a", blocks, ttl_s=30.0)
+        assert index.match(blocks) == {"a": Match(4, 0)}  # its own copy has it
+        assert actor.index.match(blocks) == {}  # the actor was not called
+        actor.board.report("other", 1, LoadSnapshot(), ttl_s=10.0)
+        assert mirror.sync_once() and not mirror.alone()
+        index.record_speculative("a", blocks, ttl_s=30.0)
+        assert actor.index.match(blocks) == {"a": Match(4, 0)}
     finally:
         mirror.close()
 
