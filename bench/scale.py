@@ -24,7 +24,7 @@ hit rate that was pulled (``prefixserve:kv_pull_tokens_total``).
 waits until ``/health`` answers and ``/metrics`` shows all N engine replicas, sends a few
 one-block-short warm-up requests (nothing cacheable), measures every process's idle CPU for
 ``--idle-s`` seconds (psutil over the server's process tree, by kind as
-``bench/serve_path.py`` names them), then drives the workload and stops the cluster
+``bench/serve_path.py`` names them, and per process label in the JSON), then drives the workload and stops the cluster
 (SIGINT, then SIGTERM and SIGKILL to its process group: ``bench/serve/processes.py``).
 
 Workload: the simulator's own (``bench/sim/workloads.py``, ``WorkloadScale`` with the same
@@ -567,6 +567,12 @@ ROUTER_HISTOGRAMS = (
 """(row key, ``/metrics`` histogram) of the routers' latencies a cell reports over its load."""
 
 
+def _same(label: str) -> str:
+    """A process's own label as its kind: ``cpu_rates`` per process (Serve's controller, the
+    GCS, the index actor, every replica of a deployment summed)."""
+    return label
+
+
 def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: int) -> dict:
     """One fresh cluster: start, warm up, idle CPU, the load, stop. The row's real half."""
     from bench.host_probe import HostProbe
@@ -621,8 +627,10 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
         out["memory_used_mb"] = used_memory_mb()
         c0 = srv.cpu_by_process()
         time.sleep(args.idle_s)
-        idle = cpu_rates(c0, srv.cpu_by_process(), args.idle_s, cpu_kind)
+        c_idle = srv.cpu_by_process()
+        idle = cpu_rates(c0, c_idle, args.idle_s, cpu_kind)
         out["idle_cpu_s_per_s"] = idle
+        out["idle_cpu_s_per_s_by_process"] = cpu_rates(c0, c_idle, args.idle_s, _same)
         out["idle_cpu_s_per_s_per_engine_replica"] = round(
             (idle.get("replica", 0.0) + idle.get("engine", 0.0)) / plan.replicas, 4
         )
@@ -637,9 +645,9 @@ def run_real(args, plan: CellPlan, policy: str, index: str, folder: str, vocab: 
             )
         finally:
             out["host_burst"] = probe.stop()
-        out["load_cpu_s_per_s"] = cpu_rates(
-            c1, srv.cpu_by_process(), time.monotonic() - t1, cpu_kind
-        )
+        c_load, load_s = srv.cpu_by_process(), time.monotonic() - t1
+        out["load_cpu_s_per_s"] = cpu_rates(c1, c_load, load_s, cpu_kind)
+        out["load_cpu_s_per_s_by_process"] = cpu_rates(c1, c_load, load_s, _same)
         time.sleep(METRICS_SETTLE_S)
         text1 = _metrics_text(base)
         out["preemptions"] = int(
