@@ -24,8 +24,9 @@ hit rate that was pulled (``prefixserve:kv_pull_tokens_total``).
 waits until ``/health`` answers and ``/metrics`` shows all N engine replicas, sends a few
 one-block-short warm-up requests (nothing cacheable), measures every process's idle CPU for
 ``--idle-s`` seconds (psutil over the server's process tree, by kind as
-``bench/serve_path.py`` names them, and per process label in the JSON), then drives the workload and stops the cluster
-(SIGINT, then SIGTERM and SIGKILL to its process group: ``bench/serve/processes.py``).
+``bench/serve_path.py`` names them, and per process label in the JSON), then drives the
+workload and stops the cluster (SIGINT, then SIGTERM and SIGKILL to its process group:
+``bench/serve/processes.py``).
 
 Workload: the simulator's own (``bench/sim/workloads.py``, ``WorkloadScale`` with the same
 size, seed, ``--capacity-blocks`` and ``--requests-per-replica``; ``generated_shared_prefix``
