@@ -67,10 +67,11 @@ SERVE_ENV = {
     # would see.
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     # How often Serve's controller reconciles: every 0.5 s, not Serve's 0.1 s. Each pass asks
-    # the GCS for the nodes and copies every application's target state, so at 0.1 s the
-    # controller and the GCS spend a twentieth of a core on an idle cluster. What the loop
-    # reacts to is slower than 0.5 s anyway: health checks every HEALTH_CHECK_PERIOD_S,
-    # autoscaling over seconds; routers drop a dead replica on their own first failed call.
+    # the GCS for the nodes and deep-copies every application's target state, so at 0.1 s the
+    # controller and the GCS spend about twice the CPU they do at 0.5 s, idle or loaded
+    # (bench/README.md, Scale). What the loop reacts to is slower than 0.5 s anyway: health
+    # checks every HEALTH_CHECK_PERIOD_S, autoscaling over seconds; routers drop a dead
+    # replica on their own first failed call.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 # How often Serve collects each replica's routing stats (queue, prefill rate) for the

@@ -321,7 +321,7 @@ class Ingress:
     async def _relay(self, items, builder: ResponseBuilder, arrival_s: float, events_of):
         """The SSE events ``events_of(index, output)`` makes of each replica output, joined
         into one chunk per list of outputs that arrived together (each token keeps its own
-        event; a client that fell behind gets them in one write); a failure mid-stream
+        event; what piled up while this ingress was busy goes in one write); a failure mid-stream
         becomes one error event and ends the stream (``builder.failed`` says so)."""
         builder.failed = False
         try:

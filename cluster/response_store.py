@@ -70,6 +70,7 @@ def store_actor(app_name: str):
     the rest (``get_if_exists``)."""
     import ray
 
-    # No task events, like the index actor's (cluster/index_actor.py): a call per request.
+    # No task events, like the index actor's (cluster/index_actor.py): a call per stored
+    # response.
     actor_cls = ray.remote(num_cpus=0, enable_task_events=False)(ResponseStore)
     return actor_cls.options(name=f"prefixserve-responses-{app_name}", get_if_exists=True).remote()
