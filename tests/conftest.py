@@ -75,8 +75,11 @@ def pytest_runtest_makereport(item, call):
 
 TESTS_DIR = Path(__file__).resolve().parent
 RAY_TEST_PATHS = (
-    "chaos/",
-    "cluster/",
+    "chaos/test_faults.py",
+    "cluster/tiny/",
+    "cluster/test_kv_pull_serve.py",
+    "cluster/test_prefix_routing.py",
+    "cluster/test_tp_health.py",
     "e2e/",
 )
 """Tests (folders and modules, relative to tests/) that start Ray, a Serve app or a
@@ -84,9 +87,11 @@ RAY_TEST_PATHS = (
 (``-n 2 --dist loadgroup``); these all go to one of them, in turn, so at most one Ray cluster
 runs at a time (two would fight over Ray's system processes, whose priority
 ``cluster/priority.py`` sets by name, and over a 2-core machine's time), and a folder's shared
-cluster (tests/cluster/tiny, tests/chaos) starts once. The other worker takes everything else:
-the kernels, the engine, the router, the charts, which spend CPU where the Ray tests mostly
-wait for processes to start, fail over and drain."""
+cluster (tests/cluster/tiny) starts once. The other worker takes everything else: the kernels,
+the engine, the router, the charts, the cluster's parts tested in one process (the ingress's
+response building, a replica without Serve), which spend CPU where the Ray tests mostly wait
+for processes to start, fail over and drain. ``tests/test_xdist_groups.py`` fails on a module
+that starts Ray outside this list."""
 
 
 def is_ray_test(path: Path) -> bool:

@@ -1,16 +1,17 @@
 """Prefix-aware routing in a real local cluster: more cached tokens than round robin, and an
 index that dies costs routing quality, never serving.
 
-One Ray instance (loopback only) serves the module. Each routing policy gets its own
-application of 2 tiny-llama replicas; the same shared-prefix workload (5 long system prompts x
-3 questions, sent one at a time, round by round) goes through the OpenAI API and the test sums
-``usage.prompt_tokens_details.cached_tokens``. A third application routes through a real
-``redis-server`` index, which is stopped and started again under it. With 5 prompts alternating
-over 2 replicas, round robin sends every second request of a prompt to the replica that has not
-seen it; prefix routing sends them all to the one that has. Every application runs 2 ingress
-replicas (the default with 2 engine replicas), each with its own router: a prefix first routed
-by one must reach the same engine replica through the other, since both read the one index. The
-ingress also serves CORS and a root_path there.
+One Ray instance (loopback only) serves the module. Each routing policy gets its own application
+of 2 tiny-llama replicas; the same shared-prefix workload (5 long system prompts x 3 questions,
+sent one at a time, round by round) goes through the OpenAI API and the test sums
+``usage.prompt_tokens_details.cached_tokens``; the prefix policy's application also serves two
+LoRA adapters, whose requests gather on the replica that loaded each. A third application routes
+through a real ``redis-server`` index, which is stopped and started again under it. With 5
+prompts alternating over 2 replicas, round robin sends every second request of a prompt to the
+replica that has not seen it; prefix routing sends them all to the one that has. Every
+application runs 2 ingress replicas (the default with 2 engine replicas), each with its own
+router: a prefix first routed by one must reach the same engine replica through the other, since
+both read the one index. The ingress also serves CORS and a root_path there.
 
 The first two tests need no Ray: the replica's KV stream re-announces what it holds to an index
 that lost it, and the router metrics of a process render as Prometheus series.
@@ -170,8 +171,6 @@ def _start_app(
     from cluster.app import build_app
 
     name = f"routing-{policy}" if redis_url is None else "routing-redis"
-    if lora_modules:
-        name = "routing-lora"
     router = {"policy": policy}
     if redis_url is not None:
         # 50 ms (the default) is tight for a Python thread on 2 busy CI cores.
@@ -234,24 +233,40 @@ def _complete(url: str, prompt: list[int]) -> httpx.Response:
     return response
 
 
-def _cached_tokens(url: str, prompts: list[list[int]]) -> int:
+def _cached_tokens(url: str, prompts: list[list[int]], think_time_s: float = THINK_TIME_S) -> int:
     num_cached_tokens = 0
     for prompt in prompts:
         usage = _complete(url, prompt).json()["usage"]
         num_cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
-        time.sleep(THINK_TIME_S)
+        time.sleep(think_time_s)
     return num_cached_tokens
 
 
 @pytest.fixture(scope="module")
-def cached_by_policy(ray_cluster) -> dict[str, int]:
-    """Cached prompt tokens of the same workload under each policy (fresh replicas each)."""
+def adapters(ray_cluster, tmp_path_factory) -> dict[str, str]:
+    """Two random LoRA adapters of the tiny model (``sql`` and ``chat``), which the prefix
+    policy's application serves."""
+    from worker.testing import write_random_adapter
+
+    model, _ = ray_cluster
+    folder = tmp_path_factory.mktemp("adapters")
+    return {
+        name: write_random_adapter(model, folder / name, rank=8, seed=seed)
+        for seed, name in enumerate(("sql", "chat"))
+    }
+
+
+@pytest.fixture(scope="module")
+def cached_by_policy(ray_cluster, adapters) -> dict[str, int]:
+    """Cached prompt tokens of the same workload under each policy (fresh replicas each).
+    Round robin reads no load, so its requests need no think time between them; the prefix
+    policy's application stays up for the tests that follow (and serves the adapters)."""
     model, port = ray_cluster
-    results = {}
-    for policy in ("round_robin", "prefix"):
-        url = _start_app(model, port, policy)
-        results[policy] = _cached_tokens(url, _workload(seed=1))
-        print(f"cached tokens with {policy}: {results[policy]}")
+    url = _start_app(model, port, "round_robin")
+    results = {"round_robin": _cached_tokens(url, _workload(seed=1), think_time_s=0.0)}
+    url = _start_app(model, port, "prefix", lora_modules=adapters)
+    results["prefix"] = _cached_tokens(url, _workload(seed=1))
+    print(f"cached tokens by policy: {results}")
     return results
 
 
@@ -330,6 +345,31 @@ def test_two_ingress_replicas_send_a_prefix_to_the_same_engine_replica(
     assert len({index for index, _, _ in crossed}) >= NUM_CROSSED_PROMPTS, (first, crossed)
     # Two views of the prefixes would agree by chance about half the time.
     assert all(first_engine == engine for _, first_engine, engine in crossed), (first, crossed)
+
+
+@pytest.mark.slow
+def test_an_adapters_requests_gather_on_the_replica_that_holds_it(
+    ray_cluster, adapters, cached_by_policy
+):
+    """Two LoRA adapters on 2 replicas, prompts that share no block: once an adapter's first
+    request has loaded it on one replica, the prefix policy sends its later requests there,
+    through either ingress replica (the other replica would pay the adapter's load first)."""
+    url = f"http://127.0.0.1:{ray_cluster[1]}"
+    rng = random.Random(3)
+    served: dict[str, list[str]] = {name: [] for name in adapters}
+    for _ in range(4):
+        for name in adapters:
+            prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(QUESTION_TOKENS)]
+            response = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+            served[name].append(response.headers[REPLICA_HEADER])
+            time.sleep(ADAPTER_THINK_TIME_S)
+    for name, replicas in served.items():
+        assert set(replicas) == {replicas[0]}, (name, replicas)
 
 
 @pytest.mark.slow
@@ -480,33 +520,3 @@ def test_redis_index_routes_and_relearns_after_redis_restarts(ray_cluster, tmp_p
         serve.delete("routing-redis")
     finally:
         redis_server.stop()
-
-
-def test_an_adapters_requests_gather_on_the_replica_that_holds_it(ray_cluster, tmp_path_factory):
-    """Two LoRA adapters on 2 replicas, prompts that share no block: once an adapter's first
-    request has loaded it on one replica, the prefix policy sends its later requests there,
-    through either ingress replica (the other replica would pay the adapter's load first)."""
-    from worker.testing import write_random_adapter
-
-    model, port = ray_cluster
-    folder = tmp_path_factory.mktemp("adapters")
-    adapters = {
-        name: write_random_adapter(model, folder / name, rank=8, seed=seed)
-        for seed, name in enumerate(("sql", "chat"))
-    }
-    url = _start_app(model, port, "prefix", lora_modules=adapters)
-    rng = random.Random(3)
-    served: dict[str, list[str]] = {name: [] for name in adapters}
-    for _ in range(4):
-        for name in adapters:
-            prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(QUESTION_TOKENS)]
-            response = httpx.post(
-                f"{url}/v1/completions",
-                json={"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0},
-                timeout=60,
-            )
-            assert response.status_code == 200, response.text
-            served[name].append(response.headers[REPLICA_HEADER])
-            time.sleep(ADAPTER_THINK_TIME_S)
-    for name, replicas in served.items():
-        assert set(replicas) == {replicas[0]}, (name, replicas)
