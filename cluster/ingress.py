@@ -193,7 +193,7 @@ class Ingress:
         await adapters.refresh()
         # The model's generation_config.json fills sampling fields a request leaves unset.
         self.tokenizer, self.generation_defaults = await asyncio.to_thread(
-            load_frontend, self.engine_config
+            load_frontend, self.engine_config, info["tokenizer_class"]
         )
         # A template that ignores `tools` gets them written into the system message instead.
         self.template_renders_tools = await asyncio.to_thread(

@@ -474,6 +474,7 @@ class EngineReplica:
             "max_model_len": self.engine.max_model_len,
             "block_size": self.engine.block_size,
             "vocab_size": self.engine.tokenizer_vocab_size,
+            "tokenizer_class": self.engine.tokenizer_class,
         }
 
     async def _push_metrics_forever(self) -> None:

@@ -103,6 +103,7 @@ class AsyncEngine:
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
         self.tokenizer_vocab_size = info.tokenizer_vocab_size
+        self.tokenizer_class = info.tokenizer_class
         self._streams: dict[str, _Stream] = {}
         self._kv_batches: deque[KVEventBatch] = deque(maxlen=MAX_BUFFERED_KV_BATCHES)
         self._stats = ReplicaStats()

@@ -80,6 +80,8 @@ class EngineInfo:
     """What block hashes are seeded with (``router.protocol.cache_namespace``)."""
     tokenizer_vocab_size: int
     """Token ids the tokenizer knows (may differ from the model's ``vocab_size``)."""
+    tokenizer_class: str
+    """transformers' class of the tokenizer (``Tokenizer.backend_class``)."""
 
 
 @dataclass
@@ -146,6 +148,7 @@ def info_of(engine: LLMEngine) -> EngineInfo:
         engine.pool.num_blocks * engine.block_size,
         engine.cache_namespace,
         engine.tokenizer.vocab_size,
+        engine.tokenizer.backend_class,
     )
 
 

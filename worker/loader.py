@@ -212,10 +212,12 @@ def load_tokenizer(
     *,
     model_path: str | None = None,
     chat_template: bool = True,
+    backend_class: str | None = None,
 ):
     """The tokenizer (``worker.tokenizer.Tokenizer``) a config names, with its chat template
     override (``chat_template=False``: the model's own, for a process that never renders
-    one). A bare model string stands for ``EngineConfig(model=..., cache_dir=...)``."""
+    one). A bare model string stands for ``EngineConfig(model=..., cache_dir=...)``;
+    ``backend_class``: transformers' class to load (``worker.tokenizer.load_backend``)."""
     from worker.tokenizer import Tokenizer, read_chat_template
 
     if isinstance(config, str):
@@ -223,16 +225,18 @@ def load_tokenizer(
     template = (
         read_chat_template(config.chat_template) if chat_template and config.chat_template else None
     )
-    return Tokenizer(tokenizer_path(config, model_path), chat_template=template)
+    return Tokenizer(
+        tokenizer_path(config, model_path), chat_template=template, backend_class=backend_class
+    )
 
 
-def load_frontend(config: EngineConfig):
+def load_frontend(config: EngineConfig, tokenizer_class: str | None = None):
     """What a process that only tokenizes and builds ``SamplingParams`` needs (the ingress):
     the tokenizer with the chat template override, and the model's generation defaults
-    (``worker/generation_defaults.py``). Downloads no weights."""
+    (``worker/generation_defaults.py``). Downloads no weights. ``tokenizer_class``: the
+    engine's ``Tokenizer.backend_class``, which spares this process torch."""
     from worker.generation_defaults import load_generation_defaults
 
     model_path = resolve_engine_model(config, weights=False).path
-    return load_tokenizer(config, model_path=model_path), load_generation_defaults(
-        config, model_path
-    )
+    tokenizer = load_tokenizer(config, model_path=model_path, backend_class=tokenizer_class)
+    return tokenizer, load_generation_defaults(config, model_path)

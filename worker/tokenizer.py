@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import codecs
 import functools
+import importlib
 import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-
-from transformers import AutoTokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"
 _PREFIX_WINDOW_TOKENS = 6
@@ -119,11 +118,31 @@ def byte_level_table(backend) -> list[bytes] | None:
     return table
 
 
+def load_backend(path: str, backend_class: str | None = None):
+    """transformers' tokenizer for the folder ``path``: of the class ``backend_class`` names
+    (``module:QualName``, what ``Tokenizer.backend_class`` reports) when it is one of
+    transformers' own, else whatever ``AutoTokenizer`` picks.
+
+    ``AutoTokenizer`` reads the model's config to choose, which imports torch (seconds of CPU
+    and a few hundred MB); a process that only tokenizes (the ingress) is told the class the
+    engine's ``AutoTokenizer`` chose and loads it directly, the same way, without torch."""
+    if backend_class is not None:
+        module_name, _, qualname = backend_class.partition(":")
+        if module_name.startswith("transformers.") and qualname and "." not in qualname:
+            return getattr(importlib.import_module(module_name), qualname).from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class Tokenizer:
-    def __init__(self, path: str, chat_template: str | None = None):
-        """``chat_template``: Jinja source replacing the model's own (``read_chat_template``)."""
+    def __init__(
+        self, path: str, chat_template: str | None = None, backend_class: str | None = None
+    ):
+        """``chat_template``: Jinja source replacing the model's own (``read_chat_template``);
+        ``backend_class``: transformers' tokenizer class to load (``load_backend``)."""
         self.path = path
-        self._tok = AutoTokenizer.from_pretrained(path)
+        self._tok = load_backend(path, backend_class)
         if chat_template is not None:
             self._tok.chat_template = chat_template
         self.vocab_size = len(self._tok)
@@ -139,6 +158,12 @@ class Tokenizer:
         """The Rust tokenizer's own ``decode``, where transformers' wrapper would only add its
         argument handling (no space clean-up to apply): the detokenizer decodes twice per
         output token, and the wrapper doubles what that costs."""
+
+    @property
+    def backend_class(self) -> str:
+        """transformers' class behind this tokenizer, as ``load_backend`` takes it."""
+        cls = type(self._tok)
+        return f"{cls.__module__}:{cls.__qualname__}"
 
     @functools.cached_property
     def token_bytes(self) -> list[bytes] | None:
