@@ -36,8 +36,9 @@ from router.publisher import KVEventPublisher
 log = logging.getLogger("ray.serve")
 
 # Often enough that a sibling request rarely arrives before its prefix is indexed (the
-# router's speculative entries cover that gap).
-DRAIN_PERIOD_S = 0.05
+# router's speculative entries cover that gap), rarely enough that the index calls stay a small
+# share of a busy replica's CPU (each is a Ray actor call, on the replica and on the index).
+DRAIN_PERIOD_S = 0.1
 # Drains that find nothing double the wait up to this: an idle replica wakes once a second
 # instead of twenty times, and the first events after a pause wait at most this long (the
 # router's speculative entries, which live for seconds, stand in for them meanwhile).
