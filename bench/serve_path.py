@@ -42,7 +42,9 @@ sequences' prompt and output, and ``--max-ongoing-requests``/``--max-queued-requ
 ``--max-waiting-requests`` above the largest concurrency, so nothing is refused with 429. A
 server starts fresh per (engine, system), is reused for that pair's concurrencies (a Ray
 cluster takes ~20 s to start; only one runs at a time) and is warmed up by a burst of short
-requests (retried while it answers 429/503 or fails) before the first measured run.
+requests (retried while it answers 429/503 or fails) before the first measured run. The
+served systems get ``--stream-interval`` as given (default 1: a message per token); the bare
+server streams every token.
 
 Workload: ``--requests-per-concurrency`` x c requests per run (default 2 x c), c in flight
 (a semaphore), each a fresh seeded random prompt of ``--prompt-tokens`` token ids (the same
@@ -134,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="smoke: c=8, 16 requests, 16 tokens")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--log-dir", type=Path, default=None, help="default $TMPDIR/serve_path_logs")
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the served systems' --stream-interval (tokens per message from a replica; the "
+        "bare server streams every token)",
+    )
     ap.add_argument("--startup-timeout-s", type=float, default=300.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     return ap
@@ -162,6 +171,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--concurrency: at least one value, each >= 1")
     if min(args.requests_per_concurrency, args.prompt_tokens, args.output_tokens) < 1:
         ap.error("--requests-per-concurrency, --prompt-tokens and --output-tokens must be >= 1")
+    if args.stream_interval < 1:
+        ap.error("--stream-interval must be >= 1")
     args.engines = _names(ap, "--engines", args.engines, ENGINES)
     args.systems = _names(ap, "--systems", args.systems, SYSTEMS)
     return args
@@ -286,6 +297,7 @@ def server_argv(engine: str, system: str, model: str, port: int, args) -> list[s
         "--max-ongoing-requests", str(max(*args.concurrency, seqs)), "--max-queued-requests", limit,
         *(["--direct-ingress"] if system.startswith("direct") else []),
         *(["--handle-transport", "ray"] if system.endswith(RAY_TRANSPORT) else []),
+        "--stream-interval", str(args.stream_interval),
     ]  # fmt: skip
 
 
@@ -495,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "ignore_eos": True,
             "temperature": 0,
+            "stream_interval": args.stream_interval,
         },
         "engines": {
             e: {
