@@ -18,7 +18,8 @@ def test_flags_and_quick_defaults():
     args = serve_path.parse_args(["--concurrency", "4,32", "--output-tokens", "3"])
     assert (args.concurrency, args.output_tokens, args.prompt_tokens) == ([4, 32], 3, 32)
     assert serve_path.parse_args([]).concurrency == [64, 256, 1024]
-    for bad in (["--systems", "vllm"], ["--engines", ""], ["--concurrency", "0"]):
+    bad_flags = (["--systems", "vllm"], ["--engines", ""], ["--concurrency", "0"])
+    for bad in (*bad_flags, ["--stream-interval", "0"]):
         with pytest.raises(SystemExit):
             serve_path.parse_args(bad)
 
@@ -34,6 +35,11 @@ def test_served_command_lines_leave_room_for_the_largest_concurrency():
     assert int(flags["--max-queued-requests"]) >= 1024
     assert int(flags["--num-kv-blocks"]) >= 256 * (32 + 128) // 16
     assert "--direct-ingress" not in argv
+    assert flags["--stream-interval"] == "1"  # a message per token unless asked
+    every_4 = serve_path.parse_args(["--stream-interval", "4"])
+    assert "--stream-interval 4" in " ".join(
+        serve_path.server_argv("sim", "direct1", "/m", 1, every_4)
+    )
     direct = serve_path.server_argv("sim", "direct2", "/m", 8000, args)
     assert "--direct-ingress" in direct and direct[direct.index("--num-replicas") + 1] == "2"
     assert "--handle-transport" not in direct
@@ -42,6 +48,7 @@ def test_served_command_lines_leave_room_for_the_largest_concurrency():
     assert serve_path.num_replicas("direct1-ray") == 1
     bare = serve_path.server_argv("tiny", "bare", "/m", 8000, args)
     assert bare[1:3] == ["-m", "bench.bare_server"] and "--engine" not in bare
+    assert "--stream-interval" not in bare  # it streams every token
 
 
 def test_cpu_kinds_name_every_served_process():
