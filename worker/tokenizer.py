@@ -23,10 +23,12 @@ import codecs
 import functools
 import importlib
 import json
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 _REPLACEMENT_CHAR = "\ufffd"
 _PREFIX_WINDOW_TOKENS = 6
 """Tokens of left context decoded with the new ones, so merges at the boundary are right."""
@@ -125,11 +127,17 @@ def load_backend(path: str, backend_class: str | None = None):
 
     ``AutoTokenizer`` reads the model's config to choose, which imports torch (seconds of CPU
     and a few hundred MB); a process that only tokenizes (the ingress) is told the class the
-    engine's ``AutoTokenizer`` chose and loads it directly, the same way, without torch."""
+    engine's ``AutoTokenizer`` chose and loads it directly, the same way, without torch. A class
+    this process's transformers lacks (another version than the engine's) falls back too."""
     if backend_class is not None:
         module_name, _, qualname = backend_class.partition(":")
         if module_name.startswith("transformers.") and qualname and "." not in qualname:
-            return getattr(importlib.import_module(module_name), qualname).from_pretrained(path)
+            try:
+                cls = getattr(importlib.import_module(module_name), qualname)
+            except (ImportError, AttributeError):
+                log.warning("tokenizer class %s not found here; using AutoTokenizer", backend_class)
+            else:
+                return cls.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -58,7 +58,9 @@ def test_the_named_class_loads_the_tokenizer_auto_tokenizer_loads(model, smollm2
     _same_tokenizer(auto, Tokenizer(path, backend_class=auto.backend_class))
 
 
-@pytest.mark.parametrize("named", ["json:JSONDecoder", "transformers.nothing", None])
+@pytest.mark.parametrize(
+    "named", ["json:JSONDecoder", "transformers.nothing", "transformers.no_such_module:X", None]
+)
 def test_a_class_outside_transformers_or_none_falls_back_to_auto_tokenizer(named, smollm2_path):
     _same_tokenizer(Tokenizer(smollm2_path), Tokenizer(smollm2_path, backend_class=named))
 
