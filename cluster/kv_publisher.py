@@ -40,7 +40,7 @@ log = logging.getLogger("ray.serve")
 # share of a busy replica's CPU (each is a Ray actor call, on the replica and on the index).
 DRAIN_PERIOD_S = 0.1
 # Drains that find nothing double the wait up to this: an idle replica wakes once a second
-# instead of twenty times, and the first events after a pause wait at most this long (the
+# instead of ten times, and the first events after a pause wait at most this long (the
 # router's speculative entries, which live for seconds, stand in for them meanwhile).
 IDLE_DRAIN_PERIOD_S = 1.0
 # A heartbeat every quarter of the timeout: three may be lost before the replica is dead.
