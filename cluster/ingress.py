@@ -52,8 +52,8 @@ from cluster.lora_adapters import (
     UnloadLoRAAdapterRequest,
 )
 from cluster.metrics import (
-    METRICS_PUSH_PERIOD_S,
     any_replica_serving,
+    push_snapshots_forever,
     router_metrics_snapshot,
 )
 from cluster.metrics_render import render_prometheus
@@ -710,14 +710,13 @@ class Ingress:
         return snapshot
 
     async def _push_metrics_forever(self) -> None:
-        while True:
-            try:
-                await self._hub.report_ingress.remote(self._ingress_id, self._metrics_snapshot())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the hub restarting costs metrics, never serving
-                log.debug("metrics push failed: %s", exc)
-            await asyncio.sleep(METRICS_PUSH_PERIOD_S)
+        """This ingress's counts to the hub (``push_snapshots_forever``: an idle ingress's
+        do not change, so it pushes them every few seconds, not every second)."""
+        await push_snapshots_forever(
+            lambda snapshot: self._hub.report_ingress.remote(self._ingress_id, snapshot),
+            self._metrics_snapshot,
+            "ingress",
+        )
 
     async def __del__(self) -> None:
         """Serve's shutdown: the last counts go to the hub, which keeps them."""

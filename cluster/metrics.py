@@ -1,8 +1,9 @@
 """All Prometheus export: vLLM's series names under a prefix (``prefixserve:`` or
 ``--metrics-prefix``).
 
-Two kinds of process count, and both push plain snapshots every ``METRICS_PUSH_PERIOD_S``
-to the one ``MetricsHub`` deployment of the application:
+Two kinds of process count, and both push plain snapshots to the one ``MetricsHub``
+deployment of the application (``push_snapshots_forever``: every ``METRICS_PUSH_PERIOD_S``
+while they change, every ``UNCHANGED_PUSH_S`` while they do not):
 
 - Each engine replica (``ReplicaMetrics``): the engine's counters and gauges
   (``AsyncEngine.metrics()``) and the engine-side histograms (inter-token latency, prefill,
@@ -31,6 +32,8 @@ them from there.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import weakref
 
@@ -38,6 +41,8 @@ from ray import serve
 
 from cluster.priority import lower_own_priority
 from router.metrics import merge_snapshots
+
+log = logging.getLogger("ray.serve")
 
 # The request routers (``cluster.request_router``) alive in this process, for /metrics. Kept
 # here because Serve ships the router class to a handle's process pickled by value, with
@@ -68,8 +73,29 @@ METRICS_PUSH_PERIOD_S = 1.0
 # Three missed pushes: the replica is gone (or hung) and no longer counts as serving.
 STALE_AFTER_S = 3 * METRICS_PUSH_PERIOD_S + 2.0
 UNCHANGED_PUSH_S = 3 * METRICS_PUSH_PERIOD_S
-"""An engine replica whose snapshot has not changed pushes it again only this often (an idle
-replica's metrics do not move); under ``STALE_AFTER_S``, so the hub keeps its series."""
+"""A process whose snapshot has not changed pushes it again only this often (an idle
+process's metrics do not move, and each push is a Serve call on both sides); under
+``STALE_AFTER_S``, so the hub keeps an engine replica's series, and soon enough that a
+restarted hub has every snapshot again within seconds."""
+
+
+async def push_snapshots_forever(push, snapshot, what: str) -> None:
+    """Calls ``await push(snapshot())`` every ``METRICS_PUSH_PERIOD_S`` while the snapshot
+    changes, and every ``UNCHANGED_PUSH_S`` while it does not. A failed push (the hub
+    restarting) is logged at debug and retried next period: it costs metrics, never serving."""
+    last, last_push_s = None, 0.0
+    while True:
+        current = snapshot()
+        now_s = time.monotonic()
+        if current != last or now_s - last_push_s >= UNCHANGED_PUSH_S:
+            try:
+                await push(current)
+                last, last_push_s = current, now_s
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("%s metrics push failed: %s", what, exc)
+        await asyncio.sleep(METRICS_PUSH_PERIOD_S)
 
 
 @serve.deployment(

@@ -47,7 +47,7 @@ from cluster.ingress_channel import IngressChannels
 from cluster.kv_publisher import ReplicaKVPublisher
 from cluster.kv_pull import ReplicaKVPuller, SimulatedLink
 from cluster.lora_adapters import AdapterRecord, ReplicaAdapterSync, replica_result
-from cluster.metrics import METRICS_PUSH_PERIOD_S, UNCHANGED_PUSH_S
+from cluster.metrics import push_snapshots_forever
 from cluster.metrics_snapshots import ReplicaMetrics
 from cluster.push_socket import PushConnection
 from cluster.serve_compat import peer_replica
@@ -478,23 +478,15 @@ class EngineReplica:
         }
 
     async def _push_metrics_forever(self) -> None:
-        """The metrics snapshot to the hub every ``METRICS_PUSH_PERIOD_S``; an unchanged one
-        only every ``UNCHANGED_PUSH_S`` (an idle replica's calls are most of its idle CPU)."""
+        """The metrics snapshot to the hub (``push_snapshots_forever``: an idle replica's
+        pushes are most of its idle calls)."""
         if self._hub is None:
             return
-        last, last_push_s = None, 0.0
-        while True:
-            snapshot = self.metrics_snapshot()
-            now_s = time.monotonic()
-            if snapshot != last or now_s - last_push_s >= UNCHANGED_PUSH_S:
-                try:
-                    await self._hub.report.remote(self.replica_id, snapshot)
-                    last, last_push_s = snapshot, now_s
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the hub restarting costs metrics, never serving
-                    log.debug("metrics push failed: %s", exc)
-            await asyncio.sleep(METRICS_PUSH_PERIOD_S)
+        await push_snapshots_forever(
+            lambda snapshot: self._hub.report.remote(self.replica_id, snapshot),
+            self.metrics_snapshot,
+            "replica",
+        )
 
     async def begin_drain(self, grace_s: float) -> None:
         """The drain order of ``prefixserve serve`` (Ctrl-C, SIGTERM), called on this

@@ -206,36 +206,46 @@ def test_metrics_prefix_flag_and_field():
     assert cluster.prometheus_prefix == "vllm:"
 
 
-def test_a_replica_pushes_a_changed_snapshot_at_once_and_an_unchanged_one_every_few_seconds(
-    monkeypatch,
+@pytest.mark.parametrize("process", ["replica", "ingress"])
+def test_a_process_pushes_a_changed_snapshot_at_once_and_an_unchanged_one_every_few_seconds(
+    process, monkeypatch
 ):
-    """Its push loop, on a fake clock: what changed goes every period; what did not, only every
+    """The engine replica's and the ingress's push loops (``push_snapshots_forever``), on a
+    fake clock: what changed goes every period; what did not, only every
     ``UNCHANGED_PUSH_S``, so the hub (``STALE_AFTER_S``) keeps the series of an idle replica."""
-    import asyncio
-
-    from cluster import replica as replica_module
+    from cluster.ingress import Ingress
 
     assert metrics.UNCHANGED_PUSH_S < metrics.STALE_AFTER_S
     clock = {"now": 0.0}
     snapshots = iter([{"n": 1}] * 5 + [{"n": 2}] + [{"n": 2}] * 4)
-    pushed: list[tuple[float, dict]] = []
+    pushed: list[tuple[float, str, dict]] = []
 
-    class Hub:
-        class report:  # noqa: N801 - Ray's actor method shape: hub.report.remote(...)
-            @staticmethod
-            async def remote(replica_id, snapshot):
-                pushed.append((clock["now"], snapshot))
+    class Method:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def remote(self, sender_id, snapshot):  # Ray's shape: hub.report.remote(...)
+            pushed.append((clock["now"], f"{self.name}:{sender_id}", snapshot))
 
     async def sleep(seconds):
         clock["now"] += seconds
         if clock["now"] >= 10:
             raise asyncio.CancelledError
 
-    monkeypatch.setattr(replica_module.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(replica_module.asyncio, "sleep", sleep)
-    fake = SimpleNamespace(_hub=Hub(), replica_id="r1", metrics_snapshot=lambda: next(snapshots))
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(metrics.asyncio, "sleep", sleep)
+    hub = SimpleNamespace(report=Method("report"), report_ingress=Method("report_ingress"))
+    if process == "replica":
+        fake = SimpleNamespace(_hub=hub, replica_id="r1", metrics_snapshot=lambda: next(snapshots))
+        loop, sender = EngineReplica.func_or_class._push_metrics_forever(fake), "report:r1"
+    else:
+        fake = SimpleNamespace(
+            _hub=hub, _ingress_id="i1", _metrics_snapshot=lambda: next(snapshots)
+        )
+        loop, sender = Ingress.func_or_class._push_metrics_forever(fake), "report_ingress:i1"
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(EngineReplica.func_or_class._push_metrics_forever(fake))
+        asyncio.run(loop)
     # Unchanged: pushed at 0 and 3; changed at 5; unchanged again: 8 (3 s after 5).
-    assert [t for t, _ in pushed] == [0.0, 3.0, 5.0, 8.0]
-    assert [s["n"] for _, s in pushed] == [1, 1, 2, 2]
+    assert [t for t, _, _ in pushed] == [0.0, 3.0, 5.0, 8.0]
+    assert {who for _, who, _ in pushed} == {sender}
+    assert [s["n"] for _, _, s in pushed] == [1, 1, 2, 2]
