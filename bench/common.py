@@ -4,8 +4,11 @@ SIGTERM handling and the warm-up retry.
 ``percentile`` is the one percentile of ``bench/``: linear interpolation between the closest
 ranks, numpy's and ``vllm bench serve``'s default, so every benchmark's p50/p90/p99 means the
 same thing. ``free_port`` (``free_ports``: several distinct ones) is a TCP port on 127.0.0.1
-that was free when asked (the caller binds it a moment later, so another process may take it
-in between; benchmarks and tests start their servers one at a time, which makes that rare).
+that was free when asked and that this process never handed out before (the caller binds it a
+moment later, so another process may take it in between; benchmarks and tests start their
+servers one at a time, which makes that rare). A port from an earlier call is never given again:
+the OS hands a just-closed port out again, so two draws for one cluster (its head's ports, then
+each node's) could otherwise collide.
 
 ``sigterm_unwinds`` makes a SIGTERM unwind the benchmark like Ctrl-C (``SystemExit`` 143 at
 the point it arrives), so the ``finally`` blocks that stop the servers it started run; on a
@@ -48,13 +51,27 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+# Every port free_ports handed out in this process (guarded by the lock: tests draw from threads).
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct such ports (held open together, so none repeats)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """``count`` distinct such ports: held open together, so none repeats, and none that an
+    earlier call returned."""
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        with _HANDED_OUT_LOCK:
+            while len(ports) < count:
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+                if port not in _HANDED_OUT:
+                    ports.append(port)
+            _HANDED_OUT.update(ports)
+        return ports
     finally:
         for sock in sockets:
             sock.close()

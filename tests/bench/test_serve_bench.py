@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bench import serve
-from bench.common import percentile
+from bench.common import free_ports, percentile
 from bench.loadgen.client import RequestSettings, request_body
 from bench.loadgen.workloads import make_chat_workload, requests_for
 
@@ -80,6 +80,14 @@ def _record(ttft, out_tokens=4, latency=None, cached=0, prompt=100, ok=True, tex
         "latency_s": latency if latency is not None else ttft + 0.03,
         "text": text,
     }
+
+
+def test_free_ports_never_hands_a_port_out_twice():
+    # A cluster draws its head's ports, then each node's: a port the OS reissues after an
+    # earlier draw closed it would be given to two of Ray's components. 2000 draws from the
+    # ephemeral range repeat dozens of times unless the earlier draws are remembered.
+    draws = [port for _ in range(40) for port in free_ports(50)]
+    assert len(set(draws)) == len(draws)
 
 
 def test_summary_math():
