@@ -212,7 +212,9 @@ def build_app_from_configs(
     replica_options = engine_replica_options(
         engine, cluster, router, ray_cluster_gpus(engine, cluster)
     )
-    engine_dict = dataclasses.asdict(engine)
+    engine_dict = dataclasses.asdict(
+        dataclasses.replace(engine, claim_cpus=cluster.engine_cpus_to_claim)
+    )
     replicas = EngineReplica.options(**replica_options).bind(
         engine_dict,
         hub,

@@ -329,6 +329,13 @@ FLAGS = [
         "http",
     ),
     (
+        "--engine-cpu-affinity", "cluster", "engine_cpu_affinity", None,
+        "Each engine process claims CPUs of its own on its node (the simulated engine one, a "
+        "CPU engine its --num-threads, within --num-cpus-per-replica; none on CUDA) while one "
+        "stays unclaimed; the ingress, relays, index and hub keep off them.",
+        "parallel",
+    ),
+    (
         "--support-nice", "cluster", "support_nice", int,
         "Nice steps below the engines for the processes off the request path (metrics hub, a "
         "local Ray's GCS, agents and Serve controller); 0: no change.",

@@ -109,6 +109,13 @@ class ClusterConfig:
     ``ray_address``) also gets Serve's proxy on gRPC to the ingress; a running cluster's proxy
     keeps what it was started with (``RAY_SERVE_PROXY_USE_GRPC``). A Ray whose Serve has no
     gRPC transport (2.50) calls by actor calls either way, with a warning."""
+    engine_cpu_affinity: bool = True
+    """Each engine process may claim CPUs of its own on its node, as many as its replica
+    reserves in Ray (``num_cpus_per_replica``, whole CPUs) and its loop uses (one for the
+    simulated engine, ``num_threads`` for a CPU engine; none on CUDA): pinned there, with the
+    ingress, the replicas' relays, the index and the hub kept off them. A claim that would
+    leave the node no unclaimed CPU is not made (``worker/cpu_claims.py``). False: nothing is
+    pinned."""
     support_nice: int = SUPPORT_NICE_DEFAULT
     """Nice steps (0-19, as ``nice -n``) below the engines for the processes off the request
     path: the metrics hub and, for a local cluster, Ray's GCS, agents and Serve controller.
@@ -281,6 +288,11 @@ class ClusterConfig:
             f"must be one of {', '.join(HANDLE_TRANSPORTS)}, got {self.handle_transport!r}",
         )
         need(
+            isinstance(self.engine_cpu_affinity, bool),
+            "engine_cpu_affinity",
+            f"must be true or false, got {self.engine_cpu_affinity!r}",
+        )
+        need(
             isinstance(self.expose_replica_headers, bool),
             "expose_replica_headers",
             f"must be true or false, got {self.expose_replica_headers!r}",
@@ -302,6 +314,12 @@ class ClusterConfig:
             "app_name",
             f"must be letters, digits, '-' or '_', got {self.app_name!r}",
         )
+
+    @property
+    def engine_cpus_to_claim(self) -> int:
+        """``EngineConfig.claim_cpus`` for this cluster's engines: the whole CPUs a replica
+        reserves, when ``engine_cpu_affinity``."""
+        return int(self.num_cpus_per_replica) if self.engine_cpu_affinity else 0
 
     @property
     def ingress_replicas(self) -> int:

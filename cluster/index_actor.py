@@ -44,6 +44,7 @@ from router.index_types import IndexUnavailableError, Match, ReplicaId
 from router.liveness import ApplyOutcome
 from router.load import LoadSnapshot
 from router.protocol import BlockHash, KVEventBatch
+from worker.cpu_claims import keep_off_claims
 
 log = logging.getLogger("ray.serve")
 check_serve_internals()  # a Ray without what serve_compat needs fails here, saying which
@@ -84,6 +85,7 @@ class IndexActor:
     an application."""
 
     def __init__(self, heartbeat_timeout_s: float, idle_exit_s: float = IDLE_EXIT_S) -> None:
+        keep_off_claims("index actor")
         self._index = JournaledIndex(heartbeat_timeout_s=heartbeat_timeout_s)
         self._board = InflightBoard()
         self._lora_lock = threading.Lock()

@@ -91,6 +91,7 @@ from cluster.tool_calls import (
 )
 from router.config import RouterConfig
 from worker import EngineConfig
+from worker.cpu_claims import keep_off_claims
 from worker.loader import load_frontend
 from worker.outputs import OutputDelta
 
@@ -142,6 +143,7 @@ class Ingress:
         cluster_config: dict,
         router_config: dict | None = None,
     ) -> None:
+        keep_off_claims("ingress replica")  # the engines' claimed CPUs are theirs alone
         self.engine_config = EngineConfig(**engine_config)
         self.cluster = ClusterConfig(**cluster_config)
         self._hub = metrics_hub

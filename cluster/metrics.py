@@ -41,6 +41,7 @@ from ray import serve
 
 from cluster.priority import lower_own_priority
 from router.metrics import merge_snapshots
+from worker.cpu_claims import keep_off_claims
 
 log = logging.getLogger("ray.serve")
 
@@ -112,6 +113,7 @@ class MetricsHub:
 
     def __init__(self, support_nice: int = 0) -> None:
         lower_own_priority(support_nice, "metrics hub")
+        keep_off_claims("metrics hub")
         self._snapshots: dict[str, tuple[float, dict]] = {}
         self._ingress_snapshots: dict[str, dict] = {}
         """Cumulative counts: kept after an ingress stops, so their sum never goes down."""

@@ -54,6 +54,7 @@ from cluster.serve_compat import peer_replica
 from cluster.stream_items import Rejected, RejectKind
 from router.config import RouterConfig
 from worker import AsyncEngine, EngineConfig, SamplingParams
+from worker.cpu_claims import keep_off_claims
 from worker.kv_payload import default_shared_dir
 from worker.metrics import lora_requests_of
 from worker.outputs import EngineDeadError, EngineOverloadedError, OutputDelta
@@ -114,6 +115,7 @@ class EngineReplica:
 
             launcher = RayWorkerLauncher()
         self.engine = AsyncEngine(config, replica_id=self.replica_id, launcher=launcher)
+        keep_off_claims("engine replica")  # its relays leave the engines' claimed CPUs alone
         self.model_name = model_name or self.engine.model_id
         self.stream_interval = stream_interval
         self.metrics = ReplicaMetrics()

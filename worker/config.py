@@ -203,6 +203,13 @@ class EngineConfig:
     it needs ``CAP_SYS_NICE`` (root outside a container, or a root container with
     ``--cap-add SYS_NICE``; the Helm chart's non-root pods lack it); refused, the engine logs
     so and keeps its priority. None (the default): leave it."""
+    claim_cpus: int = 0
+    """At most this many CPUs the engine process may claim for itself on its node
+    (``worker/cpu_claims.py``: pinned there, the node's other serving processes kept off them,
+    granted only while one CPU stays unclaimed): one for the simulated engine's loop, its
+    ``num_threads`` for a CPU engine; never for a CUDA engine or one whose torch threads span
+    every core. The cluster sets it from the CPUs a replica reserves in Ray
+    (``ClusterConfig.engine_cpu_affinity``); 0 (the default): never pinned."""
     cache_dir: str | None = None
     """Where converted GGUF models are cached; defaults to ``~/.cache/prefixserve``."""
     tensor_parallel_size: int = 1
@@ -357,6 +364,11 @@ class EngineConfig:
             or (isinstance(nice, int) and not isinstance(nice, bool) and -20 <= nice <= 19),
             "engine_nice",
             f"must be 'auto', null or an integer in [-20, 19], got {nice!r}",
+        )
+        need(
+            isinstance(self.claim_cpus, int) and self.claim_cpus >= 0,
+            "claim_cpus",
+            f"must be an integer >= 0, got {self.claim_cpus!r}",
         )
         need(
             self.num_threads is None or self.num_threads > 0,

@@ -28,9 +28,12 @@ The child is started with ``python -m worker.engine_process FD CALL_FD``: a fres
 never re-imports the caller's ``__main__`` (so it works from Ray workers and plain scripts),
 with the parent's ``sys.path`` and environment (thread counts, CUDA devices).
 
-The child asks for ``EngineConfig.engine_nice`` before it builds the engine (its threads
-inherit it): the engine loop bounds the replica's token rate, so where it shares cores with
-the processes relaying its tokens it should run first. Without ``CAP_SYS_NICE`` the request
+The child first claims CPUs of its own when ``EngineConfig.claim_cpus`` allows
+(``cpus_to_claim``, ``worker/cpu_claims.py``: pinned to cores the node's serving processes keep
+off, granted only while others stay for them), then asks for ``EngineConfig.engine_nice``
+before it builds the engine (its threads inherit both): the engine loop bounds the replica's
+token rate, so where it shares cores with the processes relaying its tokens it should run
+first. Without ``CAP_SYS_NICE`` the request
 is refused, logged, and the child runs at the priority it inherited.
 
 How it fails: a child that dies while starting raises ``RuntimeError`` with its exit code
@@ -52,6 +55,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection
 
+from worker import cpu_claims
 from worker.config import EngineConfig, resolve_device, resolve_engine_nice
 from worker.engine_commands import Call, Command
 from worker.engine_core import EngineCore, EngineInfo, EngineLoop, answer_now, info_of
@@ -75,7 +79,11 @@ def child_env() -> dict[str, str]:
     """The parent's environment with its ``sys.path`` as ``PYTHONPATH``, so a worker imports
     the same code (an editable install, a checkout, the script's own folder)."""
     paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        **cpu_claims.node_cpus_env(),
+    }
 
 
 class ProcessCore(EngineCore):
@@ -241,6 +249,23 @@ def engine_nice_of(config: EngineConfig) -> int | None:
     return resolve_engine_nice(config.engine_nice, device, num_threads, num_cores)
 
 
+def cpus_to_claim(config: EngineConfig) -> int:
+    """How many CPUs this engine claims for itself (``EngineConfig.claim_cpus`` allowing): one
+    for the simulated engine's loop, its torch threads for a CPU engine that sets them; none
+    for a CUDA engine, one whose torch threads span every core, or a tensor-parallel one."""
+    if config.claim_cpus < 1 or config.tensor_parallel_size > 1:
+        return 0
+    if config.engine == "sim":
+        needed = 1
+    else:
+        import torch
+
+        if resolve_device(config.device, torch.cuda.is_available()) != "cpu":
+            return 0
+        needed = config.num_threads or 0
+    return needed if needed <= config.claim_cpus else 0
+
+
 def ask_for_priority(nice: int | None) -> int:
     """Sets this thread's nice value to ``nice`` (threads started later inherit it) when that
     is lower than what it runs at, and logs the outcome; returns the nice value it runs at.
@@ -267,7 +292,9 @@ def serve_engine(conn: Connection, calls: Connection | None = None) -> int:
     from worker.engine import LLMEngine
 
     _, config, replica_id = conn.recv()
-    ask_for_priority(engine_nice_of(config))  # before any thread starts: they inherit it
+    # Before any thread starts: they inherit the CPUs and the priority. Held until exit.
+    _claim = cpu_claims.claim_cpus(cpus_to_claim(config))
+    ask_for_priority(engine_nice_of(config))
     try:
         engine = LLMEngine(config, replica_id)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it

@@ -259,7 +259,8 @@ def test_deployment_options_name_a_deployment_of_the_built_application() -> None
 
 # Fields the chart sets itself (from other values or the cluster layout) or never sets.
 CHART_DERIVED_FIELDS = {
-    "engine": {"cache_dir", "tensor_parallel_size", "download_dir"},
+    # claim_cpus: the application sets it from cluster.engineCpuAffinity and numCpusPerReplica.
+    "engine": {"cache_dir", "tensor_parallel_size", "download_dir", "claim_cpus"},
     "router": {"block_size", "index_backend", "redis_url"},
     "cluster": {"num_gpus_per_replica", "app_name", "host", "port", "ray_address", "api_key",
                 # The chart's Service targets Serve's proxy; each ingress replica's own port

@@ -13,7 +13,8 @@ SERVE_CONFIG_PATH = chart.REPO_ROOT / "deploy" / "serve_config.yaml"
 # Fields deliberately left out: the file is deployed onto a cluster that already exists (no
 # Ray address to join), and a secret never belongs in a config file (the API key comes from
 # the env variable PREFIXSERVE_API_KEY).
-NOT_IN_SERVE_CONFIG = {"cluster": {"ray_address", "api_key"}}
+# The application sets claim_cpus from cluster.engine_cpu_affinity and num_cpus_per_replica.
+NOT_IN_SERVE_CONFIG = {"cluster": {"ray_address", "api_key"}, "engine": {"claim_cpus"}}
 
 
 def _load() -> dict:
