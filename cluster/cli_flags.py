@@ -332,7 +332,8 @@ FLAGS = [
         "--engine-cpu-affinity", "cluster", "engine_cpu_affinity", None,
         "Each engine process claims CPUs of its own on its node (the simulated engine one, a "
         "CPU engine its --num-threads, within --num-cpus-per-replica; none on CUDA) while one "
-        "stays unclaimed; the ingress, relays, index and hub keep off them.",
+        "stays unclaimed; the ingress, relays, index and hub keep off them (off by default: a "
+        "claimed CPU stays the engine's while it idles).",
         "parallel",
     ),
     (

@@ -109,13 +109,15 @@ class ClusterConfig:
     ``ray_address``) also gets Serve's proxy on gRPC to the ingress; a running cluster's proxy
     keeps what it was started with (``RAY_SERVE_PROXY_USE_GRPC``). A Ray whose Serve has no
     gRPC transport (2.50) calls by actor calls either way, with a warning."""
-    engine_cpu_affinity: bool = True
+    engine_cpu_affinity: bool = False
     """Each engine process may claim CPUs of its own on its node, as many as its replica
     reserves in Ray (``num_cpus_per_replica``, whole CPUs) and its loop uses (one for the
     simulated engine, ``num_threads`` for a CPU engine; none on CUDA): pinned there, with the
     ingress, the replicas' relays, the index and the hub kept off them. A claim that would
-    leave the node no unclaimed CPU is not made (``worker/cpu_claims.py``). False: nothing is
-    pinned."""
+    leave the node no unclaimed CPU is not made (``worker/cpu_claims.py``). A claimed CPU is the
+    engine's even while it idles, which slows what the rest of a small node does meanwhile
+    (starting a cluster on 2 CPUs took up to twice as long), so it is off by default: turn it
+    on for an engine that is busy most of the time on a node with cores to spare."""
     support_nice: int = SUPPORT_NICE_DEFAULT
     """Nice steps (0-19, as ``nice -n``) below the engines for the processes off the request
     path: the metrics hub and, for a local cluster, Ray's GCS, agents and Serve controller.

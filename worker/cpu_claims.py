@@ -6,7 +6,9 @@ runnable but unscheduled for a tenth of the time, each wake-up of another thread
 taking a step's worth of time from every request in its batch. Pinned to a core that those
 processes keep off, it runs undisturbed, and they share the rest of the node's cores.
 
-Claims are node-wide and need no privilege: one lock file per CPU in ``CLAIMS_DIR``
+Engines claim only when their cluster asks (``ClusterConfig.engine_cpu_affinity``, off by
+default: a claimed CPU stays the engine's while it idles). Claims are node-wide and need no
+privilege: one lock file per CPU in ``CLAIMS_DIR``
 (``/dev/shm``, one per machine or container), held with ``flock`` by the engine process for
 its whole life and released by the kernel when it exits, however it exits. A claim is granted
 only while at least ``MIN_SHARED_CPUS`` of the node's CPUs stay unclaimed after it (decided
@@ -39,7 +41,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CLAIMS_DIR = Path("/dev/shm/prefixserve-cpus")
+CLAIMS_DIR = Path(os.environ.get("PREFIXSERVE_CPU_CLAIMS_DIR", "/dev/shm/prefixserve-cpus"))
+"""Where the lock files live: one folder per machine (``PREFIXSERVE_CPU_CLAIMS_DIR`` moves it,
+for tests)."""
 MIN_SHARED_CPUS = 1
 """CPUs that stay unclaimed on a node: the request path and Ray run there."""
 REFRESH_S = 2.0
@@ -113,10 +117,17 @@ class Claim:
         self._fds.clear()
 
 
+def _set_threads_affinity(cpus: frozenset[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
 def claim_cpus(count: int, cpus: frozenset[int] | None = None) -> Claim | None:
     """Claims ``count`` of the node's CPUs (``cpus``, default ``node_cpus()``) for this process,
-    leaving ``MIN_SHARED_CPUS`` unclaimed, and pins the calling thread to them (threads it
-    starts later inherit that). None, with a log line saying why, when that is not possible."""
+    leaving ``MIN_SHARED_CPUS`` unclaimed, and pins every thread of this process to them
+    (threads started later inherit that). None, with a log line saying why, when that is not
+    possible."""
     cpus = node_cpus() if cpus is None else cpus
     if count < 1:
         return None
@@ -143,7 +154,7 @@ def claim_cpus(count: int, cpus: frozenset[int] | None = None) -> Claim | None:
             claim._fds.append(fd)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         claim.cpus = frozenset(chosen)
-        os.sched_setaffinity(0, claim.cpus)
+        _set_threads_affinity(claim.cpus)
     except OSError as exc:
         claim.release()
         log.info("engine process not pinned: %r", exc)
@@ -156,12 +167,6 @@ def claim_cpus(count: int, cpus: frozenset[int] | None = None) -> Claim | None:
         sorted(claim.cpus), len(cpus) - len(taken) - count,
     )  # fmt: skip
     return claim
-
-
-def _set_threads_affinity(cpus: frozenset[int]) -> None:
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # the thread ended meanwhile
-            os.sched_setaffinity(int(tid), cpus)
 
 
 class _KeepOff:

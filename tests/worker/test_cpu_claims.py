@@ -151,10 +151,11 @@ def test_an_engine_claims_what_its_loop_uses_within_its_allowance():
 
 
 def test_the_cluster_allows_the_whole_cpus_a_replica_reserves():
-    assert ClusterConfig().engine_cpus_to_claim == 1
-    assert ClusterConfig(num_cpus_per_replica=2.5).engine_cpus_to_claim == 2
-    assert ClusterConfig(num_cpus_per_replica=0.05).engine_cpus_to_claim == 0
-    assert ClusterConfig(engine_cpu_affinity=False).engine_cpus_to_claim == 0
+    assert ClusterConfig().engine_cpus_to_claim == 0  # off by default
+    on = {"engine_cpu_affinity": True}
+    assert ClusterConfig(**on).engine_cpus_to_claim == 1
+    assert ClusterConfig(num_cpus_per_replica=2.5, **on).engine_cpus_to_claim == 2
+    assert ClusterConfig(num_cpus_per_replica=0.05, **on).engine_cpus_to_claim == 0
     with pytest.raises(ValueError, match="engine_cpu_affinity"):
         ClusterConfig(engine_cpu_affinity="yes")
     with pytest.raises(ValueError, match="claim_cpus"):
@@ -168,3 +169,26 @@ def test_a_claims_folder_that_cannot_be_made_pins_nothing(tmp_path):
     claimed, affinity = lines_until_done(proc)
     assert claimed == "None" and affinity == str(sorted(CPUS))
     finish(proc)
+
+
+@needs_two_cpus
+def test_an_engine_process_claims_its_cpu_before_its_threads_start(
+    tiny_models, claims_dir, monkeypatch
+):
+    import asyncio
+
+    from worker import AsyncEngine
+
+    monkeypatch.setenv("PREFIXSERVE_CPU_CLAIMS_DIR", str(claims_dir))  # read by the child
+    config = EngineConfig(model=tiny_models["llama"], engine="sim", claim_cpus=1)
+    engine = AsyncEngine(config)
+    try:
+        pid = engine._core._proc.pid
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 1  # the engine's own threads, started after the claim
+        pinned = {frozenset(os.sched_getaffinity(int(t))) for t in threads}
+        assert pinned == {frozenset({max(CPUS)})}
+        assert cpu_claims.claimed_cpus(CPUS) == {max(CPUS)}
+    finally:
+        asyncio.run(engine.shutdown(1.0))
+    assert cpu_claims.claimed_cpus(CPUS) == frozenset()
