@@ -43,8 +43,9 @@ sequences' prompt and output, and ``--max-ongoing-requests``/``--max-queued-requ
 server starts fresh per (engine, system), is reused for that pair's concurrencies (a Ray
 cluster takes ~20 s to start; only one runs at a time) and is warmed up by a burst of short
 requests (retried while it answers 429/503 or fails) before the first measured run. The
-served systems get ``--stream-interval`` as given (default 1: a message per token); the bare
-server streams every token.
+served systems get ``--stream-interval`` as given (default 1: a message per token; the bare
+server streams every token) and, with ``--engine-cpu-affinity``, that flag (their engine
+processes on CPUs of their own; the bare server's engine is never pinned).
 
 Workload: ``--requests-per-concurrency`` x c requests per run (default 2 x c), c in flight
 (a semaphore), each a fresh seeded random prompt of ``--prompt-tokens`` token ids (the same
@@ -142,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="the served systems' --stream-interval (tokens per message from a replica; the "
         "bare server streams every token)",
+    )
+    ap.add_argument(
+        "--engine-cpu-affinity",
+        action="store_true",
+        help="pass --engine-cpu-affinity to the served systems (engine processes on CPUs of "
+        "their own)",
     )
     ap.add_argument("--startup-timeout-s", type=float, default=300.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -298,6 +305,7 @@ def server_argv(engine: str, system: str, model: str, port: int, args) -> list[s
         *(["--direct-ingress"] if system.startswith("direct") else []),
         *(["--handle-transport", "ray"] if system.endswith(RAY_TRANSPORT) else []),
         "--stream-interval", str(args.stream_interval),
+        *(["--engine-cpu-affinity"] if args.engine_cpu_affinity else []),
     ]  # fmt: skip
 
 
@@ -508,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             "ignore_eos": True,
             "temperature": 0,
             "stream_interval": args.stream_interval,
+            "engine_cpu_affinity": args.engine_cpu_affinity,
         },
         "engines": {
             e: {

@@ -49,6 +49,10 @@ def test_served_command_lines_leave_room_for_the_largest_concurrency():
     bare = serve_path.server_argv("tiny", "bare", "/m", 8000, args)
     assert bare[1:3] == ["-m", "bench.bare_server"] and "--engine" not in bare
     assert "--stream-interval" not in bare  # it streams every token
+    assert "--engine-cpu-affinity" not in direct  # unpinned unless asked
+    pinned = serve_path.parse_args(["--engine-cpu-affinity"])
+    assert "--engine-cpu-affinity" in serve_path.server_argv("tiny", "direct1", "/m", 1, pinned)
+    assert "--engine-cpu-affinity" not in serve_path.server_argv("tiny", "bare", "/m", 1, pinned)
 
 
 def test_cpu_kinds_name_every_served_process():
