@@ -116,8 +116,8 @@ class ClusterConfig:
     ingress, the replicas' relays, the index and the hub kept off them. A claim that would
     leave the node no unclaimed CPU is not made (``worker/cpu_claims.py``). A claimed CPU is the
     engine's even while it idles, which slows what the rest of a small node does meanwhile
-    (starting a cluster on 2 CPUs took up to twice as long), so it is off by default: turn it
-    on for an engine that is busy most of the time on a node with cores to spare."""
+    (a cluster starting beside it), so it is off by default: turn it on for an engine that is
+    busy most of the time on a node with cores to spare."""
     support_nice: int = SUPPORT_NICE_DEFAULT
     """Nice steps (0-19, as ``nice -n``) below the engines for the processes off the request
     path: the metrics hub and, for a local cluster, Ray's GCS, agents and Serve controller.

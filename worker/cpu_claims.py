@@ -2,7 +2,7 @@
 
 Why: an engine's loop bounds its replica's token rate, and on a node whose cores it shares with
 the processes that carry its tokens (the ingress, the replica's relays, Ray, a client) it sits
-runnable but unscheduled for a tenth of the time, each wake-up of another thread on its core
+runnable but unscheduled for part of the time, each wake-up of another thread on its core
 taking a step's worth of time from every request in its batch. Pinned to a core that those
 processes keep off, it runs undisturbed, and they share the rest of the node's cores.
 

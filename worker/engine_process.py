@@ -292,7 +292,8 @@ def serve_engine(conn: Connection, calls: Connection | None = None) -> int:
     from worker.engine import LLMEngine
 
     _, config, replica_id = conn.recv()
-    # Before any thread starts: they inherit the CPUs and the priority. Held until exit.
+    # Before the engine starts its threads: the claim pins every thread this process has, and
+    # threads started later inherit the CPUs and the priority. The claim is held until exit.
     _claim = cpu_claims.claim_cpus(cpus_to_claim(config))
     ask_for_priority(engine_nice_of(config))
     try:
