@@ -36,6 +36,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,19 +187,18 @@ class _KeepOff:
         except OSError as exc:
             log.info("%s stays on every CPU: %r", self.role, exc)
             return
-        if shared != cpus or self.applied not in (None, cpus):
+        if self.applied is not None or shared != cpus:  # not the first look at an unclaimed node
             log.info("%s runs on CPUs %s (the rest are engines')", self.role, sorted(shared))
         self.applied = shared
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self) -> None:
         while True:
+            time.sleep(REFRESH_S)
             with contextlib.suppress(OSError):
                 self.refresh()
-            if stop.wait(REFRESH_S):
-                return
 
 
-_keeper: tuple[_KeepOff, threading.Event] | None = None
+_keeper: _KeepOff | None = None
 _keeper_lock = threading.Lock()
 
 
@@ -211,8 +211,7 @@ def keep_off_claims(role: str) -> None:
     with _keeper_lock:
         if _keeper is not None:
             return
-        keeper, stop = _KeepOff(role), threading.Event()
-        _keeper = (keeper, stop)
+        keeper = _keeper = _KeepOff(role)
     with contextlib.suppress(OSError):
         keeper.refresh()  # now, before the caller starts its threads
-    threading.Thread(target=keeper.run, args=(stop,), name="cpu-claims", daemon=True).start()
+    threading.Thread(target=keeper.run, name="cpu-claims", daemon=True).start()
