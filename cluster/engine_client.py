@@ -35,6 +35,7 @@ nothing was streamed, so any live replica may start it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
 
@@ -86,13 +87,44 @@ _END = object()
 """Put into a call's inbox when its handle stream ended."""
 
 
+class _Inbox:
+    """What arrived for one engine call, in order, and the one reader waiting for more.
+
+    An ``asyncio.Queue`` would do, at several times the cost per output: its ``get`` is a
+    coroutine with a loop of its own, where a streamed token needs an append and, when the
+    reader waits, one future set."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def arrival(self) -> asyncio.Future:
+        """A future done at the next ``put`` (for the one reader, when ``items`` is empty)."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+    def take_all(self) -> list:
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
 class _Call:
     """One engine call as the ingress sees it: its handle stream and its inbox, where the
     outputs the replica pushed (``EngineClient.deliver``) and, behind them, what the handle
-    stream carries arrive in the replica's order. A task copies the handle stream into the
-    inbox from the start, so the first output is whichever comes first."""
+    stream carries (its last output, a refusal, ``_END`` or the exception that ended it)
+    arrive in the replica's order. A task copies the handle stream into the inbox from the
+    start, so the first output is whichever comes first."""
 
-    def __init__(self, request_id: str, inbox: asyncio.Queue, response) -> None:
+    def __init__(self, request_id: str, inbox: _Inbox, response) -> None:
         self.request_id = request_id
         self.inbox = inbox
         self.response = response
@@ -101,33 +133,15 @@ class _Call:
     async def first(self):
         """The call's first output (or ``Rejected``); raises what ended the handle stream
         before it."""
-        item = await self.inbox.get()
+        inbox = self.inbox
+        while not inbox.items:
+            await inbox.arrival()
+        item = inbox.items.popleft()
         if item is _END:
             raise ConnectionError(f"the replica ended {self.request_id} without an output")
         if isinstance(item, BaseException):
             raise item
         return item
-
-    async def rest(self):
-        """The outputs after the first, in order, as lists: each list holds every output that
-        had arrived when the caller asked (one when it keeps up, more when it falls behind, so
-        a busy ingress writes them to the client at once); raises what ended the handle
-        stream, after the outputs before it."""
-        inbox = self.inbox
-        while True:
-            arrived = [await inbox.get()]
-            while not inbox.empty():
-                arrived.append(inbox.get_nowait())
-            outputs = []
-            for item in arrived:
-                if item is _END or isinstance(item, BaseException):
-                    if outputs:
-                        yield outputs
-                    if item is _END:
-                        return
-                    raise item
-                outputs.append(item)
-            yield outputs
 
     def stop(self) -> None:
         """Cancels the handle call (aborting the engine request if it still runs) and stops
@@ -138,11 +152,11 @@ class _Call:
     async def _watch(self) -> None:
         try:
             async for item in self.response:
-                self.inbox.put_nowait(item)
+                self.inbox.put(item)
         except Exception as exc:
-            self.inbox.put_nowait(exc)
+            self.inbox.put(exc)
         else:
-            self.inbox.put_nowait(_END)
+            self.inbox.put(_END)
 
 
 class _Stream:
@@ -224,7 +238,7 @@ class EngineClient:
         self.cache_namespace = cache_namespace
         self.push_to = push_to
         self.load = load
-        self._inboxes: dict[str, asyncio.Queue] = {}
+        self._inboxes: dict[str, _Inbox] = {}
 
     def deliver(self, batch: list[OutputDelta]) -> None:
         """Outputs a replica pushed, into their calls' inboxes; a call that ended already
@@ -233,7 +247,7 @@ class EngineClient:
         for item in batch:
             inbox = inboxes.get(item.request_id)
             if inbox is not None:
-                inbox.put_nowait(item)
+                inbox.put(item)
 
     def _forget(self, call: _Call) -> None:
         if self._inboxes.get(call.request_id) is call.inbox:
@@ -258,7 +272,7 @@ class EngineClient:
         # tracker knows it by this key too.
         routing_key = own_internal_request_id()
         call = None
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox = _Inbox()
         self._inboxes[request_id] = inbox  # before the call: its outputs may be pushed first
         try:
             # Serve may refuse in remote() itself (its queue is full) or as the first item.
@@ -379,12 +393,15 @@ class EngineClient:
                 cause = exc
 
     @staticmethod
-    def _accept(stream: _Stream, outputs: list) -> tuple[list, object]:
-        """(the outputs of ``outputs`` ``stream`` takes, in order; what ends it there or None):
-        a refusal of the replica (a dead one's as ``ReplicaDiedError``), or the
-        ``ReplicaDiedError`` of an output lost in transit."""
+    def _accept(stream: _Stream, arrived: list) -> tuple[list, object]:
+        """(the outputs of ``arrived`` (an inbox's items) ``stream`` takes, in order; what ends
+        it there or None): ``_END`` (the handle stream ended), the exception that ended the
+        handle stream, a refusal of the replica (a dead one's as ``ReplicaDiedError``), or
+        the ``ReplicaDiedError`` of an output lost in transit."""
         accepted = []
-        for item in outputs:
+        for item in arrived:
+            if item is _END or isinstance(item, BaseException):
+                return accepted, item
             if isinstance(item, Rejected):
                 if item.kind is RejectKind.DEAD:
                     return accepted, ReplicaDiedError(item.message)
@@ -395,67 +412,78 @@ class EngineClient:
                 return accepted, exc
         return accepted, None
 
-    async def _items(self, stream: _Stream):
-        """``stream``'s outputs in order, from its first on, as lists of those that arrived
-        together (``_Call.rest``); fails over (``_fail_over``) while it may when its replica
-        dies, and raises when it may not. A refusal mid-stream comes alone, last."""
-        yield [stream.record(stream.first)]
-        while not stream.finished:
-            rest = stream.call.rest()
-            try:
-                async for outputs in rest:
-                    accepted, end = self._accept(stream, outputs)
-                    if accepted:
-                        yield accepted
-                    if isinstance(end, Rejected):
-                        yield [end]  # the caller raises what it stands for
-                        return
-                    if end is not None:
-                        raise end
-                break
-            except Exception as exc:
-                if _died(exc) and stream.finished:
-                    # It died after its last output (the stream's end was still in
-                    # flight): the client has every token, nothing is lost.
-                    log.info(
-                        "request %s: replica lost after its last output: %r",
-                        stream.request_id,
-                        exc,
-                    )
-                    break
-                if not (_died(exc) and stream.can_fail_over()):
-                    raise
-                self.close(stream.call)
-                first = await self._fail_over(stream, exc)
-                yield [stream.record(first)]
-            finally:
-                await rest.aclose()
+    async def _items(self, stream: _Stream, index: int = 0):
+        """``(index, outputs)``: ``stream``'s outputs in order, from its first on, each list
+        holding every output that had arrived when the reader asked (one when it keeps up,
+        more when it falls behind, so a busy ingress writes them to the client at once).
+        Fails over (``_fail_over``) while it may when its replica dies, and raises when it
+        may not; a refusal mid-stream comes alone, last. Ends the engine call when the
+        reader stops early (client gone) or on failure, and forgets its inbox either way.
 
-    async def merge(self, opened: list[_Stream]):
-        """(prompt index, outputs) from every stream as they arrive, each a list of one
-        stream's outputs that arrived together, in order; raises on failure.
+        The inbox is read here, not through a generator of its own: each level between the
+        inbox and the HTTP response is paid once per streamed token."""
+        ended = False
+        try:
+            yield index, [stream.record(stream.first)]
+            while not stream.finished:
+                try:
+                    inbox = stream.call.inbox
+                    while True:
+                        if not inbox.items:
+                            await inbox.arrival()
+                            continue
+                        accepted, end = self._accept(stream, inbox.take_all())
+                        if accepted:
+                            yield index, accepted
+                        if end is None:
+                            continue
+                        if end is _END:
+                            break
+                        if isinstance(end, Rejected):
+                            yield index, [end]  # the caller raises what it stands for
+                            ended = True
+                            return
+                        raise end
+                    break
+                except Exception as exc:
+                    if _died(exc) and stream.finished:
+                        # It died after its last output (the stream's end was still in
+                        # flight): the client has every token, nothing is lost.
+                        log.info(
+                            "request %s: replica lost after its last output: %r",
+                            stream.request_id,
+                            exc,
+                        )
+                        break
+                    if not (_died(exc) and stream.can_fail_over()):
+                        raise
+                    self.close(stream.call)
+                    first = await self._fail_over(stream, exc)
+                    yield index, [stream.record(first)]
+            ended = True
+        finally:
+            if not ended:  # the reader left, or the stream failed: abort the engine request
+                stream.call.stop()
+            self._forget(stream.call)
+
+    def merge(self, opened: list[_Stream]):
+        """An async iterator of (prompt index, outputs) from every stream as they arrive, each
+        a list of one stream's outputs that arrived together, in order; raises on failure.
 
         A stream whose replica dies fails over (``_fail_over``) while it may. One stream (a
-        request with one prompt) is read in this task; several are pumped by a task each
-        into one queue."""
+        request with one prompt) is read by the caller's task, with nothing between it and
+        the inbox but ``_items``; several are pumped by a task each into one queue
+        (``_merge_many``)."""
         if len(opened) == 1:
-            stream, ended = opened[0], False
-            items = self._items(stream)
-            try:
-                async for outputs in items:
-                    yield 0, outputs
-                ended = True
-            finally:
-                await items.aclose()
-                if not ended:  # client gone: abort the engine request
-                    stream.call.stop()
-                self._forget(stream.call)
-            return
+            return self._items(opened[0])
+        return self._merge_many(opened)
+
+    async def _merge_many(self, opened: list[_Stream]):
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: _Stream) -> None:
             try:
-                async for outputs in self._items(stream):
+                async for _, outputs in self._items(stream, index):
                     await queue.put((_Event.ITEM, index, outputs))
                 await queue.put((_Event.END, index, None))
             except Exception as exc:

@@ -304,12 +304,10 @@ class Ingress:
             await self._collect(items, builder, arrival_s)
             return JSONResponse(builder.full_response(), headers=headers)
 
-        async def events():
-            async for chunk in self._relay(items, builder, arrival_s, builder.stream_events):
-                yield chunk
-            yield "".join(builder.closing_events())
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        events = self._relay(
+            items, builder, arrival_s, builder.stream_events, builder.closing_events
+        )
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     def _merged(self, opened: list, arrival_s: float):
         """(the request's outputs in order, the response headers naming its replicas); counts
@@ -320,11 +318,15 @@ class Ingress:
         replicas = ",".join(dict.fromkeys(stream.first.replica_id for stream in opened))
         return self.engines.merge(opened), replica_headers(self.cluster, replicas, self._ingress_id)
 
-    async def _relay(self, items, builder: ResponseBuilder, arrival_s: float, events_of):
+    async def _relay(
+        self, items, builder: ResponseBuilder, arrival_s: float, events_of, closing=None
+    ):
         """The SSE events ``events_of(index, output)`` makes of each replica output, joined
         into one chunk per list of outputs that arrived together (each token keeps its own
         event; what piled up while this ingress was busy goes in one write); a failure mid-stream
-        becomes one error event and ends the stream (``builder.failed`` says so)."""
+        becomes one error event and ends the stream (``builder.failed`` says so). Then the
+        events ``closing()`` returns, if given, as the last chunk: the HTTP response reads
+        this generator itself, one level fewer per streamed token than a wrapper around it."""
         builder.failed = False
         try:
             async for index, outputs in items:
@@ -343,6 +345,8 @@ class Ingress:
         finally:
             self._count_finished(arrival_s, builder, builder.failed)
             await items.aclose()
+        if closing is not None:
+            yield "".join(closing())
 
     async def _collect(self, items, builder: ResponseBuilder, arrival_s: float) -> None:
         """Feeds every output of a non-streamed request to ``builder``; a replica failure is

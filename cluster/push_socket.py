@@ -9,11 +9,12 @@ frame costs a pickle, a write and a read.
 
 Wire format: the connection opens with the ingress's token (``TOKEN_BYTES`` random bytes in
 its address, which reaches engine replicas only inside Ray calls); then frames, each a
-4-byte big-endian length and a pickled ``list[OutputDelta]``. The ingress answers each frame
-with one byte once its outputs are in their calls' inboxes, so an answered frame is a
-delivered one (what ``IngressChannel.flushed`` waits for).
+4-byte big-endian length and a pickled ``list[OutputDelta]`` in its wire form
+(``worker.outputs.deltas_to_wire``: plain tuples, which pickle reads and writes in C). The
+ingress answers each frame with one byte once its outputs are in their calls' inboxes, so an
+answered frame is a delivered one (what ``IngressChannel.flushed`` waits for).
 
-How it fails: a wrong token, a frame over ``MAX_FRAME_BYTES`` or one that does not unpickle
+How it fails: a wrong token, a frame over ``MAX_FRAME_BYTES`` or one that does not decode
 closes the connection unanswered (logged on the ingress); a closed connection or an ingress
 that does not answer within ``ANSWER_TIMEOUT_S`` fails the replica's ``send`` with
 ``ConnectionError``, which breaks its channel: later outputs go through the handle calls and
@@ -29,7 +30,7 @@ import pickle
 import secrets
 from collections.abc import Callable
 
-from worker.outputs import OutputDelta
+from worker.outputs import OutputDelta, deltas_from_wire, deltas_to_wire
 
 log = logging.getLogger("ray.serve")
 
@@ -88,9 +89,9 @@ class _PushProtocol(asyncio.Protocol):
             payload = self._buffer[_HEADER_BYTES:end]  # the frame's one copy
             del self._buffer[:end]
             try:
-                batch = pickle.loads(payload)
+                batch = deltas_from_wire(pickle.loads(payload))
             except Exception as exc:  # noqa: BLE001 - a peer that speaks something else
-                self._refuse(f"a frame that does not unpickle ({exc!r})")
+                self._refuse(f"a frame that does not decode ({exc!r})")
                 return
             self._on_batch(batch)
             self._transport.write(_ANSWER)
@@ -158,7 +159,7 @@ class PushConnection:
 
     async def send(self, batch: list[OutputDelta]) -> None:
         """Sends ``batch`` as one frame and returns once the ingress confirmed it."""
-        payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(deltas_to_wire(batch), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self._writer.write(len(payload).to_bytes(_HEADER_BYTES, "big") + payload)
             await self._writer.drain()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from router.protocol import KVEventBatch, ReplicaStats
 from worker.config import EngineConfig
 from worker.engine_commands import Abort, Add, Call, Command, Stop
-from worker.outputs import EngineOverloadedError, OutputDelta
+from worker.outputs import EngineOverloadedError, OutputDelta, deltas_from_wire, deltas_to_wire
 
 if TYPE_CHECKING:  # the engine's modules (torch, the model, the tokenizer) load where it runs
     from worker.engine import LLMEngine
@@ -101,6 +101,26 @@ class StepResult:
     replies: list[tuple[int, object]] = field(default_factory=list)
     """Answers to ``Call`` commands: (call id, the method's result or the exception it
     raised)."""
+
+    def __reduce__(self):
+        # The engine process pickles one per step on its loop: the outputs go in their wire
+        # form, a step's deltas in one pass (``deltas_to_wire``).
+        return (
+            _step_result_from_wire,
+            (
+                deltas_to_wire(self.outputs),
+                self.rejected,
+                self.stats,
+                self.metrics,
+                self.kv_batches,
+                self.adds_handled,
+                self.replies,
+            ),
+        )
+
+
+def _step_result_from_wire(outputs: list[tuple], *rest) -> StepResult:
+    return StepResult(deltas_from_wire(outputs), *rest)
 
 
 class EngineCore:

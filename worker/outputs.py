@@ -112,8 +112,7 @@ class ChoiceDelta:
     """The choice's whole text, in its finishing delta only: a stop string may cut what
     earlier deltas' ``new_text`` said."""
 
-    # Pickled as a plain tuple: a delta crosses two or three process boundaries per token, and
-    # the dataclass default (a Python-built list per object) costs about twice as much.
+    # Pickled as a plain tuple, part of its delta's wire form (``deltas_to_wire``).
     def __getstate__(self) -> tuple:
         return (
             self.index,
@@ -174,12 +173,13 @@ class OutputDelta:
     replica_id: str = ""
     """The replica that relayed it (stamped by the replica)."""
 
-    def __getstate__(self) -> tuple:  # a plain tuple, as ``ChoiceDelta``'s
+    def __getstate__(self) -> tuple:
+        """The wire form (``deltas_to_wire``): a plain tuple, its choices plain tuples too."""
         return (
             self.request_id,
             self.num_prompt_tokens,
             self.num_cached_tokens,
-            self.choices,
+            [choice.__getstate__() for choice in self.choices],
             self.finished,
             self.error,
             self.metrics,
@@ -193,7 +193,7 @@ class OutputDelta:
             self.request_id,
             self.num_prompt_tokens,
             self.num_cached_tokens,
-            self.choices,
+            choices,
             self.finished,
             self.error,
             self.metrics,
@@ -201,6 +201,7 @@ class OutputDelta:
             self.seq,
             self.replica_id,
         ) = state
+        self.choices = [_choice_from_wire(choice) for choice in choices]
 
     def extend(self, later: OutputDelta) -> OutputDelta:
         """Adds ``later`` (the same request, a later step) to this delta; returns it."""
@@ -228,6 +229,36 @@ class OutputDelta:
             if choice.index == 0:
                 return choice.new_token_ids
         return []
+
+
+_new = object.__new__
+
+
+def _choice_from_wire(state: tuple) -> ChoiceDelta:
+    choice = _new(ChoiceDelta)
+    choice.__setstate__(state)
+    return choice
+
+
+def deltas_to_wire(deltas: list[OutputDelta]) -> list[tuple]:
+    """``deltas`` as plain tuples, for ``pickle`` (``deltas_from_wire`` reads them back).
+
+    Deltas cross two process boundaries per token (engine process to replica, replica to
+    ingress), a step's worth at a time. Pickle writes and reads nested tuples of ints and
+    strings in C; a pickled object costs it a reduce call, a class reference and a state call
+    on each side, about three times as much per delta. So every hop that carries a step's
+    deltas carries this form (``StepResult``, ``cluster/push_socket.py``)."""
+    return [delta.__getstate__() for delta in deltas]
+
+
+def deltas_from_wire(rows: list[tuple]) -> list[OutputDelta]:
+    """The ``OutputDelta``s ``deltas_to_wire`` made ``rows`` of."""
+    deltas = []
+    for row in rows:
+        delta = _new(OutputDelta)
+        delta.__setstate__(row)
+        deltas.append(delta)
+    return deltas
 
 
 def accumulate(

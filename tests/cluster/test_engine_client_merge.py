@@ -13,7 +13,7 @@ import asyncio
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from cluster.engine_client import EngineClient, ReplicaDiedError, _Call, _Stream
+from cluster.engine_client import EngineClient, ReplicaDiedError, _Call, _Inbox, _Stream
 from tests.cluster.helpers import delta
 from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
@@ -67,7 +67,7 @@ def _merge(items: list[OutputDelta]) -> list[OutputDelta]:
     client = EngineClient(None, block_size=16, cache_namespace="m")
 
     async def collect():
-        stream = _stream((asyncio.Queue(), _DyingCall(items)))
+        stream = _stream((_Inbox(), _DyingCall(items)))
         return [item async for _, outputs in client.merge([stream]) for item in outputs]
 
     return asyncio.run(collect())
@@ -84,7 +84,7 @@ def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
     params = SamplingParams(max_tokens=3, n=2)
 
     async def collect():
-        stream = _stream((asyncio.Queue(), _DyingCall([_item(8, False, 1)])), params)
+        stream = _stream((_Inbox(), _DyingCall([_item(8, False, 1)])), params)
         return [item async for _, outputs in client.merge([stream]) for item in outputs]
 
     with pytest.raises(ActorUnavailableError):
@@ -129,7 +129,7 @@ def _pushed_run(
     client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
 
     async def collect():
-        inbox = asyncio.Queue()
+        inbox = _Inbox()
         client._inboxes["r"] = inbox
         call = _EndingCall([last], lambda: client.deliver(pushed))
         stream = _stream((inbox, call), params, first=_item(7, False, 0))
@@ -193,7 +193,7 @@ def _pushed_lists(pushed: list[OutputDelta], last: OutputDelta, params=None) -> 
     client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
 
     async def collect():
-        inbox = asyncio.Queue()
+        inbox = _Inbox()
         client._inboxes["r"] = inbox
         client.deliver(pushed)
         call = _EndingCall([last])
@@ -225,3 +225,29 @@ def test_outputs_before_a_lost_push_reach_the_reader_before_the_error():
     lists = _pushed_lists([_item(8, False, 1), _item(10, False, 3)], _item(11, True, 4), params)
     assert lists[:2] == [[7], [8]]
     assert isinstance(lists[2], ReplicaDiedError) and "lost in transit" in str(lists[2])
+
+
+def test_a_reader_that_leaves_mid_stream_ends_the_engine_call_and_its_inbox():
+    """The client went away: closing the stream cancels the handle call (which aborts the
+    engine request and frees its blocks) and drops the inbox, so later pushes are dropped."""
+    client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
+
+    class _Open(_DyingCall):
+        async def __anext__(self) -> OutputDelta:
+            await asyncio.Event().wait()  # the last output never comes
+
+    async def run():
+        inbox = _Inbox()
+        client._inboxes["r"] = inbox
+        call = _Open([])
+        stream = _stream((inbox, call), first=_item(7, False, 0))
+        items = client.merge([stream])
+        got = [await anext(items)]
+        client.deliver([_item(8, False, 1)])
+        got.append(await anext(items))
+        await items.aclose()
+        return got, call.cancelled
+
+    got, cancelled = asyncio.run(run())
+    assert [[i.new_token_ids for i in outputs] for _, outputs in got] == [[[7]], [[8]]]
+    assert cancelled and "r" not in client._inboxes

@@ -1,17 +1,26 @@
-"""``OutputDelta``, the one shape a streamed token takes: its pickled form, how deltas join
-(a slow reader, ``--stream-interval``) and how they add up to a cumulative output."""
+"""``OutputDelta``, the one shape a streamed token takes: its pickled form and its wire form
+(what a step's deltas cross the engine socket and the replica-to-ingress hop as), how deltas
+join (a slow reader, ``--stream-interval``) and how they add up to a cumulative output."""
 
 from __future__ import annotations
 
+import io
 import pickle
 from dataclasses import fields
+from multiprocessing.reduction import ForkingPickler
 
+import pytest
+
+from router.protocol import ReplicaStats
+from worker.engine_core import StepResult
 from worker.outputs import (
     ChoiceDelta,
     FinishReason,
     OutputDelta,
     TokenLogprob,
     accumulate,
+    deltas_from_wire,
+    deltas_to_wire,
 )
 
 
@@ -45,6 +54,40 @@ def test_a_pickled_delta_keeps_every_field():
     assert len(delta.__getstate__()) == len(fields(OutputDelta))
     assert len(delta.choices[0].__getstate__()) == len(fields(ChoiceDelta))
     assert pickle.loads(pickle.dumps(delta)) == delta
+
+
+class _BuiltinsOnly(pickle.Unpickler):
+    """Refuses every class or function a pickle names: what it reads is plain data."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"the wire form names {module}.{name}")
+
+
+def plain_delta(request_id: str, token_id: int) -> OutputDelta:
+    return OutputDelta(request_id, 3, 0, [ChoiceDelta(0, [token_id], "x")])
+
+
+def test_the_wire_form_is_plain_data_and_reads_back_every_field():
+    """A step's deltas cross two sockets per token; their wire form is tuples, lists, strings
+    and numbers, which pickle writes and reads without a Python call per object."""
+    deltas = [plain_delta("a", 5), plain_delta("b", 6)]
+    payload = pickle.dumps(deltas_to_wire(deltas), protocol=pickle.HIGHEST_PROTOCOL)
+    rows = _BuiltinsOnly(io.BytesIO(payload)).load()
+    assert deltas_from_wire(rows) == deltas
+    full = full_delta()  # logprobs and finish reasons keep their own classes
+    assert deltas_from_wire(pickle.loads(pickle.dumps(deltas_to_wire([full])))) == [full]
+    with pytest.raises(pickle.UnpicklingError):  # the check above can fail
+        _BuiltinsOnly(io.BytesIO(pickle.dumps(deltas))).load()
+
+
+def test_a_step_result_carries_its_deltas_in_their_wire_form():
+    """The engine process sends one ``StepResult`` per step: its outputs come back equal,
+    and the pickle names no delta class (each would cost a reduce call per delta)."""
+    deltas = [plain_delta(f"r{i}", i) for i in range(4)] + [full_delta()]
+    result = StepResult(deltas, [], ReplicaStats(), {"x": 1.0}, [], 7, [(3, "answer")])
+    payload = bytes(ForkingPickler.dumps(result))
+    assert pickle.loads(payload) == result
+    assert b"OutputDelta" not in payload and b"ChoiceDelta" not in payload
 
 
 def test_joined_deltas_say_what_both_said():
