@@ -20,7 +20,10 @@ its own, two ways:
 
 Each way runs ``--repeats`` times on a fresh engine; a row reports the median of the
 repeats' median CPU-ms per step, their range, the p90 and CPU-us per token, beside the
-profile's own step time (the device time a GPU would take). Writes
+profile's own step time (the device time a GPU would take). A third way, no device wait,
+times what the engine process's loop does per step around that (``worker/engine_process.py``):
+``EngineLoop.step`` (the step, its stats and metrics) and the ``("step", StepResult)``
+message pickled as the engine socket pickles it, each on its own, with the message's bytes. Writes
 ``bench/results/engine_host_cpu_<UTC date><--tag>.json`` and a ``.png`` of host against
 device time per step.
 
@@ -39,11 +42,13 @@ import random
 import statistics
 import sys
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from bench.result_files import result_header, result_stem
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.engine_core import EngineLoop
 from worker.sampling_params import SamplingParams
 from worker.sim_model import load_profile
 
@@ -70,8 +75,8 @@ def _admit(
         engine.step_deltas()
 
 
-def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -> list[float]:
-    """CPU-ms of each of ``steps`` decode steps of a fresh engine running ``batch`` requests."""
+def _sim_engine(batch: int, profile: str, model: str, wait: bool) -> LLMEngine:
+    """A fresh simulated engine with ``batch`` requests past their prefill."""
     config = EngineConfig(
         model=model,
         engine="sim",
@@ -83,6 +88,12 @@ def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -
     engine = LLMEngine(config)
     engine.runner.waits_for_device = wait
     _admit(engine, batch)
+    return engine
+
+
+def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -> list[float]:
+    """CPU-ms of each of ``steps`` decode steps of a fresh engine running ``batch`` requests."""
+    engine = _sim_engine(batch, profile, model, wait)
     cpu_ms = []
     for _ in range(min(steps, OUTPUT_TOKENS - 2)):
         start_s = time.process_time()
@@ -90,6 +101,23 @@ def _step_cpu_ms(batch: int, steps: int, profile: str, model: str, wait: bool) -
         cpu_ms.append((time.process_time() - start_s) * 1000)
     assert len(engine.scheduler.running) == batch, "every request decodes in every step"
     return cpu_ms
+
+
+def _loop_cpu_ms(batch: int, steps: int, profile: str, model: str):
+    """(CPU-ms of each ``EngineLoop.step``, CPU-ms of pickling each step's message, the last
+    message's bytes) over ``steps`` decode steps, no device wait."""
+    engine = _sim_engine(batch, profile, model, wait=False)
+    loop = EngineLoop(engine)
+    loop_ms, message_ms, size = [], [], 0
+    for _ in range(min(steps, OUTPUT_TOKENS - 2)):
+        start_s = time.process_time()
+        result = loop.step()
+        stepped_s = time.process_time()
+        size = len(ForkingPickler.dumps(("step", result)))
+        loop_ms.append((stepped_s - start_s) * 1000)
+        message_ms.append((time.process_time() - stepped_s) * 1000)
+    assert len(engine.scheduler.running) == batch, "every request decodes in every step"
+    return loop_ms, message_ms, size
 
 
 def device_steps(
@@ -256,6 +284,12 @@ def measure(batch: int, steps: int, repeats: int, profile: str, model: str) -> d
         row[f"{key}_p50"] = round(statistics.median(medians), 3)
         row[f"{key}_p50_range"] = [round(medians[0], 3), round(medians[-1], 3)]
         row[f"{key}_p90"] = round(statistics.quantiles(sum(runs, []), n=10)[-1], 3)
+    loops = [_loop_cpu_ms(batch, steps, profile, model) for _ in range(repeats)]
+    for index, key in ((0, "loop_cpu_ms_per_step"), (1, "message_cpu_ms_per_step")):
+        medians = sorted(statistics.median(run[index]) for run in loops)
+        row[f"{key}_p50"] = round(statistics.median(medians), 3)
+        row[f"{key}_p50_range"] = [round(medians[0], 3), round(medians[-1], 3)]
+    row["message_bytes"] = loops[-1][2]
     row["host_cpu_us_per_token_p50"] = round(row["host_cpu_ms_per_step_p50"] * 1000 / batch, 1)
     row["no_wait_host_cpu_us_per_token_p50"] = round(
         row["no_wait_host_cpu_ms_per_step_p50"] * 1000 / batch, 1
@@ -276,16 +310,20 @@ def plot(rows: list[dict], profile: str, cpu: str, path) -> None:
     labels = [f"batch {r['batch']}" for r in rows]
     x = range(len(rows))
     bars = (
-        ("host_cpu_ms_per_step", "engine host CPU, device wait slept (p50)", -0.27),
-        ("no_wait_host_cpu_ms_per_step", "engine host CPU, no device wait (p50)", 0.0),
+        ("host_cpu_ms_per_step", "engine host CPU, device wait slept (p50)", -0.3),
+        ("no_wait_host_cpu_ms_per_step", "engine host CPU, no device wait (p50)", -0.1),
     )
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for key, label, shift in bars:
         p50 = [r[f"{key}_p50"] for r in rows]
         low = [r[f"{key}_p50"] - r[f"{key}_p50_range"][0] for r in rows]
         high = [r[f"{key}_p50_range"][1] - r[f"{key}_p50"] for r in rows]
-        ax.bar([i + shift for i in x], p50, 0.27, yerr=[low, high], capsize=3, label=label)
-    ax.bar([i + 0.27 for i in x], [r["device_ms_per_step"] for r in rows], 0.27,
+        ax.bar([i + shift for i in x], p50, 0.2, yerr=[low, high], capsize=3, label=label)
+    loop_ms = [r["loop_cpu_ms_per_step_p50"] for r in rows]
+    ax.bar([i + 0.1 for i in x], loop_ms, 0.2, label="engine process: loop step (p50)")
+    ax.bar([i + 0.1 for i in x], [r["message_cpu_ms_per_step_p50"] for r in rows], 0.2,
+           bottom=loop_ms, label="engine process: its step message pickled (p50)")  # fmt: skip
+    ax.bar([i + 0.3 for i in x], [r["device_ms_per_step"] for r in rows], 0.2,
            label=f"device time ({profile} profile)")  # fmt: skip
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("ms per decode step (bars: range over repeats)")
@@ -354,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, args.profile, result["cpu"], stem.with_suffix(".png"))
     print(
         "| batch | host CPU-ms/step p50 (range), wait slept | p90 | no wait p50 (range) | p90 |"
-        " us/token slept / no wait | device ms/step | host/device |"
+        " us/token slept / no wait | engine process: loop step + message p50 (bytes) |"
+        " device ms/step | host/device |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         slept, warm = "host_cpu_ms_per_step", "no_wait_host_cpu_ms_per_step"
         print(
@@ -364,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r[slept + '_p50_range'][1]}) | {r[slept + '_p90']} | {r[warm + '_p50']} "
             f"({r[warm + '_p50_range'][0]}-{r[warm + '_p50_range'][1]}) | {r[warm + '_p90']} |"
             f" {r['host_cpu_us_per_token_p50']} / {r['no_wait_host_cpu_us_per_token_p50']} |"
-            f" {r['device_ms_per_step']} | {r['host_over_device']} |"
+            f" {r['loop_cpu_ms_per_step_p50']} + {r['message_cpu_ms_per_step_p50']}"
+            f" ({r['message_bytes']}) | {r['device_ms_per_step']} | {r['host_over_device']} |"
         )
     print(f"wrote {stem}.json and .png", file=sys.stderr)
     return 0

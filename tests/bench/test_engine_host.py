@@ -1,5 +1,6 @@
-"""``bench.engine_host``: host time per decode step, with and without the device wait, in one
-row per batch size; the run steps every request in every measured step."""
+"""``bench.engine_host``: host time per decode step, with and without the device wait, and the
+engine process's loop step and step message, in one row per batch size; the run steps every
+request in every measured step."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ def test_rows_report_both_ways_and_the_file_is_written(smollm2_path, tmp_path, m
     assert engine_host.main(["--batch", "4", "--steps", "3", "--repeats", "2"]) == 0
     (row,) = json.loads((tmp_path / "engine_host.json").read_text())["rows"]
     assert row["batch"] == 4 and row["repeats"] == 2
-    for key in ("host_cpu_ms_per_step", "no_wait_host_cpu_ms_per_step"):
+    for key in (
+        "host_cpu_ms_per_step",
+        "no_wait_host_cpu_ms_per_step",
+        "loop_cpu_ms_per_step",
+        "message_cpu_ms_per_step",
+    ):
         low, high = row[f"{key}_p50_range"]
-        assert 0 < low <= row[f"{key}_p50"] <= high
+        assert 0 <= low <= row[f"{key}_p50"] <= high
+    assert row["host_cpu_ms_per_step_p50"] > 0 and row["loop_cpu_ms_per_step_p50"] > 0
+    assert row["message_bytes"] > 4 * 40  # four requests' deltas, each with its id and token
     assert row["device_ms_per_step"] > 0
     assert (tmp_path / "engine_host.png").stat().st_size > 0
 
