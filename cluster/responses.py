@@ -147,6 +147,40 @@ class ResponseBuilder:
         self.failed = False
         """The replicas' stream ended in an error before the response completed (the ingress
         sets it while relaying; the closing events are then not sent)."""
+        plain = not (want_logprobs or echo_prompts or want_prompt_logprobs or continuous_usage)
+        self._plain_parts = self._plain_event_parts() if plain and tool_plan is None else None
+
+    # A streamed token whose event carries nothing but its text (no logprobs, echo, prompt
+    # logprobs, running usage or tool-call parsing, not the choice's first chat event nor its
+    # last) has the same JSON around the text as every other such token of the request: it is
+    # rendered once, from the chunk ``stream_events`` builds, with stand-ins for the choice's
+    # index and text, and each token's event is then those parts joined around the two.
+    _INDEX_STAND_IN = 987654321012345
+    _TEXT_STAND_IN = "\u2063index-and-text-go-here\u2063"
+
+    def _plain_event_parts(self) -> tuple[str, str, str]:
+        """(the event up to the choice's index, from it to its text, after the text)."""
+        index, text = self._INDEX_STAND_IN, self._TEXT_STAND_IN
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text}}
+        else:
+            choice = {"index": index, "text": text}
+        choice |= {"logprobs": None, "finish_reason": None}
+        event = sse_event(self._chunk([choice]))
+        head, rest = event.rsplit(str(index), 1)  # the last: after the id and the model
+        middle, tail = rest.split(compact_json(text), 1)
+        return head, middle, tail
+
+    def _plain_event(self, state: ChoiceState, new_text: str) -> str | None:
+        """``state``'s event for ``new_text`` from the parts made once, or None when it needs
+        more than its text (the general path then builds it)."""
+        parts = self._plain_parts
+        if parts is None or not new_text or state.finish_reason is not None:
+            return None
+        if self.chat and not state.role_sent:
+            return None
+        head, middle, tail = parts
+        return f"{head}{state.index}{middle}{compact_json(new_text)}{tail}"
 
     # ---- accumulation -------------------------------------------------------------------
     def add(self, prompt_index: int, out: OutputDelta) -> list[tuple[ChoiceState, str, list]]:
@@ -291,6 +325,11 @@ class ResponseBuilder:
         """SSE events for one replica output."""
         events = []
         for state, new_text, new_logprobs in self.add(prompt_index, out):
+            plain = self._plain_event(state, new_text)
+            if plain is not None:
+                state.num_chars += len(new_text)
+                events.append(plain)
+                continue
             if self.chat:
                 if not state.role_sent:
                     state.role_sent = True

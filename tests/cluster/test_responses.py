@@ -196,3 +196,47 @@ def test_outputs_that_arrived_together_stream_as_one_chunk_of_their_events():
     second = decode([event + "\n\n" for event in chunks[1].split("\n\n") if event])
     assert [p["choices"][0]["delta"]["content"] for p in second] == ["b", "c"]
     assert "engine step failed" in chunks[2]
+
+
+def _general_path(b: ResponseBuilder) -> ResponseBuilder:
+    b._plain_parts = None  # every event through the chunk dicts
+    return b
+
+
+def test_a_tokens_event_made_from_the_parts_rendered_once_is_the_general_paths():
+    """A plain token's event is joined from parts rendered once per request; it must be the
+    event the chunk dicts make, byte for byte, for any text (quotes, escapes, non-ASCII,
+    the empty text of a token that decoded to nothing yet), any choice index and a model
+    name or request id holding the index's stand-in digits."""
+    texts = ["Hi", ' "quoted"', "\\back\nslash\t", "é 中文 🙂", "", "\u2028", "}\"]"]
+    stand_in = str(ResponseBuilder._INDEX_STAND_IN)
+    for chat in (True, False):
+        for kw in (
+            {},
+            {"n": 2, "include_usage": True},
+            {"num_prompts": 2, "model": stand_in, "request_id": f"x{stand_in}"},
+        ):
+            fast, slow = builder(chat=chat, **kw), _general_path(builder(chat=chat, **kw))
+            assert fast._plain_parts is not None
+            slow.created = fast.created
+            got, want = [], []
+            for step, text in enumerate(texts):
+                for choice in range(kw.get("n", 1)):
+                    for prompt in range(kw.get("num_prompts", 1)):
+                        out = output(choice, text, [step])
+                        got += fast.stream_events(prompt, out)
+                        want += slow.stream_events(prompt, out)
+            last = output(0, "!", [99], "stop", text="".join(texts) + "!")
+            got += fast.stream_events(0, last) + fast.closing_events()
+            want += slow.stream_events(0, last) + slow.closing_events()
+            assert got == want
+
+
+def test_requests_that_ask_for_more_than_text_build_every_event_from_the_chunk_dicts():
+    for kw in (
+        {"want_logprobs": True},
+        {"continuous_usage": True, "include_usage": True},
+        {"chat": False, "echo_prompts": [("p", [1])]},
+        {"chat": False, "want_prompt_logprobs": True},
+    ):
+        assert builder(**kw)._plain_parts is None
