@@ -25,7 +25,9 @@ chat) maps token id -> ``{logprob, rank, decoded_token}``.
 Streamed chunks are encoded with orjson (``compact_json``), once per streamed token, in a
 tenth of the standard library's time: the same compact JSON, but a float in exponent form is
 spelled without Python's leading zero (``2.5e-7``) and a float JSON cannot carry (NaN, an
-infinity) is written as null, where the standard library wrote text no JSON parser reads.
+infinity) is written as null, where the standard library wrote text no JSON parser reads. A
+token that carries only its text is joined from parts of its chunk rendered once per request
+(``_plain_event``), in a third of the time again.
 """
 
 from __future__ import annotations

@@ -74,14 +74,14 @@ def node_cpus_env() -> dict[str, str]:
     return {NODE_CPUS_ENV: ",".join(map(str, sorted(cpus)))} if cpus else {}
 
 
-def _lock_path(cpu: int) -> Path:
-    return CLAIMS_DIR / f"cpu{cpu}"
+def _lock_path(cpu: int, claims_dir: Path | None = None) -> Path:
+    return (CLAIMS_DIR if claims_dir is None else claims_dir) / f"cpu{cpu}"
 
 
-def _is_claimed(cpu: int) -> bool:
+def _is_claimed(cpu: int, claims_dir: Path) -> bool:
     """Whether some process holds ``cpu``'s lock (this one included, through another file)."""
     try:
-        fd = os.open(_lock_path(cpu), os.O_RDONLY)
+        fd = os.open(_lock_path(cpu, claims_dir), os.O_RDONLY)
     except OSError:
         return False  # never claimed on this node
     try:
@@ -93,15 +93,16 @@ def _is_claimed(cpu: int) -> bool:
     return False
 
 
-def claimed_cpus(cpus: frozenset[int]) -> frozenset[int]:
-    """Which of ``cpus`` an engine process has claimed (only CPUs ever claimed on this node
-    have a lock file to test)."""
+def claimed_cpus(cpus: frozenset[int], claims_dir: Path | None = None) -> frozenset[int]:
+    """Which of ``cpus`` an engine process has claimed in ``claims_dir`` (default
+    ``CLAIMS_DIR``; only CPUs ever claimed on this node have a lock file to test)."""
+    claims_dir = CLAIMS_DIR if claims_dir is None else claims_dir
     try:
-        names = os.listdir(CLAIMS_DIR)
+        names = os.listdir(claims_dir)
     except OSError:
         return frozenset()
     ever = {int(name[3:]) for name in names if name.startswith("cpu") and name[3:].isdigit()}
-    return frozenset(cpu for cpu in ever & cpus if _is_claimed(cpu))
+    return frozenset(cpu for cpu in ever & cpus if _is_claimed(cpu, claims_dir))
 
 
 @dataclass
@@ -171,15 +172,17 @@ def claim_cpus(count: int, cpus: frozenset[int] | None = None) -> Claim | None:
 
 
 class _KeepOff:
-    """The refresh thread of one process (``keep_off_claims``)."""
+    """The refresh thread of one process (``keep_off_claims``): it watches the claims folder
+    that was ``CLAIMS_DIR`` when it started."""
 
     def __init__(self, role: str) -> None:
         self.role = role
+        self.claims_dir = CLAIMS_DIR
         self.applied: frozenset[int] | None = None
 
     def refresh(self) -> None:
         cpus = node_cpus()
-        shared = cpus - claimed_cpus(cpus)
+        shared = cpus - claimed_cpus(cpus, self.claims_dir)
         if not shared or shared == self.applied:
             return
         try:

@@ -208,7 +208,7 @@ def test_a_tokens_event_made_from_the_parts_rendered_once_is_the_general_paths()
     event the chunk dicts make, byte for byte, for any text (quotes, escapes, non-ASCII,
     the empty text of a token that decoded to nothing yet), any choice index and a model
     name or request id holding the index's stand-in digits."""
-    texts = ["Hi", ' "quoted"', "\\back\nslash\t", "é 中文 🙂", "", "\u2028", "}\"]"]
+    texts = ["Hi", ' "quoted"', "\\back\nslash\t", "é 中文 🙂", "", "\u2028", '}"]']
     stand_in = str(ResponseBuilder._INDEX_STAND_IN)
     for chat in (True, False):
         for kw in (

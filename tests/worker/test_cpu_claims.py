@@ -140,6 +140,36 @@ def test_a_serving_process_keeps_off_claimed_cpus_and_comes_back_when_they_are_f
     finish(keeper)
 
 
+@needs_two_cpus
+def test_a_serving_process_watches_the_claims_folder_it_started_with(tmp_path):
+    """A process whose ``CLAIMS_DIR`` moves later (this module's tests point it at their own
+    folders) keeps watching the folder its keeper started with: claims elsewhere must not
+    narrow its CPUs, nor those of the children it starts."""
+    elsewhere = tmp_path / "elsewhere"
+    keeper = child(
+        tmp_path / "started",
+        f"""
+        cpu_claims.REFRESH_S = 0.05
+        cpu_claims.keep_off_claims("test")
+        cpu_claims.CLAIMS_DIR = pathlib.Path({str(elsewhere)!r})
+        print("ready", flush=True)
+        sys.stdin.readline()  # a claim is held in the other folder meanwhile
+        time.sleep(0.5)  # ten refreshes
+        print(sorted(os.sched_getaffinity(0)))
+        """,
+    )
+    assert keeper.stdout.readline().strip() == "ready"
+    holder = child(elsewhere, CLAIM_ONE)
+    try:
+        assert lines_until_done(holder)[0] == f"[{max(CPUS)}]"
+        keeper.stdin.write("\n")
+        keeper.stdin.flush()
+        assert lines_until_done(keeper) == [str(sorted(CPUS))]
+    finally:
+        finish(holder)
+    finish(keeper)
+
+
 def test_an_engine_claims_what_its_loop_uses_within_its_allowance():
     cpu = {"device": "cpu", "claim_cpus": 1}
     assert cpus_to_claim(EngineConfig(model="m", engine="sim", claim_cpus=1)) == 1
