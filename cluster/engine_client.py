@@ -10,7 +10,7 @@ one the request router of this process feeds): the request is past its prefill, 
 in its replica's queue. With ``push_to`` the replica pushes every output of a call but the
 last to this ingress replica's push server (``deliver``, one frame per engine step for every
 request: ``cluster/ingress_channel.py``), the first included; each call's inbox gets them
-and, behind them, what its handle stream carries (the last output or a refusal: ``_Call``),
+and, behind them, what its handle stream carries (the last output or a refusal: ``EngineCall``),
 in the replica's order.
 ``merge`` then yields ``(prompt index, [OutputDelta, ...])`` as outputs arrive (every output of
 a stream that arrived while the caller was busy comes in one list, so a loaded ingress pays
@@ -35,7 +35,6 @@ nothing was streamed, so any live replica may start it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import logging
 
@@ -43,6 +42,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from cluster import errors
+from cluster.engine_call import END, EngineCall, Inbox
 from cluster.errors import APIError
 from cluster.serve_compat import own_internal_request_id
 from cluster.stream_items import Rejected, RejectKind
@@ -67,96 +67,8 @@ class _Event(enum.Enum):
     FAILED = "failed"
 
 
-def _cancel_quietly(response) -> None:
-    """Cancels a handle call; one that already failed or finished has nothing to cancel.
-
-    ``cancel()`` re-raises the call's own error (e.g. ``BackPressureError``) when the call
-    already failed, which must not replace the error the client gets.
-    """
-    try:
-        response.cancel()
-    except Exception as exc:
-        log.debug("cancel of a finished handle call: %r", exc)
-
-
 class ReplicaDiedError(Exception):
     """The replica serving a stream is gone (or its engine is): the stream may fail over."""
-
-
-_END = object()
-"""Put into a call's inbox when its handle stream ended."""
-
-
-class _Inbox:
-    """What arrived for one engine call, in order, and the one reader waiting for more.
-
-    An ``asyncio.Queue`` would do, at several times the cost per output: its ``get`` is a
-    coroutine with a loop of its own, where a streamed token needs an append and, when the
-    reader waits, one future set."""
-
-    __slots__ = ("items", "_waiter")
-
-    def __init__(self) -> None:
-        self.items: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, item) -> None:
-        self.items.append(item)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def arrival(self) -> asyncio.Future:
-        """A future done at the next ``put`` (for the one reader, when ``items`` is empty)."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        return self._waiter
-
-    def take_all(self) -> list:
-        items = list(self.items)
-        self.items.clear()
-        return items
-
-
-class _Call:
-    """One engine call as the ingress sees it: its handle stream and its inbox, where the
-    outputs the replica pushed (``EngineClient.deliver``) and, behind them, what the handle
-    stream carries (its last output, a refusal, ``_END`` or the exception that ended it)
-    arrive in the replica's order. A task copies the handle stream into the inbox from the
-    start, so the first output is whichever comes first."""
-
-    def __init__(self, request_id: str, inbox: _Inbox, response) -> None:
-        self.request_id = request_id
-        self.inbox = inbox
-        self.response = response
-        self._watcher = asyncio.create_task(self._watch())
-
-    async def first(self):
-        """The call's first output (or ``Rejected``); raises what ended the handle stream
-        before it."""
-        inbox = self.inbox
-        while not inbox.items:
-            await inbox.arrival()
-        item = inbox.items.popleft()
-        if item is _END:
-            raise ConnectionError(f"the replica ended {self.request_id} without an output")
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def stop(self) -> None:
-        """Cancels the handle call (aborting the engine request if it still runs) and stops
-        copying it."""
-        self._watcher.cancel()
-        _cancel_quietly(self.response)
-
-    async def _watch(self) -> None:
-        try:
-            async for item in self.response:
-                self.inbox.put(item)
-        except Exception as exc:
-            self.inbox.put(exc)
-        else:
-            self.inbox.put(_END)
 
 
 class _Stream:
@@ -169,7 +81,7 @@ class _Stream:
         params: SamplingParams,
         salt,
         first: OutputDelta,
-        call: _Call,
+        call: EngineCall,
         lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -201,7 +113,7 @@ class _Stream:
             item.num_cached_tokens = self.num_cached_tokens
         return item
 
-    def resumed_with(self, call: _Call) -> None:
+    def resumed_with(self, call: EngineCall) -> None:
         """The stream goes on in ``call`` (a failover): its outputs are numbered anew."""
         self.call = call
         self._next_seq = 0
@@ -238,7 +150,7 @@ class EngineClient:
         self.cache_namespace = cache_namespace
         self.push_to = push_to
         self.load = load
-        self._inboxes: dict[str, _Inbox] = {}
+        self._inboxes: dict[str, Inbox] = {}
 
     def deliver(self, batch: list[OutputDelta]) -> None:
         """Outputs a replica pushed, into their calls' inboxes; a call that ended already
@@ -249,7 +161,7 @@ class EngineClient:
             if inbox is not None:
                 inbox.put(item)
 
-    def _forget(self, call: _Call) -> None:
+    def _forget(self, call: EngineCall) -> None:
         if self._inboxes.get(call.request_id) is call.inbox:
             del self._inboxes[call.request_id]
 
@@ -262,7 +174,7 @@ class EngineClient:
         resume_token_ids: list[int] | None = None,
         lora_name: str | None = None,
     ):
-        """Starts one engine request; returns (first output, its ``_Call``) or raises
+        """Starts one engine request; returns (first output, its ``EngineCall``) or raises
         APIError. ``lora_name``: the LoRA adapter it runs on (None: the base model); its
         blocks hash in the adapter's namespace, as the engine hashes them."""
         namespace = adapter_namespace(self.cache_namespace, lora_name)
@@ -272,7 +184,7 @@ class EngineClient:
         # tracker knows it by this key too.
         routing_key = own_internal_request_id()
         call = None
-        inbox = _Inbox()
+        inbox = Inbox()
         self._inboxes[request_id] = inbox  # before the call: its outputs may be pushed first
         try:
             # Serve may refuse in remote() itself (its queue is full) or as the first item.
@@ -286,7 +198,7 @@ class EngineClient:
                 push_to=self.push_to,
                 lora_name=lora_name,
             )
-            call = _Call(request_id, inbox, response)
+            call = EngineCall(request_id, inbox, response)
             first = await call.first()
             if self.load is not None:
                 self.load.first_output(routing_key)  # not queued or prefilling any more
@@ -308,7 +220,7 @@ class EngineClient:
             raise first.api_error()
         return first, call
 
-    def close(self, call: _Call) -> None:
+    def close(self, call: EngineCall) -> None:
         """Ends ``call``: cancels its handle stream (aborting the engine request if it still
         runs) and drops its inbox."""
         self._forget(call)
@@ -350,7 +262,7 @@ class EngineClient:
     async def _open_retrying(self, request_id: str, prompt_ids, params, salt, lora_name=None):
         """``_open``, re-submitted while it fails with 503 (``MAX_FAILOVERS`` times, backing off
         like a failover): a replica whose engine died answers so until Serve's health check
-        replaces it. Returns (the request id used, first output, its ``_Call``)."""
+        replaces it. Returns (the request id used, first output, its ``EngineCall``)."""
         sub_id, attempt = request_id, 0
         while True:
             try:
@@ -395,12 +307,12 @@ class EngineClient:
     @staticmethod
     def _accept(stream: _Stream, arrived: list) -> tuple[list, object]:
         """(the outputs of ``arrived`` (an inbox's items) ``stream`` takes, in order; what ends
-        it there or None): ``_END`` (the handle stream ended), the exception that ended the
+        it there or None): ``END`` (the handle stream ended), the exception that ended the
         handle stream, a refusal of the replica (a dead one's as ``ReplicaDiedError``), or
         the ``ReplicaDiedError`` of an output lost in transit."""
         accepted = []
         for item in arrived:
-            if item is _END or isinstance(item, BaseException):
+            if item is END or isinstance(item, BaseException):
                 return accepted, item
             if isinstance(item, Rejected):
                 if item.kind is RejectKind.DEAD:
@@ -437,7 +349,7 @@ class EngineClient:
                             yield index, accepted
                         if end is None:
                             continue
-                        if end is _END:
+                        if end is END:
                             break
                         if isinstance(end, Rejected):
                             yield index, [end]  # the caller raises what it stands for

@@ -13,7 +13,8 @@ import asyncio
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from cluster.engine_client import EngineClient, ReplicaDiedError, _Call, _Inbox, _Stream
+from cluster.engine_call import EngineCall, Inbox
+from cluster.engine_client import EngineClient, ReplicaDiedError, _Stream
 from tests.cluster.helpers import delta
 from worker.outputs import OutputDelta
 from worker.sampling_params import SamplingParams
@@ -60,14 +61,14 @@ def _item(token_id: int, finished: bool, seq: int = 0) -> OutputDelta:
 
 def _stream(call, params=None, first=None) -> _Stream:
     params = params or SamplingParams(max_tokens=3)
-    return _Stream("r", [1, 2, 3], params, None, first or _item(7, False), _Call("r", *call))
+    return _Stream("r", [1, 2, 3], params, None, first or _item(7, False), EngineCall("r", *call))
 
 
 def _merge(items: list[OutputDelta]) -> list[OutputDelta]:
     client = EngineClient(None, block_size=16, cache_namespace="m")
 
     async def collect():
-        stream = _stream((_Inbox(), _DyingCall(items)))
+        stream = _stream((Inbox(), _DyingCall(items)))
         return [item async for _, outputs in client.merge([stream]) for item in outputs]
 
     return asyncio.run(collect())
@@ -84,7 +85,7 @@ def test_a_replica_lost_mid_stream_with_no_failover_left_reaches_the_caller():
     params = SamplingParams(max_tokens=3, n=2)
 
     async def collect():
-        stream = _stream((_Inbox(), _DyingCall([_item(8, False, 1)])), params)
+        stream = _stream((Inbox(), _DyingCall([_item(8, False, 1)])), params)
         return [item async for _, outputs in client.merge([stream]) for item in outputs]
 
     with pytest.raises(ActorUnavailableError):
@@ -129,7 +130,7 @@ def _pushed_run(
     client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
 
     async def collect():
-        inbox = _Inbox()
+        inbox = Inbox()
         client._inboxes["r"] = inbox
         call = _EndingCall([last], lambda: client.deliver(pushed))
         stream = _stream((inbox, call), params, first=_item(7, False, 0))
@@ -193,7 +194,7 @@ def _pushed_lists(pushed: list[OutputDelta], last: OutputDelta, params=None) -> 
     client = EngineClient(None, block_size=16, cache_namespace="m", push_to={"replica_id": "i"})
 
     async def collect():
-        inbox = _Inbox()
+        inbox = Inbox()
         client._inboxes["r"] = inbox
         client.deliver(pushed)
         call = _EndingCall([last])
@@ -237,7 +238,7 @@ def test_a_reader_that_leaves_mid_stream_ends_the_engine_call_and_its_inbox():
             await asyncio.Event().wait()  # the last output never comes
 
     async def run():
-        inbox = _Inbox()
+        inbox = Inbox()
         client._inboxes["r"] = inbox
         call = _Open([])
         stream = _stream((inbox, call), first=_item(7, False, 0))
