@@ -139,6 +139,13 @@ FLAGS = [
         "engine",
     ),
     (
+        "--overlap-outputs", "engine", "overlap_outputs", str,
+        "on: launch each step's forward pass before building and sending the last step's "
+        "outputs, hiding that host work in the device's time; off: each step's outputs leave "
+        "before the next is scheduled; auto: on for CUDA and the simulated engine, off on CPU.",
+        "engine",
+    ),
+    (
         "--num-kv-blocks", "engine", "num_kv_blocks", int,
         "KV cache size in blocks (one KV size knob of four).",
         "engine",

@@ -175,6 +175,14 @@ class EngineConfig:
     enforce_eager: bool = False
     """vLLM's flag: run every step eagerly on CUDA. Off (the default), steps replay CUDA
     graphs captured at start (``worker/cuda_graphs.py``); CPU always runs eagerly."""
+    overlap_outputs: str = AUTO
+    """``on``: the engine loop launches step N+1's forward pass before it decodes step N's text
+    and builds and sends its outputs, so that host work runs while the device computes
+    (``worker/engine_core.py``'s ``EngineLoop``); ``off``: each step's outputs are sent before
+    the next is scheduled. ``auto``: on where a launch returns before the pass ends (CUDA, the
+    simulated engine), off on the CPU, where the pass runs inside the launch and overlapping
+    would only hold each step's tokens until the next pass ends. Tokens are the same either
+    way; only when they leave differs."""
     kv_cache_dtype: str = "auto"
     """``auto`` (K/V in the model's dtype), ``int8`` or ``fp8_e4m3``: 8-bit K/V with a scale
     per token and KV head (``kernels/kv_quant.py``), about 4x the blocks of float32 and 2x
@@ -287,6 +295,11 @@ class EngineConfig:
             and (self.device in ("cpu", AUTO) or self.device.startswith("cuda")),
             "device",
             f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+        need(
+            self.overlap_outputs in (AUTO, "on", "off"),
+            "overlap_outputs",
+            f"must be 'auto', 'on' or 'off', got {self.overlap_outputs!r}",
         )
         need(
             self.kernel_backend in ("auto", "torch", "triton"),

@@ -59,7 +59,13 @@ from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
 from worker.sim_model import load_profile
 from worker.sim_runner import SimModelRunner, SimSampler
-from worker.step_outputs import StepDelta, cumulative_output, output_delta
+from worker.step_outputs import (
+    AdvancedRequest,
+    LaunchedStep,
+    StepDelta,
+    cumulative_output,
+    output_delta,
+)
 from worker.structured_output import GrammarCompiler
 from worker.tokenizer import IncrementalDetokenizer
 
@@ -141,6 +147,11 @@ class LLMEngine:
         """Changes whenever an engine starts, so an index drops what a previous run announced."""
         self._kv_batches: list[KVEventBatch] = []
         self._unseeded = itertools.count()
+        self.overlaps_outputs = config.overlap_outputs == "on" or (
+            config.overlap_outputs == "auto" and (simulated or config.device.startswith("cuda"))
+        )
+        """Whether ``EngineLoop`` launches the next step before sending this one's outputs
+        (``EngineConfig.overlap_outputs``)."""
         log.info(
             "engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s%s",
             replica_id,
@@ -381,24 +392,40 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step; the cumulative output of every request it touched (offline callers)."""
-        return [cumulative_output(*advanced) for advanced in self._advance()]
+        advanced = self._advance()
+        self._decode_text(advanced)
+        return [cumulative_output(*request) for request in advanced]
 
     def step_deltas(self) -> list[OutputDelta]:
         """One step; what it added to each request it advanced or ended (streaming callers:
         ``EngineLoop``). A prefill chunk that sampled nothing yields no delta."""
+        return self.deltas_of(self._advance())
+
+    def deltas_of(self, advanced: list[AdvancedRequest]) -> list[OutputDelta]:
+        """The ``OutputDelta`` of each request in ``advanced`` (``sample_step``'s) that got a
+        token or ended, its new tokens' text decoded first."""
+        self._decode_text(advanced)
         deltas = []
-        for request_id, group, new, finished in self._advance():
+        for request_id, group, new, finished in advanced:
             if new or finished:
                 deltas.append(output_delta(request_id, group, new, finished))
         return deltas
 
-    def _advance(self) -> list[tuple[str, list[Request], dict[Request, StepDelta], bool]]:
+    def _advance(self) -> list[AdvancedRequest]:
         """Schedules and runs one step: (request id, its group, what the step added to each
-        sampled sequence, whether the group is done) per request the step touched."""
+        sampled sequence, whether the group is done) per request the step touched; the new
+        tokens' text not yet decoded (``_decode_text``)."""
+        launched = self.launch_step()
+        return [] if launched is None else self.sample_step(launched)
+
+    def launch_step(self) -> LaunchedStep | None:
+        """Schedules a step and launches its forward pass: on a CUDA device (and the
+        simulated one) the pass runs on while the host goes on, until ``sample_step`` waits
+        for it. None when nothing is runnable."""
         batch = self.scheduler.schedule()
         if not batch:
-            return []
-        t0 = time.perf_counter()
+            return None
+        started_s = time.perf_counter()
         try:
             prompt_rows, prompt_spans = prompt_logit_rows(batch)
             logits, sampling_idx = self.runner.execute(batch, prompt_rows)
@@ -406,11 +433,29 @@ class LLMEngine:
             if self.tp is None:
                 raise
             raise RuntimeError(f"tensor-parallel step failed: {self._tp_failure(exc)}") from exc
+        return LaunchedStep(batch, logits, sampling_idx, prompt_spans, started_s)
+
+    def sample_step(self, launched: LaunchedStep) -> list[AdvancedRequest]:
+        """Waits for ``launched``'s forward pass, samples, appends each token with the stop
+        checks and caches the blocks it filled: what the step did to each request, as
+        ``_advance`` says. The text of a token is decoded here only for a sequence with stop
+        strings (its stop check needs it); the others' waits for ``deltas_of``. A request
+        aborted while its step was in flight (``abort_delta``) gets nothing from it."""
+        batch = launched.batch
+        logits, sampling_idx = launched.logits, launched.sampling_idx
         sampling_reqs = [batch.requests[i] for i in sampling_idx]
-        if prompt_spans:
-            record_prompt_logprobs(logits[len(sampling_idx) :].cpu(), prompt_spans)
+        if launched.prompt_spans:
+            record_prompt_logprobs(logits[len(sampling_idx) :].cpu(), launched.prompt_spans)
             logits = logits[: len(sampling_idx)]
         results = self.sampler.sample(logits, sampling_reqs)
+        if any(req.status is Status.FINISHED for req in batch.requests):
+            batch = batch.without_finished()
+            kept = [
+                (req, res)
+                for req, res in zip(sampling_reqs, results, strict=True)
+                if req.status is not Status.FINISHED
+            ]
+            sampling_reqs, results = [req for req, _ in kept], [res for _, res in kept]
         self.scheduler.commit_computed(batch)
         now = time.monotonic()
         added = {
@@ -418,7 +463,7 @@ class LLMEngine:
             for req, res in zip(sampling_reqs, results, strict=True)
         }
         self.metrics.generation_tokens_total += len(added)
-        self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - t0)
+        self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - launched.started_s)
         self._collect_events()
         advanced = []
         seen: set[str] = set()
@@ -442,8 +487,20 @@ class LLMEngine:
                 del self._groups[rid]
         return advanced
 
+    @staticmethod
+    def _decode_text(advanced: list[AdvancedRequest]) -> None:
+        """Decodes the text of every new token ``sample_step`` left undecoded."""
+        for _, _, new, _ in advanced:
+            for req, step in new.items():
+                if step.text is None:
+                    detokenizer = req.detokenizer
+                    for token in step.token_ids:
+                        detokenizer.add_token(token)
+                    step.text = detokenizer.take_delta(req.finish_reason is not None)
+
     def _append(self, req: Request, res: SampleResult, now: float) -> StepDelta:
-        """Appends the sampled token to ``req``, applies the stop checks, returns the delta."""
+        """Appends the sampled token to ``req``, applies the stop checks, returns the delta
+        (its text still undecoded, None, unless a stop string needed it)."""
         token = res.token_id
         req.append_token(token)
         if res.logprob is not None:
@@ -451,15 +508,18 @@ class LLMEngine:
         is_first = req.first_token_time is None
         if is_first:
             req.first_token_time = now
-        req.detokenizer.add_token(token)
+        detokenizer = req.detokenizer
+        if detokenizer.has_stop_strings:
+            detokenizer.add_token(token)
         self._check_stop(req, token)
         if req.grammar is not None and req.finish_reason is None and req.grammar.advance(token):
             req.finish_reason, req.stop_reason = FinishReason.STOP, None  # the grammar is complete
         if req.finish_reason is not None:
             self.scheduler.finish(req)
             self.metrics.record_finish(now - req.first_token_time)
-        finished = req.finish_reason is not None
-        return StepDelta([token], req.detokenizer.take_delta(finished), is_first)
+        if not detokenizer.has_stop_strings:
+            return StepDelta([token], None, is_first)
+        return StepDelta([token], detokenizer.take_delta(req.finish_reason is not None), is_first)
 
     def _check_stop(self, req: Request, token: int) -> None:
         """Sets ``finish_reason``/``stop_reason`` if ``token`` (just appended) ends ``req``.

@@ -30,6 +30,7 @@ from worker.outputs import EngineOverloadedError, OutputDelta, deltas_from_wire,
 if TYPE_CHECKING:  # the engine's modules (torch, the model, the tokenizer) load where it runs
     from worker.engine import LLMEngine
     from worker.parallel.workers import WorkerLauncher
+    from worker.step_outputs import LaunchedStep
     from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -173,10 +174,20 @@ def info_of(engine: LLMEngine) -> EngineInfo:
 
 
 class EngineLoop:
-    """The loop both cores run: take commands, step, report. No threads or processes here."""
+    """The loop both cores run: take commands, step, report. No threads or processes here.
+
+    With ``LLMEngine.overlaps_outputs`` a step is split around the device's work: ``step``
+    samples the step launched last time, launches the next one, and only then decodes the
+    sampled tokens' text and reports them, so that this, the stats, the report's pickling and
+    sending, and the commands taken before the next ``step`` all run while the device computes.
+    The next step is scheduled after the sampled step's stop checks, so it never runs a
+    finished sequence; a request aborted while its step is in flight gets nothing from it
+    (``LLMEngine.sample_step``). At most one step is in flight."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.overlap = engine.overlaps_outputs
+        self._in_flight: LaunchedStep | None = None
         self.adds_handled = 0
         self._aborted: list[OutputDelta] = []
         self._rejected: list[tuple[str, BaseException]] = []
@@ -225,8 +236,7 @@ class EngineLoop:
         The stats are stamped with the step's start (``ReplicaStats.as_of_s``): every request
         added before it is in them."""
         started_at_s = time.time()
-        outputs = self.engine.step_deltas() if self.engine.has_unfinished() else []
-        outputs = self._aborted + outputs
+        outputs = self._aborted + self._step_outputs()
         kv_batches = self.engine.drain_kv_events()
         if not (outputs or self._rejected or kv_batches or self._replies):
             return None
@@ -242,9 +252,20 @@ class EngineLoop:
         self._aborted, self._rejected, self._replies = [], [], []
         return result
 
+    def _step_outputs(self) -> list[OutputDelta]:
+        engine = self.engine
+        if not self.overlap:
+            return engine.step_deltas() if engine.has_unfinished() else []
+        in_flight, self._in_flight = self._in_flight, None
+        advanced = engine.sample_step(in_flight) if in_flight is not None else []
+        if engine.has_unfinished():
+            self._in_flight = engine.launch_step()
+        return engine.deltas_of(advanced)
+
     def idle(self) -> bool:
         return (
-            not self.engine.has_unfinished()
+            self._in_flight is None
+            and not self.engine.has_unfinished()
             and not self._aborted
             and not self._rejected
             and not self._replies

@@ -56,6 +56,16 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.requests)
 
+    def without_finished(self) -> ScheduledBatch:
+        """The batch less the requests that finished since it was scheduled (aborted while
+        its forward pass ran): nothing of the step is committed for them."""
+        kept = [
+            (req, num_new)
+            for req, num_new in zip(self.requests, self.num_new_tokens, strict=True)
+            if req.status is not Status.FINISHED
+        ]
+        return ScheduledBatch([req for req, _ in kept], [num_new for _, num_new in kept])
+
 
 @dataclass
 class SchedulerCounters:

@@ -5,9 +5,11 @@ and its token-compared prefix cache, host tier, KV events, stats, preemption, in
 dedup, KV export and import, stop checks, detokenizing); only the model is simulated, the way
 NVIDIA Dynamo's mocker and llm-d's inference simulator stand in for a GPU:
 
-- **Time.** ``execute`` builds the step's inputs as the real runner does, then waits until the
-  forward pass has taken what the profile predicts (``worker/sim_model.py``), so the engine
-  sees a device of the profile's speed and its host work costs what it costs.
+- **Time.** ``execute`` builds the step's inputs as the real runner does and returns; the
+  sampler then waits until the forward pass has taken what the profile predicts
+  (``worker/sim_model.py``) since the launch, so the engine sees a device of the profile's
+  speed, host work between the launch and the sampling overlaps the pass as it does on a GPU,
+  and the rest costs what it costs.
 - **Tokens.** The simulated model is certain of one next token, ``pseudo_token``: a hash of
   the prompt and the position (and, for a sampled request, of its seed and choice index, as
   the real sampler's key is). Greedy outputs are therefore the same in any batch, after any
@@ -92,12 +94,21 @@ class SimLogits:
     tokens: list[int]
     extra: torch.Tensor | None
     vocab_size: int
+    ready_at_s: float = 0.0
+    """``time.perf_counter()`` at which the simulated forward pass ends: reading the tokens
+    waits for it, as reading a GPU's logits waits for its step."""
 
     def __getitem__(self, rows: slice):
         """``[n:]`` the extra rows (a tensor), ``[:n]`` the sampling rows alone."""
         if rows.stop is None:
             return self.extra
-        return SimLogits(self.tokens[rows], None, self.vocab_size)
+        return SimLogits(self.tokens[rows], None, self.vocab_size, self.ready_at_s)
+
+    def wait(self) -> None:
+        """Sleeps until the simulated forward pass ends."""
+        wait_s = self.ready_at_s - time.perf_counter()
+        if wait_s > 0:
+            time.sleep(wait_s)
 
 
 def certain_row(token: int, vocab_size: int) -> torch.Tensor:
@@ -110,6 +121,7 @@ class SimSampler(Sampler):
     """The real sampler over the simulated model's certainty; see the module docstring."""
 
     def sample(self, logits: SimLogits, requests: list[Request]) -> list[SampleResult]:
+        logits.wait()
         results = []
         for token, req in zip(logits.tokens, requests, strict=True):
             if self._plain(req):
@@ -213,9 +225,11 @@ class SimModelRunner:
     def execute(
         self, batch: ScheduledBatch, extra_rows: list[int] | None = None
     ) -> tuple[SimLogits, list[int]]:
-        """``ModelRunner.execute``: writes the step's tokens into the cache, waits the forward
-        pass's predicted time, returns the simulated model's tokens for the sampling rows
-        (and certain rows for ``extra_rows``)."""
+        """``ModelRunner.execute``: writes the step's tokens into the cache and returns the
+        simulated model's tokens for the sampling rows (and certain rows for ``extra_rows``),
+        ready when the forward pass's predicted time since the call has passed: sampling them
+        waits for it (``SimLogits.wait``), as a GPU step's launch returns at once and the
+        sampler's copy of its ids waits for the device."""
         start_s = time.perf_counter()
         inputs, sampling_idx = inputs_of(batch)
         bs = self.block_size
@@ -261,7 +275,5 @@ class SimModelRunner:
             prefill_tokens, decode_seqs, decode_context
         )
         self._owed_load_s = 0.0
-        wait_s = forward_s - (time.perf_counter() - start_s)
-        if wait_s > 0 and self.waits_for_device:
-            time.sleep(wait_s)
-        return SimLogits(tokens, extra, self.vocab_size), sampling_idx
+        ready_at_s = start_s + forward_s if self.waits_for_device else 0.0
+        return SimLogits(tokens, extra, self.vocab_size, ready_at_s), sampling_idx

@@ -4,16 +4,19 @@
 sampled sequence got in a ``StepDelta``. From the group and those, ``output_delta`` makes the
 ``OutputDelta`` a server streams (only what is new; the timestamps with a first token or the
 finish) and ``cumulative_output`` the ``RequestOutput`` offline callers read (everything so
-far). Nothing here changes the requests.
+far). Nothing here changes the requests. ``LaunchedStep`` is a step between the launch of
+its forward pass and its sampling.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker.outputs import ChoiceDelta, CompletionOutput, OutputDelta, RequestOutput
 from worker.request import Request
+from worker.scheduler import ScheduledBatch
 
 
 @dataclass(slots=True)
@@ -21,9 +24,29 @@ class StepDelta:
     """What one step added to one sequence: its new token ids and the text they completed."""
 
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str | None = ""
+    """None until the engine decodes it (``LLMEngine.deltas_of``)."""
     is_first: bool = False
     """The sequence's first token in this engine."""
+
+
+AdvancedRequest = tuple[str, list[Request], dict[Request, StepDelta], bool]
+"""What a step did to one request: its id, its group of sequences, what the step added to
+each sampled sequence, whether the group is done."""
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward pass is launched (``LLMEngine.launch_step``): what sampling it
+    needs (``LLMEngine.sample_step``)."""
+
+    batch: ScheduledBatch
+    logits: Any
+    """The runner's logits, on its device; valid until the next step is launched."""
+    sampling_idx: list[int]
+    prompt_spans: list
+    started_s: float
+    """``time.perf_counter()`` at the launch."""
 
 
 def cumulative_output(

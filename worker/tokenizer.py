@@ -265,6 +265,9 @@ class IncrementalDetokenizer:
     ):
         self._tok = tokenizer
         self._stop = list(stop)
+        self.has_stop_strings = bool(self._stop)
+        """Whether a token's text decides the sequence's end (the engine decodes it at once;
+        otherwise it may decode after launching the next step)."""
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
         self._holdback_chars = max((len(s) for s in self._stop), default=1) - 1
