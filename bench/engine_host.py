@@ -27,6 +27,11 @@ message pickled as the engine socket pickles it, each on its own, with the messa
 ``bench/results/engine_host_cpu_<UTC date><--tag>.json`` and a ``.png`` of host against
 device time per step.
 
+A fourth way, the device wait slept, times the engine loop's wall time per step (the step
+and its message pickled) with each step's outputs built and reported before the next step is
+launched, and with the next launched first (``EngineConfig.overlap_outputs``): what the
+overlap hides of the host's work in the device's time.
+
 A GPU engine whose host time per step exceeds its device time idles the GPU: the ratio in
 the table says how far this engine is from keeping the profile's device busy.
 """
@@ -120,6 +125,22 @@ def _loop_cpu_ms(batch: int, steps: int, profile: str, model: str):
     return loop_ms, message_ms, size
 
 
+def _loop_wall_ms(batch: int, steps: int, profile: str, model: str, overlap: bool) -> list[float]:
+    """Wall ms of each of ``steps`` engine-loop steps (``EngineLoop.step`` and its message
+    pickled), the device wait slept: with the next step launched before each step's outputs
+    are built (``overlap``), or each step reported before the next is scheduled."""
+    engine = _sim_engine(batch, profile, model, wait=True)
+    loop = EngineLoop(engine)
+    loop.overlap = overlap
+    walls_ms = []
+    for _ in range(min(steps, OUTPUT_TOKENS - 3)):
+        start_s = time.perf_counter()
+        ForkingPickler.dumps(("step", loop.step()))
+        walls_ms.append((time.perf_counter() - start_s) * 1000)
+    assert len(engine.scheduler.running) == batch, "every request decodes in every step"
+    return walls_ms[1:]  # an overlapped loop's first step only launches
+
+
 def device_steps(
     model: str,
     batch: int,
@@ -128,6 +149,8 @@ def device_steps(
     deterministic: bool = True,
     profile_to: Path | None = None,
     prompt_tokens: int = PROMPT_TOKENS,
+    through_loop: bool = False,
+    overlap: bool = False,
 ) -> dict:
     """A real engine's decode steps on ``device``, each split into host time and device wait.
 
@@ -138,7 +161,13 @@ def device_steps(
     forward pass runs inside the launch, so the wait is zero and the host share includes it
     (a dry run of the code, not a figure). ``profile_to``: write a cProfile of the measured
     steps there, by own time and by cumulative time. ``prompt_tokens``: each request's prompt
-    (the decode steps' context is that plus the tokens decoded so far)."""
+    (the decode steps' context is that plus the tokens decoded so far). ``through_loop``:
+    step through the engine process's loop (``EngineLoop.step``: the step, its stats and
+    metrics) and pickle each step's message as the engine socket does; the row adds the
+    message's own host time and bytes, and its host share is the engine process's.
+    ``overlap`` (with ``through_loop``): the loop launches each step before it reports the
+    one before (``EngineConfig.overlap_outputs``); the device is then not waited for apart
+    from the sampling, so the row has the step's wall time and no split."""
     import torch
 
     step_tokens = max(2048, min(batch * prompt_tokens, 8192))
@@ -168,16 +197,26 @@ def device_steps(
             waits_s.append(0.0)
         return out
 
-    engine.runner.execute = timed_execute
+    if not overlap:
+        engine.runner.execute = timed_execute
     _admit(engine, batch, prompt_tokens, max_tokens)
-    walls_ms, waits_ms = [], []
+    loop = EngineLoop(engine) if through_loop else None
+    if loop is not None:
+        loop.overlap = overlap
+    walls_ms, waits_ms, messages_ms, message_bytes = [], [], [], 0
     profiler = cProfile.Profile() if profile_to else None
     if profiler:
         profiler.enable()
     for _ in range(steps):
         waits_s.clear()
         start_s = time.perf_counter()
-        engine.step_deltas()
+        if loop is None:
+            engine.step_deltas()
+        else:
+            result = loop.step()
+            stepped_s = time.perf_counter()
+            message_bytes = len(ForkingPickler.dumps(("step", result)))
+            messages_ms.append((time.perf_counter() - stepped_s) * 1000)
         walls_ms.append((time.perf_counter() - start_s) * 1000)
         waits_ms.append(sum(waits_s) * 1000)
     if profiler:
@@ -190,12 +229,14 @@ def device_steps(
     assert len(engine.scheduler.running) == batch, "every request decodes in every step"
     hosts_ms = [wall - wait for wall, wait in zip(walls_ms, waits_ms, strict=True)]
     wall, host = statistics.median(walls_ms), statistics.median(hosts_ms)
-    return {
+    row = {
         "batch": batch,
         "prompt_tokens": prompt_tokens,
         "steps": len(walls_ms),
         "deterministic": deterministic,
         "graphs": engine.runner.step_graphs is not None,
+        "through_loop": through_loop,
+        "overlap": overlap,
         "step_ms_p50": round(wall, 3),
         "device_wait_ms_p50": round(statistics.median(waits_ms), 3),
         "host_ms_p50": round(host, 3),
@@ -203,6 +244,13 @@ def device_steps(
         "host_share_of_step": round(host / wall, 3) if wall else 0.0,
         "tokens_per_s": round(batch / wall * 1000, 1) if wall else 0.0,
     }
+    if through_loop:
+        row["message_ms_p50"] = round(statistics.median(messages_ms), 3)
+        row["message_bytes"] = message_bytes
+    if overlap:  # no wait of its own to take out of the wall time
+        for key in ("device_wait_ms_p50", "host_ms_p50", "host_ms_p90", "host_share_of_step"):
+            row[key] = None
+    return row
 
 
 def graph_inputs_ms(batch: int, context_tokens: int, steps: int = 50) -> float:
@@ -290,6 +338,16 @@ def measure(batch: int, steps: int, repeats: int, profile: str, model: str) -> d
         row[f"{key}_p50"] = round(statistics.median(medians), 3)
         row[f"{key}_p50_range"] = [round(medians[0], 3), round(medians[-1], 3)]
     row["message_bytes"] = loops[-1][2]
+    for overlap, key in (
+        (False, "loop_wall_ms_per_step"),
+        (True, "overlapped_loop_wall_ms_per_step"),
+    ):
+        medians = sorted(
+            statistics.median(_loop_wall_ms(batch, steps, profile, model, overlap))
+            for _ in range(repeats)
+        )
+        row[f"{key}_p50"] = round(statistics.median(medians), 3)
+        row[f"{key}_p50_range"] = [round(medians[0], 3), round(medians[-1], 3)]
     row["host_cpu_us_per_token_p50"] = round(row["host_cpu_ms_per_step_p50"] * 1000 / batch, 1)
     row["no_wait_host_cpu_us_per_token_p50"] = round(
         row["no_wait_host_cpu_ms_per_step_p50"] * 1000 / batch, 1
@@ -393,9 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| batch | host CPU-ms/step p50 (range), wait slept | p90 | no wait p50 (range) | p90 |"
         " us/token slept / no wait | engine process: loop step + message p50 (bytes) |"
-        " device ms/step | host/device |"
+        " device ms/step | host/device | loop wall ms/step, wait slept: sequential /"
+        " overlapped |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         slept, warm = "host_cpu_ms_per_step", "no_wait_host_cpu_ms_per_step"
         print(
@@ -405,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {r['host_cpu_us_per_token_p50']} / {r['no_wait_host_cpu_us_per_token_p50']} |"
             f" {r['loop_cpu_ms_per_step_p50']} + {r['message_cpu_ms_per_step_p50']}"
             f" ({r['message_bytes']}) | {r['device_ms_per_step']} | {r['host_over_device']} |"
+            f" {r['loop_wall_ms_per_step_p50']} / {r['overlapped_loop_wall_ms_per_step_p50']} |"
         )
     print(f"wrote {stem}.json and .png", file=sys.stderr)
     return 0

@@ -27,7 +27,9 @@ records its error and the next one still runs:
 6. ``engine_host``: the engine's decode steps on SmolLM2's shape at batch 64 and 256
    (``bench.engine_host.device_steps``), deterministic and fast, after 32-token prompts and
    (deterministic) after 2000-token ones: each step's wall time split into the wait for the
-   device and the host's share, the time the GPU idles on the engine.
+   device and the host's share, the time the GPU idles on the engine; at batch 64 and 256
+   also through the engine process's loop (``EngineLoop.step``) with its pickled step
+   message, with the next step launched before each step's outputs are built and without.
 
 SmolLM2 on that machine is a stand-in: the real tokenizer (``--tokenizer-dir``: its
 ``config.json`` and tokenizer files, carried there) and random weights of the real shape,
@@ -65,6 +67,7 @@ TEST_PATHS = (
     "tests/worker/test_cuda_graphs.py",
     "tests/worker/test_determinism.py",
     "tests/worker/test_sampler.py",
+    "tests/worker/test_overlap_outputs.py",
 )
 SMOLLM2_STEM = "SmolLM2-135M-Instruct.Q4_1"
 """The bundled GGUF's name (``worker/loader.py``); its conversion folder is keyed by it."""
@@ -475,11 +478,19 @@ def engine_host_runs(model: str, device: str, dry_run: bool, budget: Budget) -> 
     from bench.engine_host import device_steps
 
     rows = []
-    cells = [(4, 40, True), (8, 200, False)] if dry_run else [
-        (64, 32, True), (64, 32, False), (256, 32, True), (256, 32, False),
-        (64, 2000, True), (256, 2000, True),
+    # (batch, prompt tokens, deterministic, through the engine loop, overlapped outputs)
+    cells = [
+        (4, 40, True, False, False), (8, 200, False, False, False), (4, 40, True, True, False),
+        (4, 40, True, True, True),
+    ] if dry_run else [
+        (64, 32, True, False, False), (64, 32, False, False, False),
+        (256, 32, True, False, False), (256, 32, False, False, False),
+        (64, 2000, True, False, False), (256, 2000, True, False, False),
+        (64, 32, True, True, False), (64, 32, True, True, True),
+        (256, 32, True, True, False), (256, 32, True, True, True),
+        (256, 2000, True, True, False), (256, 2000, True, True, True),
     ]  # fmt: skip
-    for batch, prompt_tokens, deterministic in cells:
+    for batch, prompt_tokens, deterministic, through_loop, overlap in cells:
         if budget.left() < 20:
             log("engine_host: out of time")
             return rows
@@ -490,11 +501,18 @@ def engine_host_runs(model: str, device: str, dry_run: bool, budget: Budget) -> 
             device,
             deterministic,
             prompt_tokens=prompt_tokens,
+            through_loop=through_loop,
+            overlap=overlap,
         )
+        how = " (engine loop, overlapped)" if overlap else " (engine loop)" if through_loop else ""
+        split = (
+            "" if overlap else f", host {row['host_ms_p50']} ms ({row['host_share_of_step']:.0%})"
+        )
+        message = f", message {row['message_ms_p50']} ms" if through_loop else ""
         log(
-            f"engine host: batch {batch}, {prompt_tokens}-token prompts, det="
-            f"{int(deterministic)}: step {row['step_ms_p50']} ms, host {row['host_ms_p50']} ms"
-            f" ({row['host_share_of_step']:.0%})"
+            f"engine host{how}: batch {batch}, {prompt_tokens}-token prompts,"
+            f" det={int(deterministic)}: step {row['step_ms_p50']} ms{split}{message},"
+            f" {row['tokens_per_s']:.0f} tok/s"
         )
         rows.append(row)
     return rows

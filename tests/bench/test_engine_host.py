@@ -22,12 +22,16 @@ def test_rows_report_both_ways_and_the_file_is_written(smollm2_path, tmp_path, m
         "no_wait_host_cpu_ms_per_step",
         "loop_cpu_ms_per_step",
         "message_cpu_ms_per_step",
+        "loop_wall_ms_per_step",
+        "overlapped_loop_wall_ms_per_step",
     ):
         low, high = row[f"{key}_p50_range"]
         assert 0 <= low <= row[f"{key}_p50"] <= high
     assert row["host_cpu_ms_per_step_p50"] > 0 and row["loop_cpu_ms_per_step_p50"] > 0
     assert row["message_bytes"] > 4 * 40  # four requests' deltas, each with its id and token
     assert row["device_ms_per_step"] > 0
+    # Sequential, a step's wall time holds the slept device time and the host's work after it.
+    assert row["loop_wall_ms_per_step_p50"] >= row["device_ms_per_step"]
     assert (tmp_path / "engine_host.png").stat().st_size > 0
 
 
@@ -40,6 +44,18 @@ def test_device_steps_split_each_step_and_profile(tiny_models, tmp_path):
     assert row["device_wait_ms_p50"] == 0 and row["host_ms_p50"] == row["step_ms_p50"] > 0
     assert row["host_share_of_step"] == 1.0
     assert "step_deltas" in profile.read_text() or "_advance" in profile.read_text()
+
+
+def test_device_steps_through_the_engine_loop_overlapped_or_not(tiny_models):
+    """Through the engine loop the row adds the step message; overlapped, the device is not
+    waited for on its own, so the row has no host/device split."""
+    sequential = engine_host.device_steps(tiny_models["llama"], 4, 5, "cpu", through_loop=True)
+    assert sequential["message_bytes"] > 4 * 20 and sequential["host_ms_p50"] > 0
+    overlapped = engine_host.device_steps(
+        tiny_models["llama"], 4, 5, "cpu", through_loop=True, overlap=True
+    )
+    assert overlapped["overlap"] and overlapped["host_ms_p50"] is None
+    assert overlapped["steps"] == 5 and overlapped["tokens_per_s"] > 0
 
 
 def test_graph_inputs_are_timed_per_step():
