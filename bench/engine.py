@@ -67,6 +67,7 @@ def run_ours(
     model: str = "smollm2",
     enforce_eager: bool = False,
     kv_cache_dtype: str = "auto",
+    overlap_outputs: str = "auto",
 ) -> dict:
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
@@ -81,6 +82,7 @@ def run_ours(
             deterministic=deterministic,
             enforce_eager=enforce_eager,
             kv_cache_dtype=kv_cache_dtype,
+            overlap_outputs=overlap_outputs,
         )
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -88,8 +90,8 @@ def run_ours(
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     ttft, outs = {}, {}
-    while engine.has_unfinished():
-        for out in engine.step():
+    for outputs in engine.steps():
+        for out in outputs:
             if out.request_id not in ttft and out.token_ids:
                 ttft[out.request_id] = time.monotonic() - t0
             if out.finished:

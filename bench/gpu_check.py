@@ -19,7 +19,9 @@ records its error and the next one still runs:
    fraction of the copy-bandwidth roofline that reading them alone would take.
 4. ``engine``: ``bench.engine``'s workload (64 requests over 4 shared system prompts of
    300-500 tokens, 64 greedy tokens each) on SmolLM2's shape, deterministic and fast, with
-   graphs and eager: output tokens/s and TTFT, as ``python -m bench.engine`` reports them.
+   graphs and eager: output tokens/s and TTFT, as ``python -m bench.engine`` reports them;
+   with graphs twice with each step's outputs built while the next step runs and twice
+   without (``EngineConfig.overlap_outputs``), alternated.
 5. ``lora``: ``bench.lora``'s batch (32 requests of 64 prompt and 64 greedy tokens) on
    SmolLM2's shape over 0, 1, 4 and 16 distinct rank-16 adapters (random, written in PEFT's
    format without peft), deterministic: output tokens/s and the median decode step. Steps
@@ -417,20 +419,28 @@ def engine_runs(model: str, dry_run: bool, budget: Budget) -> list[dict]:
     num_requests, max_tokens = (8, 8) if dry_run else (64, 64)
     prompts = make_workload(Tokenizer(model), num_requests)
     rows = []
+    # With graphs, the steps overlapped with building outputs and not, alternated twice: the
+    # runs last a fraction of a second, and one of each would say more about the moment.
+    cells = ((False, "on"), (False, "off"), (False, "on"), (False, "off"), (True, "auto"))
     for deterministic in (True, False):
-        for enforce_eager in (False, True):
+        for enforce_eager, overlap in cells:
             if budget.left() < 25:
                 log("engine: out of time")
                 return rows
             try:
                 row = run_ours(
-                    prompts, max_tokens, deterministic, model=model, enforce_eager=enforce_eager
+                    prompts,
+                    max_tokens,
+                    deterministic,
+                    model=model,
+                    enforce_eager=enforce_eager,
+                    overlap_outputs=overlap,
                 )
             except Exception:  # one configuration failing leaves the others' figures
                 row = {"error": traceback.format_exc(), "output_tokens_per_s": 0.0}
                 row["ttft_p50_s"] = 0.0
                 log(f"engine run failed:\n{row['error']}")
-            row.update(deterministic=deterministic, graphs=not enforce_eager)
+            row.update(deterministic=deterministic, graphs=not enforce_eager, overlap=overlap)
             rows.append(row)
     return rows
 
@@ -568,7 +578,8 @@ def summary_lines(result: dict) -> list[str]:
             )
     for r in result.get("engine", []):
         lines.append(
-            f"engine det={int(r['deterministic'])} graphs={int(r['graphs'])}: "
+            f"engine det={int(r['deterministic'])} graphs={int(r['graphs'])}"
+            f" overlap={r.get('overlap', 'auto')}: "
             f"{r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms"
         )
     for r in result.get("lora", []):

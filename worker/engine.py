@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -395,6 +395,22 @@ class LLMEngine:
         advanced = self._advance()
         self._decode_text(advanced)
         return [cumulative_output(*request) for request in advanced]
+
+    def steps(self) -> Iterator[list[RequestOutput]]:
+        """Steps until no request is unfinished, yielding what each step gives (as ``step``
+        does) for offline callers that add no requests meanwhile. With ``overlaps_outputs``
+        each step is launched before the outputs of the one before are built, so building
+        them runs while the device computes."""
+        if not self.overlaps_outputs:
+            while self.has_unfinished():
+                yield self.step()
+            return
+        in_flight = None
+        while in_flight is not None or self.has_unfinished():
+            advanced = self.sample_step(in_flight) if in_flight is not None else []
+            in_flight = self.launch_step() if self.has_unfinished() else None
+            self._decode_text(advanced)
+            yield [cumulative_output(*request) for request in advanced]
 
     def step_deltas(self) -> list[OutputDelta]:
         """One step; what it added to each request it advanced or ended (streaming callers:

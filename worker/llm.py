@@ -84,8 +84,8 @@ class LLM:
         bar = tqdm(
             total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2
         )
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
+        for outputs in self.engine.steps():
+            for out in outputs:
                 if out.finished:
                     done[out.request_id] = out
                     bar.update()

@@ -182,3 +182,32 @@ def test_the_simulated_forward_pass_runs_while_the_host_works(tiny_models, tmp_p
     assert launched.logits.ready_at_s >= start_s + 0.2
     engine.sample_step(launched)
     assert time.perf_counter() >= launched.logits.ready_at_s
+
+
+def test_offline_generate_overlapped_gives_what_it_gives_sequential(tiny_models, test_seed):
+    """``LLMEngine.steps`` (``LLM.generate``'s loop) with the next step launched before each
+    step's outputs are built: the same finished outputs, stop strings included."""
+    from worker.llm import LLM
+
+    rng = random.Random(test_seed)
+    prompts = [[rng.randrange(5, 40000) for _ in range(n)] for n in (7, 30, 18)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = {}
+    for overlap in ("off", "on"):
+        llm = LLM(
+            tiny_models["llama"],
+            device=AUTO_HERE[0],
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            overlap_outputs=overlap,
+        )
+        plain = llm.generate(prompts, params, use_tqdm=False)
+        text = plain[1].outputs[0].text
+        stop = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[text[3:5]])
+        stopped = llm.generate(prompts[1], stop, use_tqdm=False)
+        outputs[overlap] = [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.finished)
+            for o in plain + stopped
+        ]
+    assert outputs["on"] == outputs["off"]
+    assert outputs["off"][3][2] is FinishReason.STOP and len(outputs["off"][3][0]) < 10
