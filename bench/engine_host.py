@@ -3,6 +3,7 @@
     python -m bench.engine_host [--batch 64 256] [--steps 100] [--repeats 5] [--profile gpu]
     python -m bench.engine_host --graph-inputs [CONTEXT ...]   # graph-input writes per step
     python -m bench.engine_host --detokenize TOKENS            # detokenizer cost along an output
+    python -m bench.engine_host --one-request REQUESTS         # a lone request, overlapped or not
 
 With ``engine="sim"`` the forward pass is a wait (``worker/sim_runner.py``), so the CPU time a
 step takes (``time.process_time``, which a wait does not advance) is the engine's host work
@@ -139,6 +140,44 @@ def _loop_wall_ms(batch: int, steps: int, profile: str, model: str, overlap: boo
         walls_ms.append((time.perf_counter() - start_s) * 1000)
     assert len(engine.scheduler.running) == batch, "every request decodes in every step"
     return walls_ms[1:]  # an overlapped loop's first step only launches
+
+
+def one_request_ms(
+    overlap: bool, requests: int, profile: str, model: str, prompt_tokens: int = 200
+) -> tuple[float, float]:
+    """(median time to the first token, median time to the last) of ``requests`` requests
+    sent one at a time through the simulated engine's loop (``EngineLoop``), the device wait
+    slept, with the next step launched before each step's outputs are built (``overlap``) or
+    not: what the overlap costs a lone request's first token, and what it saves its whole."""
+    from worker.engine_commands import Add
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            engine="sim",
+            sim_profile=profile,
+            device="cpu",
+            overlap_outputs="on" if overlap else "off",
+        )
+    )
+    loop = EngineLoop(engine)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    rng = random.Random(0)
+    firsts_ms, totals_ms = [], []
+    for i in range(requests):
+        prompt = [rng.randrange(1000, 40000) for _ in range(prompt_tokens)]
+        start_s, first_s, done = time.perf_counter(), None, False
+        loop.handle(Add(f"r{i}", prompt, params))
+        while not done:
+            result = loop.step()
+            for delta in result.outputs if result else []:
+                first_s = first_s or time.perf_counter()
+                done = done or delta.finished
+        totals_ms.append((time.perf_counter() - start_s) * 1000)
+        firsts_ms.append((first_s - start_s) * 1000)
+        while not loop.idle():
+            loop.step()
+    return statistics.median(firsts_ms), statistics.median(totals_ms)
 
 
 def device_steps(
@@ -419,7 +458,23 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="instead: the detokenizer's us per token along one output of TOKENS tokens",
     )
+    parser.add_argument(
+        "--one-request",
+        type=int,
+        metavar="REQUESTS",
+        default=None,
+        help="instead: REQUESTS lone requests (200-token prompts, 32 tokens) through the engine"
+        " loop, overlapped and not, alternated twice: time to the first and the last token",
+    )
     args = parser.parse_args(argv)
+    if args.one_request is not None:
+        for overlap in (False, True, False, True):
+            first_ms, total_ms = one_request_ms(overlap, args.one_request, args.profile, args.model)
+            print(
+                f"overlap {'on ' if overlap else 'off'}: first token {first_ms:.2f} ms,"
+                f" last token {total_ms:.1f} ms (medians of {args.one_request})"
+            )
+        return 0
     if args.detokenize is not None:
         for stop in ([], ["\n\nUser:"]):
             for row in detokenize_us_per_token(args.model, args.detokenize, stop):

@@ -58,6 +58,12 @@ def test_device_steps_through_the_engine_loop_overlapped_or_not(tiny_models):
     assert overlapped["steps"] == 5 and overlapped["tokens_per_s"] > 0
 
 
+def test_a_lone_request_is_timed_overlapped_and_not(smollm2_path):
+    for overlap in (False, True):
+        first_ms, total_ms = engine_host.one_request_ms(overlap, 2, "gpu", "smollm2")
+        assert 0 < first_ms < total_ms
+
+
 def test_graph_inputs_are_timed_per_step():
     """The graph-input timing runs the padded buffers eagerly on the CPU and gives a time."""
     assert engine_host.graph_inputs_ms(4, 40, steps=20) > 0
