@@ -407,10 +407,19 @@ class LLMEngine:
             return
         in_flight = None
         while in_flight is not None or self.has_unfinished():
-            advanced = self.sample_step(in_flight) if in_flight is not None else []
-            in_flight = self.launch_step() if self.has_unfinished() else None
+            advanced, in_flight = self.advance_overlapped(in_flight)
             self._decode_text(advanced)
             yield [cumulative_output(*request) for request in advanced]
+
+    def advance_overlapped(
+        self, in_flight: LaunchedStep | None
+    ) -> tuple[list[AdvancedRequest], LaunchedStep | None]:
+        """Samples ``in_flight`` (if a step is), then launches the next step if any request
+        is unfinished: (what the sampled step did, its text not yet decoded; the step now in
+        flight). Decoding and building that step's outputs after this call overlaps them
+        with the next forward pass."""
+        advanced = self.sample_step(in_flight) if in_flight is not None else []
+        return advanced, self.launch_step() if self.has_unfinished() else None
 
     def step_deltas(self) -> list[OutputDelta]:
         """One step; what it added to each request it advanced or ended (streaming callers:

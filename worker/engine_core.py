@@ -257,9 +257,7 @@ class EngineLoop:
         if not self.overlap:
             return engine.step_deltas() if engine.has_unfinished() else []
         in_flight, self._in_flight = self._in_flight, None
-        advanced = engine.sample_step(in_flight) if in_flight is not None else []
-        if engine.has_unfinished():
-            self._in_flight = engine.launch_step()
+        advanced, self._in_flight = engine.advance_overlapped(in_flight)
         return engine.deltas_of(advanced)
 
     def idle(self) -> bool:
