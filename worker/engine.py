@@ -147,6 +147,9 @@ class LLMEngine:
         """Changes whenever an engine starts, so an index drops what a previous run announced."""
         self._kv_batches: list[KVEventBatch] = []
         self._unseeded = itertools.count()
+        self._groups_ended = 0
+        """Groups ended outside a step (aborts), counted: a step in flight when it moved
+        leaves the ended sequences out (``sample_step``)."""
         self.overlaps_outputs = config.overlap_outputs == "on" or (
             config.overlap_outputs == "auto" and (simulated or config.device.startswith("cuda"))
         )
@@ -381,6 +384,7 @@ class LLMEngine:
     def _end_group(self, group: list[Request]) -> list[Request]:
         """Finishes the group's unfinished sequences with ``ABORT``; returns them."""
         ended = [req for req in group if not req.is_finished]
+        self._groups_ended += 1
         for req in ended:
             self.scheduler.finish(req)
             req.finish_reason = req.finish_reason or FinishReason.ABORT
@@ -458,7 +462,9 @@ class LLMEngine:
             if self.tp is None:
                 raise
             raise RuntimeError(f"tensor-parallel step failed: {self._tp_failure(exc)}") from exc
-        return LaunchedStep(batch, logits, sampling_idx, prompt_spans, started_s)
+        return LaunchedStep(
+            batch, logits, sampling_idx, prompt_spans, started_s, self._groups_ended
+        )
 
     def sample_step(self, launched: LaunchedStep) -> list[AdvancedRequest]:
         """Waits for ``launched``'s forward pass, samples, appends each token with the stop
@@ -473,7 +479,7 @@ class LLMEngine:
             record_prompt_logprobs(logits[len(sampling_idx) :].cpu(), launched.prompt_spans)
             logits = logits[: len(sampling_idx)]
         results = self.sampler.sample(logits, sampling_reqs)
-        if any(req.status is Status.FINISHED for req in batch.requests):
+        if self._groups_ended != launched.groups_ended:  # an abort while it was in flight
             batch = batch.without_finished()
             kept = [
                 (req, res)

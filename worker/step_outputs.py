@@ -47,6 +47,8 @@ class LaunchedStep:
     prompt_spans: list
     started_s: float
     """``time.perf_counter()`` at the launch."""
+    groups_ended: int
+    """The engine's count of groups ended outside a step, at the launch."""
 
 
 def cumulative_output(
