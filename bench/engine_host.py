@@ -81,7 +81,9 @@ def _admit(
         engine.step_deltas()
 
 
-def _sim_engine(batch: int, profile: str, model: str, wait: bool) -> LLMEngine:
+def _sim_engine(
+    batch: int, profile: str, model: str, wait: bool, async_scheduling: str = "auto"
+) -> LLMEngine:
     """A fresh simulated engine with ``batch`` requests past their prefill."""
     config = EngineConfig(
         model=model,
@@ -90,6 +92,7 @@ def _sim_engine(batch: int, profile: str, model: str, wait: bool) -> LLMEngine:
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, batch * PROMPT_TOKENS),
         device="cpu",
+        async_scheduling=async_scheduling,
     )
     engine = LLMEngine(config)
     engine.runner.waits_for_device = wait
@@ -180,6 +183,39 @@ def one_request_ms(
     return statistics.median(firsts_ms), statistics.median(totals_ms)
 
 
+def decode_engine(
+    model: str,
+    batch: int,
+    steps: int,
+    device: str,
+    deterministic: bool = True,
+    prompt_tokens: int = PROMPT_TOKENS,
+    admit: bool = True,
+    async_scheduling: str = "auto",
+) -> tuple[LLMEngine, int]:
+    """A real engine on ``device`` sized for ``batch`` requests of ``prompt_tokens`` that
+    decode for at least ``steps`` steps once admitted, and their ``max_tokens``; with
+    ``admit``, the requests added and past their prefill."""
+    step_tokens = max(2048, min(batch * prompt_tokens, 8192))
+    # The requests admitted first decode while the later ones prefill: each request gets
+    # enough tokens to stay running through the admission steps and the measured ones.
+    admission_steps = -(-batch * prompt_tokens // step_tokens)
+    max_tokens = admission_steps + steps + 2
+    config = EngineConfig(
+        model=model,
+        max_num_seqs=batch,
+        max_num_batched_tokens=step_tokens,
+        num_kv_blocks=batch * (-(-(prompt_tokens + max_tokens) // 16) + 1) + 64,
+        device=device,
+        deterministic=deterministic,
+        async_scheduling=async_scheduling,
+    )
+    engine = LLMEngine(config)
+    if admit:
+        _admit(engine, batch, prompt_tokens, max_tokens)
+    return engine, max_tokens
+
+
 def device_steps(
     model: str,
     batch: int,
@@ -190,6 +226,7 @@ def device_steps(
     prompt_tokens: int = PROMPT_TOKENS,
     through_loop: bool = False,
     overlap: bool = False,
+    async_scheduling: str = "auto",
 ) -> dict:
     """A real engine's decode steps on ``device``, each split into host time and device wait.
 
@@ -206,23 +243,14 @@ def device_steps(
     message's own host time and bytes, and its host share is the engine process's.
     ``overlap`` (with ``through_loop``): the loop launches each step before it reports the
     one before (``EngineConfig.overlap_outputs``); the device is then not waited for apart
-    from the sampling, so the row has the step's wall time and no split."""
+    from the sampling, so the row has the step's wall time and no split; ``async_scheduling``
+    (``EngineConfig``'s, with ``overlap``): whether a step of plain greedy rows lets the next
+    one launch before its tokens reach the host."""
     import torch
 
-    step_tokens = max(2048, min(batch * prompt_tokens, 8192))
-    # The requests admitted first decode while the later ones prefill: each request gets
-    # enough tokens to stay running through the admission steps and the measured ones.
-    admission_steps = -(-batch * prompt_tokens // step_tokens)
-    max_tokens = admission_steps + steps + 2
-    config = EngineConfig(
-        model=model,
-        max_num_seqs=batch,
-        max_num_batched_tokens=step_tokens,
-        num_kv_blocks=batch * (-(-(prompt_tokens + max_tokens) // 16) + 1) + 64,
-        device=device,
-        deterministic=deterministic,
+    engine, max_tokens = decode_engine(
+        model, batch, steps, device, deterministic, prompt_tokens, False, async_scheduling
     )
-    engine = LLMEngine(config)
     execute = engine.runner.execute
     waits_s: list[float] = []
 
@@ -276,6 +304,7 @@ def device_steps(
         "graphs": engine.runner.step_graphs is not None,
         "through_loop": through_loop,
         "overlap": overlap,
+        "scheduled_ahead": overlap and engine.schedules_ahead,
         "step_ms_p50": round(wall, 3),
         "device_wait_ms_p50": round(statistics.median(waits_ms), 3),
         "host_ms_p50": round(host, 3),

@@ -31,7 +31,14 @@ records its error and the next one still runs:
    (deterministic) after 2000-token ones: each step's wall time split into the wait for the
    device and the host's share, the time the GPU idles on the engine; at batch 64 and 256
    also through the engine process's loop (``EngineLoop.step``) with its pickled step
-   message, with the next step launched before each step's outputs are built and without.
+   message, with the next step launched before each step's outputs are built and without,
+   and (overlapped) with a step scheduled ahead of the last one's tokens and without.
+7. ``step_anatomy``: the engine loop's decode step at batch 64 and 256, sequential,
+   overlapped and scheduled ahead, part by part (``bench.step_anatomy``): the device wait,
+   sampling, appending, scheduling, the launch (and the graphs' input writes in it), the
+   deltas, the message.
+
+``--only PHASE ...`` runs just those phases (the machine and the stand-in always run).
 
 SmolLM2 on that machine is a stand-in: the real tokenizer (``--tokenizer-dir``: its
 ``config.json`` and tokenizer files, carried there) and random weights of the real shape,
@@ -61,6 +68,9 @@ from pathlib import Path
 
 import torch
 
+OPTIONAL_PHASES = (
+    "tests", "decode_steps", "engine", "lora", "engine_host", "step_anatomy", "engine_profile",
+)  # fmt: skip
 BATCHES = (1, 8, 64, 256)
 CONTEXT_TOKENS = 512
 BLOCK_SIZE = 16
@@ -70,6 +80,7 @@ TEST_PATHS = (
     "tests/worker/test_determinism.py",
     "tests/worker/test_sampler.py",
     "tests/worker/test_overlap_outputs.py",
+    "tests/worker/test_async_scheduling.py",
 )
 SMOLLM2_STEM = "SmolLM2-135M-Instruct.Q4_1"
 """The bundled GGUF's name (``worker/loader.py``); its conversion folder is keyed by it."""
@@ -482,25 +493,58 @@ def lora_runs(model: str, work: Path, dry_run: bool, budget: Budget) -> list[dic
     return rows
 
 
+def step_anatomy_runs(model: str, device: str, dry_run: bool, budget: Budget) -> list[dict]:
+    """Phase 7 (see the module docstring): an engine-loop decode step part by part
+    (``bench.step_anatomy``) at batch 64 and 256, sequential and overlapped."""
+    from bench.engine_host import decode_engine
+    from bench.step_anatomy import anatomy
+
+    rows = []
+    batches, steps = ((4,), 8) if dry_run else ((64, 256), 100)
+    for batch in batches:
+        for overlap, ahead in ((False, "off"), (True, "off"), (True, "on")):
+            if budget.left() < 20:
+                log("step_anatomy: out of time")
+                return rows
+            engine, _ = decode_engine(
+                model, batch, steps, device, prompt_tokens=32, async_scheduling=ahead
+            )
+            row = anatomy(engine, steps, overlap, device)
+            ms = row["ms_p50"]
+            log(
+                f"step anatomy: batch {batch}, overlap {overlap}, ahead {ahead}:"
+                f" step {ms['step']} ms,"
+                f" device wait {ms['device_wait']} ms, critical {row['critical_ms_p50']} ms: "
+                + ", ".join(f"{k} {v}" for k, v in ms.items() if k not in ("step", "device_wait"))
+            )
+            rows.append(row)
+    return rows
+
+
 def engine_host_runs(model: str, device: str, dry_run: bool, budget: Budget) -> list[dict]:
     """Phase 6 (see the module docstring): the engine's decode steps at batch 64 and 256,
     each split into the host's time and the wait for the device (``bench.engine_host``)."""
     from bench.engine_host import device_steps
 
     rows = []
-    # (batch, prompt tokens, deterministic, through the engine loop, overlapped outputs)
+    # (batch, prompt tokens, deterministic, through the engine loop, overlapped outputs,
+    #  a step scheduled ahead of the last one's tokens)
     cells = [
-        (4, 40, True, False, False), (8, 200, False, False, False), (4, 40, True, True, False),
-        (4, 40, True, True, True),
+        (4, 40, True, False, False, "off"), (8, 200, False, False, False, "off"),
+        (4, 40, True, True, False, "off"), (4, 40, True, True, True, "off"),
+        (4, 40, True, True, True, "on"),
     ] if dry_run else [
-        (64, 32, True, False, False), (64, 32, False, False, False),
-        (256, 32, True, False, False), (256, 32, False, False, False),
-        (64, 2000, True, False, False), (256, 2000, True, False, False),
-        (64, 32, True, True, False), (64, 32, True, True, True),
-        (256, 32, True, True, False), (256, 32, True, True, True),
-        (256, 2000, True, True, False), (256, 2000, True, True, True),
+        (64, 32, True, False, False, "off"), (64, 32, False, False, False, "off"),
+        (256, 32, True, False, False, "off"), (256, 32, False, False, False, "off"),
+        (64, 2000, True, False, False, "off"), (256, 2000, True, False, False, "off"),
+        (64, 32, True, True, False, "off"), (64, 32, True, True, True, "off"),
+        (64, 32, True, True, True, "on"),
+        (256, 32, True, True, False, "off"), (256, 32, True, True, True, "off"),
+        (256, 32, True, True, True, "on"), (256, 32, False, True, True, "on"),
+        (256, 2000, True, True, False, "off"), (256, 2000, True, True, True, "off"),
+        (256, 2000, True, True, True, "on"),
     ]  # fmt: skip
-    for batch, prompt_tokens, deterministic, through_loop, overlap in cells:
+    for batch, prompt_tokens, deterministic, through_loop, overlap, ahead in cells:
         if budget.left() < 20:
             log("engine_host: out of time")
             return rows
@@ -513,8 +557,11 @@ def engine_host_runs(model: str, device: str, dry_run: bool, budget: Budget) -> 
             prompt_tokens=prompt_tokens,
             through_loop=through_loop,
             overlap=overlap,
+            async_scheduling=ahead,
         )
-        how = " (engine loop, overlapped)" if overlap else " (engine loop)" if through_loop else ""
+        how = " (engine loop)" if through_loop else ""
+        if overlap:
+            how = " (engine loop, overlapped" + (", ahead)" if ahead == "on" else ")")
         split = (
             "" if overlap else f", host {row['host_ms_p50']} ms ({row['host_share_of_step']:.0%})"
         )
@@ -661,6 +708,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile-engine", action="store_true", help="also profile the engine workload's host"
     )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=OPTIONAL_PHASES,
+        help="run only these phases (beside machine and stand_in)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no graphs")
     ap.add_argument(
         "--plot", type=Path, metavar="JSON", help="draw a result file's decode steps and stop"
@@ -708,13 +761,17 @@ def main(argv: list[str] | None = None) -> int:
         return {"folder": str(folder)}
 
     phase("stand_in", make_stand_in)
-    if not args.skip_tests and stand_in:
+
+    def wanted(name: str) -> bool:
+        return bool(stand_in) and (args.only is None or name in args.only)
+
+    if not args.skip_tests and wanted("tests"):
         phase("tests", lambda: run_tests(min(args.test_cap_s, budget.left() - 200), args.dry_run))
     smol = json.loads((args.tokenizer_dir / "config.json").read_text())
     shapes = [("tiny", TINY)] if args.dry_run else [("smollm2", smol), ("llama8b", LLAMA_8B)]
     batches = (1, 8) if args.dry_run else BATCHES
     steps: list[dict] = []
-    for name, config in [] if args.skip_steps else shapes:
+    for name, config in [] if args.skip_steps or not wanted("decode_steps") else shapes:
         phase(
             f"decode_steps_{name}",
             lambda n=name, c=config: (
@@ -725,16 +782,21 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         result["decode_steps"] = steps
-    if stand_in:
+    if wanted("engine"):
         phase("engine", lambda: engine_runs(stand_in["folder"], args.dry_run, budget))
-    if stand_in:
+    if wanted("lora"):
         phase("lora", lambda: lora_runs(stand_in["folder"], work, args.dry_run, budget))
-    if stand_in:
+    if wanted("engine_host"):
         phase(
             "engine_host",
             lambda: engine_host_runs(stand_in["folder"], device, args.dry_run, budget),
         )
-    if stand_in and args.profile_engine:
+    if wanted("step_anatomy"):
+        phase(
+            "step_anatomy",
+            lambda: step_anatomy_runs(stand_in["folder"], device, args.dry_run, budget),
+        )
+    if wanted("engine_profile") and args.profile_engine:
         phase("engine_profile", lambda: engine_profile(stand_in["folder"], args.out_dir))
     out_path.write_text(json.dumps(result, indent=2))
     try:

@@ -146,6 +146,13 @@ FLAGS = [
         "engine",
     ),
     (
+        "--async-scheduling", "engine", "async_scheduling", str,
+        "on: when every sequence a step samples is plain greedy, schedule and launch the next "
+        "step before its tokens reach the host (they feed it on the device); off: each step "
+        "after the last one's tokens; auto: on wherever outputs overlap, not with TP.",
+        "engine",
+    ),
+    (
         "--num-kv-blocks", "engine", "num_kv_blocks", int,
         "KV cache size in blocks (one KV size knob of four).",
         "engine",

@@ -31,7 +31,8 @@ class BlockTableRows:
 
     def __init__(self, max_rows: int, max_blocks: int, pin: bool = False) -> None:
         self.host = torch.zeros(max_rows, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self._array = self.host.numpy()
+        self.array = self.host.numpy()
+        """``host`` as numpy (what ``write`` writes)."""
         self._mirrors: list[list[int] | None] = [None] * max_rows
         self._written = [0] * max_rows
 
@@ -40,23 +41,28 @@ class BlockTableRows:
         the longest table's length (the columns a step needs)."""
         if len(tables) > len(self._mirrors):
             raise ValueError(f"{len(tables)} tables for {len(self._mirrors)} rows")
-        array, mirrors, written = self._array, self._mirrors, self._written
+        array, mirrors, written = self.array, self._mirrors, self._written
         width = 0
         for row, table in enumerate(tables):
             length = len(table)
-            start = written[row] if mirrors[row] is table else 0
-            if start > length:  # cannot happen to a list that only grows: write it whole
+            if length > width:
+                width = length
+            if mirrors[row] is table:
+                start = written[row]
+                if start == length:  # most rows of most steps: nothing new
+                    continue
+                if start > length:  # cannot happen to a list that only grows: write it whole
+                    start = 0
+            else:
+                mirrors[row] = table
                 start = 0
-            if length > start:
-                array[row, start:length] = table[start:]
-            mirrors[row] = table
+            array[row, start:length] = table[start:]
             written[row] = length
-            width = max(width, length)
         return width
 
     def clear(self, rows: range) -> None:
         """Rows of padding sequences: block id 0 in their first column, nothing mirrored."""
-        self._array[rows.start : rows.stop, 0] = 0
+        self.array[rows.start : rows.stop, 0] = 0
         for row in rows:
             self._mirrors[row] = None
             self._written[row] = 0

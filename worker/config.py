@@ -183,6 +183,14 @@ class EngineConfig:
     simulated engine), off on the CPU, where the pass runs inside the launch and overlapping
     would only hold each step's tokens until the next pass ends. Tokens are the same either
     way; only when they leave differs."""
+    async_scheduling: str = AUTO
+    """``on`` (with ``overlap_outputs``): when every sequence that samples in step N is a plain
+    greedy one (no logprobs, penalties, bias or grammar), step N+1 is scheduled and launched
+    before step N's tokens reach the host; its inputs take N's sampled ids on the device, and
+    N's stop checks run while N+1 computes. A sequence that N ends computes one more token in
+    N+1, which is dropped; the tokens never change. ``off``: each step is scheduled after the
+    last one's tokens were appended. ``auto``: on where outputs overlap, except with tensor
+    parallelism (whose workers take token ids in the step message)."""
     kv_cache_dtype: str = "auto"
     """``auto`` (K/V in the model's dtype), ``int8`` or ``fp8_e4m3``: 8-bit K/V with a scale
     per token and KV head (``kernels/kv_quant.py``), about 4x the blocks of float32 and 2x
@@ -300,6 +308,16 @@ class EngineConfig:
             self.overlap_outputs in (AUTO, "on", "off"),
             "overlap_outputs",
             f"must be 'auto', 'on' or 'off', got {self.overlap_outputs!r}",
+        )
+        need(
+            self.async_scheduling in (AUTO, "on", "off"),
+            "async_scheduling",
+            f"must be 'auto', 'on' or 'off', got {self.async_scheduling!r}",
+        )
+        need(
+            not (self.async_scheduling == "on" and self.overlap_outputs == "off"),
+            "async_scheduling",
+            "'on' needs overlap_outputs 'on' or 'auto' (a step scheduled ahead is one in flight)",
         )
         need(
             self.kernel_backend in ("auto", "torch", "triton"),

@@ -46,10 +46,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
 from worker.block_tables import BlockTableRows
+from worker.input_staging import InputStaging
 from worker.parallel.step_message import StepInputs
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ def is_plain_decode(inputs: StepInputs) -> bool:
     return (
         n > 0
         and len(inputs.token_ids) == n
-        and all(c == 1 for c in inputs.counts)
+        and inputs.counts.count(1) == n
         and inputs.sampling_rows == list(range(n))
     )
 
@@ -144,6 +146,9 @@ class StepGraphs:
         )
         self.table_rows = BlockTableRows(max_num_seqs, max_blocks_per_seq, pin=dev.type == "cuda")
         """The tables' host side, kept between steps: a step writes only new block ids."""
+        self._staging = InputStaging(3 * tokens + 5 * max_num_seqs + 1, dev)
+        """The other inputs' host side: ids, positions, slots, lengths (and a mixed step's
+        query starts and logits rows, and the rows of tokens in flight), packed, copied once."""
         self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=dev)
         self.decode_query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.zeros(max_num_seqs, dtype=torch.long, device=dev)
@@ -180,65 +185,92 @@ class StepGraphs:
     def run(self, inputs: StepInputs, shape: Shape) -> torch.Tensor:
         """Logits [len(sampling_rows), vocab] of a step that ``shape_for`` placed in
         ``shape``."""
-        meta_lists = self._fill(inputs, shape)
+        self._fill(inputs, shape)
         graph = self._graphs.get(shape)
         if graph is not None:
             graph.replay()
         else:
-            self._run_into_logits(shape, meta_lists)
+            self._run_into_logits(shape, self._host_lists(shape))
         return self.logits[: len(inputs.sampling_rows)]
 
-    def _fill(self, inputs: StepInputs, shape: Shape) -> tuple[list[int], list[int]]:
-        """Writes the step's rows and its bucket's padding; returns the (query start,
-        sequence length) lists the torch kernels read on the host."""
+    def _fill(self, inputs: StepInputs, shape: Shape) -> None:
+        """Writes the step's rows and its bucket's padding into the static buffers: packed
+        on the host with numpy (``InputStaging``), one copy to the device, then spread."""
         bs = self.block_size
         num_seqs, num_tokens = len(inputs.counts), len(inputs.token_ids)
-        pad_tokens = shape.tokens - num_tokens
-        positions: list[int] = []
-        slots: list[int] = []
-        lens = []
-        qsl = [0]
-        for start, count, table in zip(inputs.starts, inputs.counts, inputs.tables, strict=True):
-            for p in range(start, start + count):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            lens.append(start + count)
-            qsl.append(qsl[-1] + count)
-        if shape.decode:
-            pad_lens, pad_qsl = [1] * (shape.seqs - num_seqs), []
-        else:
-            pad_lens, pad_qsl = (
-                [0] * (shape.seqs - num_seqs),
-                [num_tokens] * (shape.seqs - num_seqs),
-            )
-        rows = list(inputs.sampling_rows) + [0] * (shape.rows - len(inputs.sampling_rows))
-        dev = self.input_ids.device
-        per_token = torch.tensor(
-            [
-                inputs.token_ids + [0] * pad_tokens,
-                positions + [0] * pad_tokens,
-                slots + [-1] * pad_tokens,
-            ],
-            dtype=torch.long,
-        ).to(dev)
-        self.input_ids[: shape.tokens].copy_(per_token[0])
-        self.positions[: shape.tokens].copy_(per_token[1])
-        self.slot_mapping[: shape.tokens].copy_(per_token[2])
-        all_lens = lens + pad_lens
-        self.seq_lens[: shape.seqs].copy_(torch.tensor(all_lens, dtype=torch.int32))
-        all_qsl = qsl + pad_qsl
-        if not shape.decode:
-            self.query_start_loc.copy_(torch.tensor(all_qsl, dtype=torch.int32))
-            self.logits_indices[: shape.rows].copy_(torch.tensor(rows, dtype=torch.long))
+        tokens, seqs = shape.tokens, shape.seqs
+        array = self._staging.begin()  # the host buffers are free to write from here
         rows = self.table_rows
         width = max(rows.write(inputs.tables), 1)
+        starts = np.asarray(inputs.starts, dtype=np.int64)
+        ids = array[:tokens]
+        positions = array[tokens : 2 * tokens]
+        slots = array[2 * tokens : 3 * tokens]
+        lens = array[3 * tokens : 3 * tokens + seqs]
+        ids[:num_tokens] = inputs.token_ids
+        ids[num_tokens:] = 0
+        if shape.decode:  # one token per sequence, at its start
+            counts = 1
+            seq_of_token = np.arange(num_seqs)
+            positions[:num_tokens] = starts
+        else:
+            counts = np.asarray(inputs.counts, dtype=np.int64)
+            seq_of_token = np.repeat(np.arange(num_seqs), counts)
+            ends = np.cumsum(counts)
+            offset_in_seq = np.arange(num_tokens) - np.repeat(ends - counts, counts)
+            positions[:num_tokens] = np.repeat(starts, counts) + offset_in_seq
+        used = positions[:num_tokens]
+        block_ids = rows.array[seq_of_token, used // bs].astype(np.int64)
+        slots[:num_tokens] = block_ids * bs + used % bs
+        positions[num_tokens:] = 0
+        slots[num_tokens:] = -1
+        lens[:num_seqs] = starts + counts
+        lens[num_seqs:] = 1 if shape.decode else 0
+        length = 3 * tokens + seqs
+        if not shape.decode:
+            qsl = array[length : length + seqs + 1]
+            qsl[0] = 0
+            qsl[1 : num_seqs + 1] = ends
+            qsl[num_seqs + 1 :] = num_tokens
+            length += seqs + 1
+            sampled = len(inputs.sampling_rows)
+            logit_rows = array[length : length + shape.rows]
+            logit_rows[:sampled] = inputs.sampling_rows
+            logit_rows[sampled:] = 0
+            length += shape.rows
+        fed = len(inputs.fed_rows)
+        if fed:  # tokens in flight: rows of the step's ids and where in the last sample
+            array[length : length + fed] = inputs.fed_rows
+            array[length + fed : length + 2 * fed] = inputs.fed_src
+        staged = self._staging.send(length + 2 * fed)
+        self.input_ids[:tokens].copy_(staged[:tokens])
+        if fed:
+            fed_rows, fed_src = staged[length : length + fed], staged[length + fed :]
+            self.input_ids[fed_rows] = inputs.fed_ids[fed_src]
+        self.positions[:tokens].copy_(staged[tokens : 2 * tokens])
+        self.slot_mapping[:tokens].copy_(staged[2 * tokens : 3 * tokens])
+        self.seq_lens[:seqs].copy_(staged[3 * tokens : 3 * tokens + seqs])
+        if not shape.decode:
+            at = 3 * tokens + seqs
+            self.query_start_loc.copy_(staged[at : at + seqs + 1])
+            self.logits_indices[: shape.rows].copy_(staged[at + seqs + 1 : length])
         if shape.decode:
-            rows.clear(range(num_seqs, shape.seqs))
-        used = shape.seqs if shape.decode else num_seqs
-        self.block_tables[:used, :width].copy_(rows.host[:used, :width])
+            rows.clear(range(num_seqs, seqs))
+        table_rows = seqs if shape.decode else num_seqs
+        self.block_tables[:table_rows, :width].copy_(
+            rows.host[:table_rows, :width], non_blocking=True
+        )
+        self._staging.sent()
+
+    def _host_lists(self, shape: Shape) -> tuple[list[int], list[int]]:
+        """The (query start, sequence length) lists the torch kernels read on the host, from
+        what ``_fill`` just packed (an eager run only: a replayed graph reads none)."""
+        array, tokens, seqs = self._staging.array, shape.tokens, shape.seqs
+        lens = array[3 * tokens : 3 * tokens + seqs].tolist()
         if shape.decode:
-            all_qsl = list(range(shape.seqs + 1))
-        return all_qsl, all_lens
+            return list(range(seqs + 1)), lens
+        at = 3 * tokens + seqs
+        return array[at : at + seqs + 1].tolist(), lens
 
     def _meta(self, shape: Shape, qsl: list[int], lens: list[int]) -> AttentionMetadata:
         query_start_loc = self.decode_query_start_loc if shape.decode else self.query_start_loc

@@ -54,7 +54,7 @@ from worker.parallel.workers import (
 from worker.prompt_logprobs import prompt_logit_rows, record_prompt_logprobs
 from worker.request import Request, Status
 from worker.request_checks import check_resume, validate_request
-from worker.sampler import Sampler, SampleResult
+from worker.sampler import SampledIds, Sampler, SampleResult
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
 from worker.sim_model import load_profile
@@ -147,14 +147,28 @@ class LLMEngine:
         """Changes whenever an engine starts, so an index drops what a previous run announced."""
         self._kv_batches: list[KVEventBatch] = []
         self._unseeded = itertools.count()
-        self._groups_ended = 0
-        """Groups ended outside a step (aborts), counted: a step in flight when it moved
-        leaves the ended sequences out (``sample_step``)."""
+        self._seqs_ended = 0
+        """Sequences ended outside the sampling of the step they run in (aborts, and stop
+        checks that ran while the next step was in flight), counted: a step in flight when
+        it moved leaves the ended sequences out (``sample_step``)."""
         self.overlaps_outputs = config.overlap_outputs == "on" or (
             config.overlap_outputs == "auto" and (simulated or config.device.startswith("cuda"))
         )
         """Whether ``EngineLoop`` launches the next step before sending this one's outputs
         (``EngineConfig.overlap_outputs``)."""
+        self.schedules_ahead = (
+            self.overlaps_outputs and self.tp is None and config.async_scheduling != "off"
+        )
+        """Whether a step of plain greedy sequences lets the next one be scheduled and
+        launched before its tokens reach the host (``EngineConfig.async_scheduling``)."""
+        self._simulated = simulated
+        on_cuda = config.device.startswith("cuda") and not simulated
+        self._sampled_hosts = [
+            torch.empty(config.max_num_seqs, dtype=torch.long, pin_memory=True)
+            for _ in range(2 if self.schedules_ahead and on_cuda else 0)
+        ]
+        """Two page-locked buffers the sampled ids of consecutive steps are copied into."""
+        self._steps_launched = 0
         log.info(
             "engine %s ready: %s in %.1fs, %d KV blocks (%d tokens), deterministic=%s%s",
             replica_id,
@@ -384,7 +398,7 @@ class LLMEngine:
     def _end_group(self, group: list[Request]) -> list[Request]:
         """Finishes the group's unfinished sequences with ``ABORT``; returns them."""
         ended = [req for req in group if not req.is_finished]
-        self._groups_ended += 1
+        self._seqs_ended += 1
         for req in ended:
             self.scheduler.finish(req)
             req.finish_reason = req.finish_reason or FinishReason.ABORT
@@ -422,6 +436,11 @@ class LLMEngine:
         is unfinished: (what the sampled step did, its text not yet decoded; the step now in
         flight). Decoding and building that step's outputs after this call overlaps them
         with the next forward pass."""
+        if in_flight is not None and in_flight.runs_ahead and self.has_unfinished():
+            # Scheduled ahead: the next step takes this one's tokens on the device, and the
+            # host appends them and checks stops while that step computes.
+            launched = self.launch_step(ahead_of=in_flight)
+            return self.sample_step(in_flight), launched
         advanced = self.sample_step(in_flight) if in_flight is not None else []
         return advanced, self.launch_step() if self.has_unfinished() else None
 
@@ -447,13 +466,19 @@ class LLMEngine:
         launched = self.launch_step()
         return [] if launched is None else self.sample_step(launched)
 
-    def launch_step(self) -> LaunchedStep | None:
+    def launch_step(self, ahead_of: LaunchedStep | None = None) -> LaunchedStep | None:
         """Schedules a step and launches its forward pass: on a CUDA device (and the
         simulated one) the pass runs on while the host goes on, until ``sample_step`` waits
-        for it. None when nothing is runnable."""
+        for it. None when nothing is runnable. ``ahead_of``: a step in flight whose tokens
+        the host has not seen (its ``runs_ahead``): its computed tokens are counted first,
+        and each of its sequences' token in flight is fed from its sampled ids."""
+        if ahead_of is not None:
+            self._commit_ahead(ahead_of)
         batch = self.scheduler.schedule()
         if not batch:
             return None
+        if ahead_of is not None:  # the simulated engine's runner knows its tokens: no ids
+            batch.fed = ahead_of.sampled.ids if ahead_of.sampled is not None else None
         started_s = time.perf_counter()
         try:
             prompt_rows, prompt_spans = prompt_logit_rows(batch)
@@ -462,24 +487,64 @@ class LLMEngine:
             if self.tp is None:
                 raise
             raise RuntimeError(f"tensor-parallel step failed: {self._tp_failure(exc)}") from exc
-        return LaunchedStep(
-            batch, logits, sampling_idx, prompt_spans, started_s, self._groups_ended
+        launched = LaunchedStep(
+            batch, logits, sampling_idx, prompt_spans, started_s, self._seqs_ended
         )
+        if self.schedules_ahead and not prompt_spans and self._all_plain(launched):
+            launched.runs_ahead = True
+            if not self._simulated:
+                hosts = self._sampled_hosts
+                host = hosts[self._steps_launched % 2] if hosts else None
+                launched.sampled = SampledIds(logits[: len(sampling_idx)], host)
+        self._steps_launched += 1
+        return launched
+
+    @staticmethod
+    def _all_plain(launched: LaunchedStep) -> bool:
+        """Every sequence the step samples takes the argmax and wants nothing else of its
+        logits (no logprobs, penalties, bias or grammar, ``min_tokens`` out)."""
+        requests = launched.batch.requests
+        for i in launched.sampling_idx:
+            req = requests[i]
+            if len(req.output_token_ids) < req.argmax_only_from or req.grammar is not None:
+                return False
+        return True
+
+    def _commit_ahead(self, launched: LaunchedStep) -> None:
+        """Before the step after ``launched`` is scheduled: counts ``launched``'s computed
+        tokens and marks each sampling sequence as holding a token in flight, at its row of
+        the step's sampled ids."""
+        batch = launched.batch
+        if self._seqs_ended != launched.seqs_ended:
+            batch = batch.without_finished()
+        self.scheduler.commit_computed(batch)
+        launched.committed = True
+        requests = launched.batch.requests
+        for row, i in enumerate(launched.sampling_idx):
+            req = requests[i]
+            req.num_in_flight, req.in_flight_row = 1, row
 
     def sample_step(self, launched: LaunchedStep) -> list[AdvancedRequest]:
         """Waits for ``launched``'s forward pass, samples, appends each token with the stop
         checks and caches the blocks it filled: what the step did to each request, as
         ``_advance`` says. The text of a token is decoded here only for a sequence with stop
         strings (its stop check needs it); the others' waits for ``deltas_of``. A request
-        aborted while its step was in flight (``abort_delta``) gets nothing from it."""
+        that ended while the step was in flight (aborted, or stopped by the step before when
+        this one was scheduled ahead of it) gets nothing from it."""
         batch = launched.batch
         logits, sampling_idx = launched.logits, launched.sampling_idx
         sampling_reqs = [batch.requests[i] for i in sampling_idx]
         if launched.prompt_spans:
             record_prompt_logprobs(logits[len(sampling_idx) :].cpu(), launched.prompt_spans)
             logits = logits[: len(sampling_idx)]
-        results = self.sampler.sample(logits, sampling_reqs)
-        if self._groups_ended != launched.groups_ended:  # an abort while it was in flight
+        if launched.sampled is not None:
+            results = [SampleResult(token, None) for token in launched.sampled.tokens()]
+        else:
+            results = self.sampler.sample(logits, sampling_reqs)
+        if launched.runs_ahead:
+            for req in sampling_reqs:
+                req.num_in_flight = 0
+        if self._seqs_ended != launched.seqs_ended:  # a sequence ended while it ran
             batch = batch.without_finished()
             kept = [
                 (req, res)
@@ -487,35 +552,43 @@ class LLMEngine:
                 if req.status is not Status.FINISHED
             ]
             sampling_reqs, results = [req for req, _ in kept], [res for _, res in kept]
-        self.scheduler.commit_computed(batch)
+        if not launched.committed:
+            self.scheduler.commit_computed(batch)
         now = time.monotonic()
+        append = self._append
         added = {
-            req: self._append(req, res, now)
-            for req, res in zip(sampling_reqs, results, strict=True)
+            req: append(req, res, now) for req, res in zip(sampling_reqs, results, strict=True)
         }
         self.metrics.generation_tokens_total += len(added)
         self.metrics.record_step(batch, sampling_reqs, time.perf_counter() - launched.started_s)
         self._collect_events()
+        return self._by_request(batch.requests, added)
+
+    def _by_request(
+        self, requests: list[Request], added: dict[Request, StepDelta]
+    ) -> list[AdvancedRequest]:
+        """What a step did to each request among ``requests`` (the batch's sequences), once
+        per request in batch order; a request whose group is done leaves ``_groups``."""
         advanced = []
-        seen: set[str] = set()
-        for req in batch.requests:
+        groups = self._groups
+        seen: set[str] = set()  # requests of several sequences already reported
+        for req in requests:
             rid = req.request_id
-            if rid in seen:
+            group = groups.get(rid)
+            if group is None:  # ended while the step ran, or reported by a sibling
                 continue
-            seen.add(rid)
-            group = self._groups.get(rid)
-            if group is None:
-                continue
-            if len(group) == 1:  # most requests: one sequence
-                only = group[0]
-                done = only.status is Status.FINISHED
-                new = {only: added[only]} if only in added else {}
+            if len(group) == 1:  # most requests: one sequence, once in the batch
+                step = added.get(req)
+                done = req.status is Status.FINISHED
+                advanced.append((rid, group, {} if step is None else {req: step}, done))
             else:
+                if rid in seen:
+                    continue
+                seen.add(rid)
                 done = all(r.is_finished for r in group)
-                new = {r: added[r] for r in group if r in added}
-            advanced.append((rid, group, new, done))
+                advanced.append((rid, group, {r: added[r] for r in group if r in added}, done))
             if done:
-                del self._groups[rid]
+                del groups[rid]
         return advanced
 
     @staticmethod
@@ -540,7 +613,8 @@ class LLMEngine:
         if is_first:
             req.first_token_time = now
         detokenizer = req.detokenizer
-        if detokenizer.has_stop_strings:
+        stop_strings = detokenizer.has_stop_strings
+        if stop_strings:
             detokenizer.add_token(token)
         self._check_stop(req, token)
         if req.grammar is not None and req.finish_reason is None and req.grammar.advance(token):
@@ -548,7 +622,8 @@ class LLMEngine:
         if req.finish_reason is not None:
             self.scheduler.finish(req)
             self.metrics.record_finish(now - req.first_token_time)
-        if not detokenizer.has_stop_strings:
+            self._seqs_ended += 1  # a step scheduled ahead may hold it: it gets nothing
+        if not stop_strings:
             return StepDelta([token], None, is_first)
         return StepDelta([token], detokenizer.take_delta(req.finish_reason is not None), is_first)
 

@@ -425,8 +425,13 @@ class ModelRunner:
         ]
         meta = self._metadata(inputs.tables, inputs.starts, inputs.counts)
         dev = self.device
+        token_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=dev)
+        if inputs.fed_rows:  # tokens in flight: the step before's sampled ids, on the device
+            rows = torch.tensor(inputs.fed_rows, dtype=torch.long, device=dev)
+            src = torch.tensor(inputs.fed_src, dtype=torch.long, device=dev)
+            token_ids[rows] = inputs.fed_ids[src]
         logits = self.model.forward(
-            torch.tensor(inputs.token_ids, dtype=torch.long, device=dev),
+            token_ids,
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,

@@ -26,6 +26,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+NEVER = 1 << 62
+"""A count of outputs no sequence reaches."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,7 +44,8 @@ class Request:
         "block_ids", "detokenizer", "max_total_tokens", "output_counts", "_counts_outputs",
         "logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "arrival_time",
         "first_token_time", "first_scheduled_time", "num_preemptions", "num_prefill_skips",
-        "num_resumed_tokens", "grammar", "_salt", "block_hashes", "__weakref__",
+        "num_resumed_tokens", "grammar", "_salt", "block_hashes", "num_in_flight",
+        "in_flight_row", "argmax_only_from", "__weakref__",
     )  # fmt: skip
     """Every step reads a running request's fields: slots keep those reads short."""
 
@@ -109,6 +114,22 @@ class Request:
         self.num_resumed_tokens = 0
         """Outputs another replica streamed before it died (``resume``): a client is waiting
         mid-stream, so the scheduler puts it first, as it does its own preempted requests."""
+        self.num_in_flight = 0
+        """Tokens sampled on the device that the host has not appended yet (0 or 1): a step
+        scheduled ahead of them (``EngineConfig.async_scheduling``) computes past them."""
+        self.in_flight_row = 0
+        """With a token in flight: its row in the sampled ids of the step that took it."""
+        self.argmax_only_from = (
+            params.min_tokens
+            if params.greedy
+            and not params.needs_penalties
+            and not params.logit_bias
+            and params.logprobs is None
+            else NEVER
+        )
+        """From this many outputs on (``min_tokens``, whose EOS ban ends there), a token of
+        this sequence is its logits' argmax and nothing else of them is wanted (without a
+        grammar, which is set later): a step can take it on the device."""
         self.grammar: GrammarMatcher | None = None
         """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
         self._salt = (model_id, cache_salt)
@@ -164,6 +185,21 @@ class Request:
         self.block_hashes += hash_blocks(
             self.all_token_ids, self.block_size, model_id, salt, parent=parent, start_block=done
         )
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose KV a step may compute: those appended and the one in flight."""
+        return len(self.all_token_ids) + self.num_in_flight
+
+    def ends_with_in_flight(self) -> bool:
+        """The token in flight is the last ``max_tokens`` or the context allows: no step
+        needs to run past it."""
+        if not self.num_in_flight:
+            return False
+        limit = self.params.max_tokens
+        if limit is not None and len(self.output_token_ids) + 1 >= limit:
+            return True
+        return len(self.all_token_ids) + 1 >= self.max_total_tokens
 
     def max_tokens_reached(self) -> bool:
         limit = self.params.max_tokens

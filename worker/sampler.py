@@ -48,7 +48,7 @@ class Sampler:
         share one call on the logits' device (argmax is exact and takes the first maximum
         anywhere), whose ids are the step's one copy to the host; only the other rows (and
         rows that want logprobs) are copied whole."""
-        plain = [i for i, req in enumerate(requests) if self._plain_greedy(req)]
+        plain = [i for i, req in enumerate(requests) if self.plain_greedy(req)]
         if (
             plain
             and len(plain) == len(requests)
@@ -72,7 +72,7 @@ class Sampler:
             host = {i: logits[i] for i in whole}
         return [self._sample_row(host.get(i), req, greedy.get(i)) for i, req in enumerate(requests)]
 
-    def _plain_greedy(self, req: Request) -> bool:
+    def plain_greedy(self, req: Request) -> bool:
         p = req.params
         if req.grammar is not None:
             return False
@@ -170,3 +170,30 @@ class Sampler:
             vals, ids = torch.topk(lp, num_top)
             top = list(zip(ids.tolist(), vals.tolist(), strict=True))
         return TokenLogprob(token, float(lp[token]), top)
+
+
+class SampledIds:
+    """A step's plain-greedy tokens taken on the logits' device at the launch, with their copy
+    to the host under way: ``ids`` can feed the next step's inputs there before the host has
+    them (``EngineConfig.async_scheduling``); ``tokens`` waits for the copy.
+
+    ``host``: a page-locked buffer of at least as many rows (CUDA), which must not be handed
+    to another ``SampledIds`` before this one's ``tokens`` was read (the engine alternates
+    two)."""
+
+    def __init__(self, logits: torch.Tensor, host: torch.Tensor | None) -> None:
+        self.ids = torch.argmax(logits, dim=-1)
+        self._ready = None
+        if self.ids.device.type == "cpu" or host is None:
+            self._host = self.ids
+            return
+        self._host = host[: len(self.ids)]
+        self._host.copy_(self.ids, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def tokens(self) -> list[int]:
+        """The ids on the host, once the device has computed and copied them."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()

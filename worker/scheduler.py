@@ -37,6 +37,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.protocol import BlockHash
 from worker.block_pool import BlockPool, NoFreeBlocksError
@@ -48,6 +49,10 @@ from worker.request import Request, Status, cdiv
 class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    fed: Any = None
+    """The step before's sampled ids on the device, when this step was scheduled ahead of
+    them (``async_scheduling``): a sequence's token in flight is ``fed[req.in_flight_row]``
+    (None for the simulated engine, whose runner knows its tokens)."""
 
     @property
     def total_tokens(self) -> int:
@@ -127,7 +132,7 @@ class Scheduler:
             return batch
         decoding, prefilling = [], []  # one pass, running order kept in each
         for r in self.running:
-            (decoding if r.num_tokens - r.num_computed_tokens <= 1 else prefilling).append(r)
+            (decoding if r.num_known_tokens - r.num_computed_tokens <= 1 else prefilling).append(r)
         budget = self._continue_running(batch, decoding, budget, preempted_now)
         if preempted_now:  # victims of the decodes' growth left the running set
             prefilling = [r for r in prefilling if r not in preempted_now]
@@ -144,7 +149,9 @@ class Scheduler:
                 break
             if req in preempted_now:
                 continue
-            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if req.num_in_flight and req.ends_with_in_flight():
+                continue  # its token in flight finishes it: nothing to compute past it
+            num_new = min(req.num_known_tokens - req.num_computed_tokens, budget)
             if not self._grow_or_preempt(req, num_new, batch, preempted_now):
                 continue
             batch.requests.append(req)

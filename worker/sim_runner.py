@@ -182,6 +182,8 @@ class SimModelRunner:
         self.waits_for_device = True
         """False: a step returns as soon as its host work is done, without waiting out the
         forward pass's predicted time (``bench/engine_host.py`` measures host work so)."""
+        self._device_free_at_s = 0.0
+        """When the simulated device ends the last pass launched (``time.perf_counter()``)."""
 
     def _lora_load_s(self, adapter: AdapterWeights) -> float:
         """A slot's fill on the simulated device: the adapter's bytes over the profile's
@@ -232,6 +234,9 @@ class SimModelRunner:
         sampler's copy of its ids waits for the device."""
         start_s = time.perf_counter()
         inputs, sampling_idx = inputs_of(batch)
+        for row, seq in zip(inputs.fed_rows, inputs.fed_seqs, strict=True):
+            req = batch.requests[seq]  # its token in flight: the one the last step sampled
+            inputs.token_ids[row] = pseudo_token(req, req.num_tokens, self.num_token_ids)
         bs = self.block_size
         slots: list[int] = []
         positions: list[int] = []
@@ -262,7 +267,7 @@ class SimModelRunner:
         flat[0].index_copy_(0, index, torch.tensor(inputs.token_ids, dtype=torch.float32))
         flat[1].index_copy_(0, index, torch.tensor(positions, dtype=torch.float32))
         tokens = [
-            pseudo_token(batch.requests[i], batch.requests[i].num_tokens, self.num_token_ids)
+            pseudo_token(batch.requests[i], batch.requests[i].num_known_tokens, self.num_token_ids)
             for i in sampling_idx
         ]
         extra = None
@@ -275,5 +280,9 @@ class SimModelRunner:
             prefill_tokens, decode_seqs, decode_context
         )
         self._owed_load_s = 0.0
-        ready_at_s = start_s + forward_s if self.waits_for_device else 0.0
+        # One device: a pass launched while the last one runs (a step scheduled ahead of the
+        # last one's tokens) starts when that one ends.
+        ready_at_s = max(start_s, self._device_free_at_s) + forward_s
+        self._device_free_at_s = ready_at_s
+        ready_at_s = ready_at_s if self.waits_for_device else 0.0
         return SimLogits(tokens, extra, self.vocab_size, ready_at_s), sampling_idx

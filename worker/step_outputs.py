@@ -47,8 +47,18 @@ class LaunchedStep:
     prompt_spans: list
     started_s: float
     """``time.perf_counter()`` at the launch."""
-    groups_ended: int
-    """The engine's count of groups ended outside a step, at the launch."""
+    seqs_ended: int
+    """The engine's count of sequences ended outside the sampling of this step (aborts, and
+    stop checks of the step before when this one ran ahead of them), at the launch."""
+    sampled: Any = None
+    """``SampledIds`` when the step's tokens were taken on the device at the launch (every
+    sampling row a plain argmax): the next step may be launched before they reach the host."""
+    runs_ahead: bool = False
+    """The next step may be scheduled and launched before this one's tokens reach the host
+    (``EngineConfig.async_scheduling``, every sampling row a plain argmax)."""
+    committed: bool = False
+    """Its computed tokens were counted (and filled blocks cached) when the next step was
+    scheduled ahead of its sampling."""
 
 
 def cumulative_output(

@@ -9,6 +9,8 @@ the CUDA-only tests at the end compare graph replays with eager steps on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -223,3 +225,65 @@ def test_graph_replay_logits_are_the_eager_bits_on_cuda(tiny_models):
     staggered_run(engine, [5, 20, 37, 3, 50, 9, 70])
     assert any(s is not None and not s.decode for s in shapes)
     assert any(s is not None and s.decode for s in shapes)
+
+
+def test_a_mixed_step_writes_each_input_and_its_padding():
+    """What a prefill chunk beside a decode puts in the static buffers, value by value: ids,
+    positions and KV slots per token from each sequence's table, lengths, query starts and
+    the sampled rows; padding tokens at slot -1, padding sequences of no tokens."""
+    graphs = StepGraphs(
+        lambda ids, positions, meta, rows: torch.zeros(len(rows), 4),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_blocks_per_seq=4,
+        block_size=4,
+        vocab_size=4,
+        device=torch.device("cpu"),
+        capture=False,
+    )
+    # Sequence 0 prefills tokens 2..6 over blocks 7 and 3; sequence 1 decodes position 5.
+    inputs = StepInputs([11, 12, 13, 14, 15, 21], [2, 5], [5, 1], [[7, 3], [9, 8]], [4, 5])
+    shape = graphs.shape_for(inputs)
+    assert shape == Shape(decode=False, tokens=16, seqs=4, rows=4)
+    graphs.run(inputs, shape)
+    pad = 16 - 6
+    assert graphs.input_ids[:16].tolist() == [11, 12, 13, 14, 15, 21] + [0] * pad
+    assert graphs.positions[:16].tolist() == [2, 3, 4, 5, 6, 5] + [0] * pad
+    assert graphs.slot_mapping[:16].tolist() == [30, 31, 12, 13, 14, 33] + [-1] * pad
+    assert graphs.seq_lens[:4].tolist() == [7, 6, 0, 0]
+    assert graphs.query_start_loc.tolist() == [0, 5, 6, 6, 6]
+    assert graphs.logits_indices[:4].tolist() == [4, 5, 0, 0]
+    assert graphs.block_tables[:2, :2].tolist() == [[7, 3], [9, 8]]
+    # A decode step after it: one token per sequence, padded to its bucket with length-1 rows.
+    decode = StepInputs([16, 22], [7, 6], [1, 1], [[7, 3], [9, 8]], [0, 1])
+    shape = graphs.shape_for(decode)
+    assert shape == Shape(decode=True, tokens=2, seqs=2, rows=2)
+    graphs.run(decode, shape)
+    assert graphs.input_ids[:2].tolist() == [16, 22]
+    assert graphs.positions[:2].tolist() == [7, 6]
+    assert graphs.slot_mapping[:2].tolist() == [15, 34]
+    assert graphs.seq_lens[:2].tolist() == [8, 7]
+
+
+def test_a_decode_fed_from_the_last_sample_gives_the_bits_of_known_ids(tiny_models):
+    """Rows whose token is still in flight take it from the step before's sampled ids on
+    the device (``async_scheduling``): the step's logits and KV are those of the known ids."""
+    engine = _decoding_engine(tiny_models["llama"], [5, 20, 37])
+    runner = engine.runner
+    inputs, _ = inputs_of(engine.scheduler.schedule())
+    graphs = _graphs_for(runner)
+    kv_before = runner.kv.clone()
+    expected = graphs.run(inputs, graphs.shape_for(inputs)).clone()
+    kv_expected = runner.kv.clone()
+    runner.kv.copy_(kv_before)
+    ids = inputs.token_ids
+    fed = dataclasses.replace(
+        inputs,
+        token_ids=[0, ids[1], 0],
+        fed_rows=[0, 2],
+        fed_src=[2, 0],
+        fed_seqs=[0, 2],
+        fed_ids=torch.tensor([ids[2], 999, ids[0]]),
+    )
+    assert torch.equal(graphs.run(fed, graphs.shape_for(fed)), expected)
+    assert torch.equal(runner.kv, kv_expected)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +54,15 @@ class StepInputs:
     """Rows of ``token_ids`` whose logits are returned (a sequence's last known token)."""
     adapters: list[int] = field(default_factory=list)
     """Per sequence, the id of its LoRA adapter (``worker/lora.py``; 0: the base model)."""
+    fed_rows: list[int] = field(default_factory=list)
+    """Rows of ``token_ids`` that hold a token still in flight (written as 0 here): the
+    runner takes each from ``fed_ids[fed_src[i]]`` on the device (``async_scheduling``)."""
+    fed_src: list[int] = field(default_factory=list)
+    fed_seqs: list[int] = field(default_factory=list)
+    """The sequence (index into the step's sequences) of each fed row."""
+    fed_ids: Any = None
+    """The step before's sampled ids on the device (None: no row is fed, or the simulated
+    engine, which computes its tokens)."""
 
 
 def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
@@ -61,15 +71,26 @@ def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
     starts = [req.num_computed_tokens for req in batch.requests]
     sampling_rows: list[int] = []
     sampling_reqs: list[int] = []
+    fed_rows: list[int] = []
+    fed_src: list[int] = []
+    fed_seqs: list[int] = []
     for i, (req, start, num_new) in enumerate(
         zip(batch.requests, starts, batch.num_new_tokens, strict=True)
     ):
         tokens = req.all_token_ids
-        if num_new == 1:  # a decode: one token, no slice
+        known = len(tokens)
+        if num_new == 1 and start < known:  # a decode: one token, no slice
             token_ids.append(tokens[start])
-        else:
+        elif start + num_new <= known:
             token_ids += tokens[start : start + num_new]
-        if start + num_new == len(tokens):
+        else:  # ends with the token in flight: the device has it
+            token_ids += tokens[start:known]
+            fed_rows.append(len(token_ids))
+            fed_src.append(req.in_flight_row)
+            fed_seqs.append(i)
+            token_ids.append(0)
+            known += 1
+        if start + num_new == known:
             sampling_rows.append(len(token_ids) - 1)
             sampling_reqs.append(i)
     inputs = StepInputs(
@@ -79,6 +100,10 @@ def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
         [req.block_ids for req in batch.requests],
         sampling_rows,
         [req.lora_id for req in batch.requests],
+        fed_rows,
+        fed_src,
+        fed_seqs,
+        batch.fed if fed_rows else None,
     )
     return inputs, sampling_reqs
 
@@ -95,6 +120,8 @@ class StepEncoder:
         least as many ids extends what the workers hold."""
 
     def encode(self, batch: ScheduledBatch, inputs: StepInputs) -> torch.Tensor:
+        if inputs.fed_rows:
+            raise ValueError("a step with tokens in flight cannot be sent to other ranks")
         dropped = [entry[1] for entry in self._sent.values() if entry[0].is_finished]
         self._sent = {k: v for k, v in self._sent.items() if not v[0].is_finished}
         body: list[int] = []
