@@ -477,8 +477,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
-        if ahead_of is not None:  # the simulated engine's runner knows its tokens: no ids
-            batch.fed = ahead_of.sampled.ids if ahead_of.sampled is not None else None
+        if ahead_of is not None:  # the simulated engine's "logits" hold its tokens
+            batch.fed = ahead_of.sampled.ids if ahead_of.sampled is not None else ahead_of.logits
         started_s = time.perf_counter()
         try:
             prompt_rows, prompt_spans = prompt_logit_rows(batch)

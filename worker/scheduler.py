@@ -52,7 +52,7 @@ class ScheduledBatch:
     fed: Any = None
     """The step before's sampled ids on the device, when this step was scheduled ahead of
     them (``async_scheduling``): a sequence's token in flight is ``fed[req.in_flight_row]``
-    (None for the simulated engine, whose runner knows its tokens)."""
+    (for the simulated engine, the step before's ``SimLogits``, whose tokens those are)."""
 
     @property
     def total_tokens(self) -> int:

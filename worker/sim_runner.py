@@ -234,9 +234,10 @@ class SimModelRunner:
         sampler's copy of its ids waits for the device."""
         start_s = time.perf_counter()
         inputs, sampling_idx = inputs_of(batch)
-        for row, seq in zip(inputs.fed_rows, inputs.fed_seqs, strict=True):
-            req = batch.requests[seq]  # its token in flight: the one the last step sampled
-            inputs.token_ids[row] = pseudo_token(req, req.num_tokens, self.num_token_ids)
+        if inputs.fed_rows:  # tokens in flight: the step before's, taken from its tokens
+            before = inputs.fed_ids.tokens
+            for row, src in zip(inputs.fed_rows, inputs.fed_src, strict=True):
+                inputs.token_ids[row] = before[src]
         bs = self.block_size
         slots: list[int] = []
         positions: list[int] = []

@@ -282,7 +282,6 @@ def test_a_decode_fed_from_the_last_sample_gives_the_bits_of_known_ids(tiny_mode
         token_ids=[0, ids[1], 0],
         fed_rows=[0, 2],
         fed_src=[2, 0],
-        fed_seqs=[0, 2],
         fed_ids=torch.tensor([ids[2], 999, ids[0]]),
     )
     assert torch.equal(graphs.run(fed, graphs.shape_for(fed)), expected)

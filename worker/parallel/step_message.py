@@ -58,11 +58,9 @@ class StepInputs:
     """Rows of ``token_ids`` that hold a token still in flight (written as 0 here): the
     runner takes each from ``fed_ids[fed_src[i]]`` on the device (``async_scheduling``)."""
     fed_src: list[int] = field(default_factory=list)
-    fed_seqs: list[int] = field(default_factory=list)
-    """The sequence (index into the step's sequences) of each fed row."""
     fed_ids: Any = None
-    """The step before's sampled ids on the device (None: no row is fed, or the simulated
-    engine, which computes its tokens)."""
+    """The step before's sampled ids on the device (the simulated engine: its ``SimLogits``);
+    None when no row is fed."""
 
 
 def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
@@ -73,7 +71,6 @@ def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
     sampling_reqs: list[int] = []
     fed_rows: list[int] = []
     fed_src: list[int] = []
-    fed_seqs: list[int] = []
     for i, (req, start, num_new) in enumerate(
         zip(batch.requests, starts, batch.num_new_tokens, strict=True)
     ):
@@ -87,7 +84,6 @@ def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
             token_ids += tokens[start:known]
             fed_rows.append(len(token_ids))
             fed_src.append(req.in_flight_row)
-            fed_seqs.append(i)
             token_ids.append(0)
             known += 1
         if start + num_new == known:
@@ -102,7 +98,6 @@ def inputs_of(batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
         [req.lora_id for req in batch.requests],
         fed_rows,
         fed_src,
-        fed_seqs,
         batch.fed if fed_rows else None,
     )
     return inputs, sampling_reqs
