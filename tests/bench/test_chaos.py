@@ -27,14 +27,16 @@ def test_the_load_and_its_storms_go_through_the_shared_client():
 
     with OpenAIDouble() as server:
         target = Target(server.base_url, root_pid=0)
-        load = Load(concurrency=2, duration_s=0.6, max_tokens=4)
+        load = Load(concurrency=2, duration_s=1.2, max_tokens=4)
         outs = asyncio.run(run_load(target, PROMPTS, load, on_time))
         dropped = asyncio.run(storm(target, PROMPTS, 3, 50, drop_after_first=True))
         slow = asyncio.run(storm(target, PROMPTS, 2, 3, slow_read_s=0.05))
     assert len(outs) >= 2 and all(o.done and o.success for o in outs)
     assert {o.conversation_id for o in outs} == {0, 1, 2}  # the prompts in turn
     assert all(o.generated_text == "tok0 tok1 tok2 tok3 " for o in outs)
-    assert len(ticks) == 2 and ticks[0] < 0.1  # the clock hook every 0.5 s from the start
+    # The clock hook at the start and every 0.5 s after (a busy host may wake it late: the
+    # load runs long enough for a second tick however late, not for a fourth).
+    assert 2 <= len(ticks) <= 3 and ticks[0] < 0.1 and ticks[1] - ticks[0] >= 0.5
     assert server.seen[0]["ignore_eos"] and server.seen[0]["temperature"] == 0
     row = summarize("none", outs, {0: "tok0 tok1 tok2 tok3 "}, None, None)
     assert (row.requests, row.lost, row.errored, row.mismatched) == (len(outs), 0, 0, 0)
