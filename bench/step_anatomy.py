@@ -221,17 +221,19 @@ def plot(rows: list[dict], title: str, path) -> None:
     labels = [label(r) for r in rows]
     fig, ax = plt.subplots(figsize=(7.5, 0.9 * len(rows) + 1.6))
     left = [0.0] * len(rows)
-    for part in (*PARTS, "other"):
+    colors = plt.get_cmap("tab20").colors
+    for i, part in enumerate((*PARTS, "other")):
         widths = [r["ms_p50"].get(part, 0.0) for r in rows]
         hatch = "//" if part == "device_wait" else None
-        ax.barh(labels, widths, left=left, label=part, hatch=hatch)
+        color = "#dddddd" if part == "device_wait" else colors[(2 * i) % 20 + (i >= 10)]
+        ax.barh(labels, widths, left=left, label=part, hatch=hatch, color=color)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     for i, r in enumerate(rows):
         ax.text(left[i], i, f" {r['ms_p50']['step']:.2f} ms", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms per decode step (medians of each part; bar end: sum of the parts)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**header, "engine": engine_kind, "rows": rows}
     stem = result_stem("step_anatomy", args.device, args.tag)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    where = header.get("device", header["machine"])
+    where = header["device"] if real else header["machine"]
     plot(rows, f"Engine loop step, part by part ({engine_kind})\n{where}", stem.with_suffix(".png"))
     print(f"wrote {stem}.json")
     return 0
