@@ -18,8 +18,8 @@ import random
 
 import pytest
 
-from tests.worker.helpers import AUTO_HERE
 from tests.worker.test_overlap_outputs import add, stream
+from tests.worker.test_overlap_outputs import make_engine as overlap_engine
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.engine_commands import Abort
@@ -28,18 +28,10 @@ from worker.sampling_params import SamplingParams
 
 
 def make_engine(tiny_models, engine: str, schedule_ahead: bool, **kw) -> LLMEngine:
-    config = dict(
-        model=tiny_models["llama"],
-        device=AUTO_HERE[0] if engine == "model" else "cpu",
-        num_kv_blocks=64,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        engine=engine,
-        overlap_outputs="on" if schedule_ahead else "off",
-        async_scheduling="on" if schedule_ahead else "off",
-    )
-    config.update(kw)
-    return LLMEngine(EngineConfig(**config))
+    """The overlap tests' engine, each step scheduled ahead where it can be, or none."""
+    ahead = "on" if schedule_ahead else "off"
+    kw.setdefault("async_scheduling", ahead)
+    return overlap_engine(tiny_models, engine, ahead, **kw)
 
 
 def count_ahead(engine: LLMEngine) -> list[int]:

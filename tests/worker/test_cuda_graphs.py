@@ -146,18 +146,24 @@ def test_a_smaller_step_after_a_larger_one_reads_no_stale_rows(tiny_models):
     assert torch.equal(runner.kv, kv_expected)
 
 
+def _small_graphs(block_size: int, capture: bool) -> StepGraphs:
+    """Graphs over 4 sequence slots and 64 tokens on the CPU, whose forward pass returns
+    zeros: for what the step writes into the buffers, not what a model makes of it."""
+    return StepGraphs(
+        lambda ids, positions, meta, rows: torch.zeros(len(rows), 4),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_blocks_per_seq=4,
+        block_size=block_size,
+        vocab_size=4,
+        device=torch.device("cpu"),
+        capture=capture,
+    )
+
+
 def test_graphs_need_cuda():
     with pytest.raises(ValueError, match="CUDA"):
-        StepGraphs(
-            lambda *a: None,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            max_blocks_per_seq=4,
-            block_size=16,
-            vocab_size=32,
-            device=torch.device("cpu"),
-            capture=True,
-        )
+        _small_graphs(16, capture=True)
 
 
 def test_cpu_runner_runs_eagerly(tiny_models):
@@ -231,16 +237,7 @@ def test_a_mixed_step_writes_each_input_and_its_padding():
     """What a prefill chunk beside a decode puts in the static buffers, value by value: ids,
     positions and KV slots per token from each sequence's table, lengths, query starts and
     the sampled rows; padding tokens at slot -1, padding sequences of no tokens."""
-    graphs = StepGraphs(
-        lambda ids, positions, meta, rows: torch.zeros(len(rows), 4),
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_blocks_per_seq=4,
-        block_size=4,
-        vocab_size=4,
-        device=torch.device("cpu"),
-        capture=False,
-    )
+    graphs = _small_graphs(4, capture=False)
     # Sequence 0 prefills tokens 2..6 over blocks 7 and 3; sequence 1 decodes position 5.
     inputs = StepInputs([11, 12, 13, 14, 15, 21], [2, 5], [5, 1], [[7, 3], [9, 8]], [4, 5])
     shape = graphs.shape_for(inputs)
