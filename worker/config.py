@@ -189,7 +189,8 @@ class EngineConfig:
     before step N's tokens reach the host; its inputs take N's sampled ids on the device, and
     N's stop checks run while N+1 computes. A sequence that N ends computes one more token in
     N+1, which is dropped; the tokens never change. ``off``: each step is scheduled after the
-    last one's tokens were appended. ``auto``: on where outputs overlap, except with tensor
+    last one's tokens were appended. ``auto``: on for the simulated engine; off on CUDA until
+    the GPU check has run its token-for-token tests there (``on`` opts in). Never with tensor
     parallelism (whose workers take token ids in the step message)."""
     kv_cache_dtype: str = "auto"
     """``auto`` (K/V in the model's dtype), ``int8`` or ``fp8_e4m3``: 8-bit K/V with a scale

@@ -157,7 +157,9 @@ class LLMEngine:
         """Whether ``EngineLoop`` launches the next step before sending this one's outputs
         (``EngineConfig.overlap_outputs``)."""
         self.schedules_ahead = (
-            self.overlaps_outputs and self.tp is None and config.async_scheduling != "off"
+            self.overlaps_outputs
+            and self.tp is None
+            and (config.async_scheduling == "on" or config.async_scheduling == "auto" and simulated)
         )
         """Whether a step of plain greedy sequences lets the next one be scheduled and
         launched before its tokens reach the host (``EngineConfig.async_scheduling``)."""

@@ -9,7 +9,8 @@ token, a stop string or ``max_tokens`` (whose extra computed row is dropped), re
 preempted for blocks while a token is in flight, and a request aborted between two steps in
 flight, whose blocks all come back. A step with a sampled, scored or constrained sequence is
 not run ahead of. Checked on the simulated engine and a real tiny model (on CUDA where
-visible: the GPU check runs these tests there).
+visible: the GPU check runs these tests there). ``auto`` schedules ahead for the simulated
+engine only; a model's engine opts in with ``on``.
 """
 
 from __future__ import annotations
@@ -142,9 +143,12 @@ def test_an_abort_between_two_steps_in_flight_returns_every_block(tiny_models):
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
-def test_auto_schedules_ahead_where_outputs_overlap_and_on_needs_the_overlap(tiny_models):
+def test_auto_schedules_ahead_for_the_simulated_engine_and_on_needs_the_overlap(tiny_models):
     assert make_engine(tiny_models, "sim", True, async_scheduling="auto").schedules_ahead
     assert not make_engine(tiny_models, "sim", False, async_scheduling="auto").schedules_ahead
+    # A model's engine schedules ahead only when asked (``on``), overlapped.
+    assert not make_engine(tiny_models, "model", True, async_scheduling="auto").schedules_ahead
+    assert make_engine(tiny_models, "model", True, async_scheduling="on").schedules_ahead
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model="x", overlap_outputs="off", async_scheduling="on")
     with pytest.raises(ValueError, match="async_scheduling"):
