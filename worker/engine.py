@@ -508,7 +508,7 @@ class LLMEngine:
         requests = launched.batch.requests
         for i in launched.sampling_idx:
             req = requests[i]
-            if len(req.output_token_ids) < req.argmax_only_from or req.grammar is not None:
+            if req.params.logprobs is not None or not Sampler.plain_greedy(req):
                 return False
         return True
 

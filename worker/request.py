@@ -45,7 +45,7 @@ class Request:
         "logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "arrival_time",
         "first_token_time", "first_scheduled_time", "num_preemptions", "num_prefill_skips",
         "num_resumed_tokens", "grammar", "_salt", "block_hashes", "num_in_flight",
-        "in_flight_row", "argmax_only_from", "__weakref__",
+        "in_flight_row", "greedy_from", "__weakref__",
     )  # fmt: skip
     """Every step reads a running request's fields: slots keep those reads short."""
 
@@ -119,17 +119,14 @@ class Request:
         scheduled ahead of them (``EngineConfig.async_scheduling``) computes past them."""
         self.in_flight_row = 0
         """With a token in flight: its row in the sampled ids of the step that took it."""
-        self.argmax_only_from = (
+        self.greedy_from = (
             params.min_tokens
-            if params.greedy
-            and not params.needs_penalties
-            and not params.logit_bias
-            and params.logprobs is None
+            if params.greedy and not params.needs_penalties and not params.logit_bias
             else NEVER
         )
         """From this many outputs on (``min_tokens``, whose EOS ban ends there), a token of
-        this sequence is its logits' argmax and nothing else of them is wanted (without a
-        grammar, which is set later): a step can take it on the device."""
+        this sequence is its logits' plain argmax, unless a grammar (set later) constrains
+        it: what ``Sampler.plain_greedy`` and a step taken on the device check."""
         self.grammar: GrammarMatcher | None = None
         """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
         self._salt = (model_id, cache_salt)

@@ -72,16 +72,11 @@ class Sampler:
             host = {i: logits[i] for i in whole}
         return [self._sample_row(host.get(i), req, greedy.get(i)) for i, req in enumerate(requests)]
 
-    def plain_greedy(self, req: Request) -> bool:
-        p = req.params
-        if req.grammar is not None:
-            return False
-        return (
-            p.greedy
-            and not p.needs_penalties
-            and not p.logit_bias
-            and len(req.output_token_ids) >= p.min_tokens
-        )
+    @staticmethod
+    def plain_greedy(req: Request) -> bool:
+        """The row's token is its plain argmax: greedy, no penalties, bias or grammar, and
+        ``min_tokens`` out (``Request.greedy_from``)."""
+        return req.grammar is None and len(req.output_token_ids) >= req.greedy_from
 
     def _sample_row(
         self, row: torch.Tensor | None, req: Request, greedy_token: int | None = None
