@@ -37,6 +37,8 @@ records its error and the next one still runs:
    overlapped and scheduled ahead, part by part (``bench.step_anatomy``): the device wait,
    sampling, appending, scheduling, the launch (and the graphs' input writes in it), the
    deltas, the message.
+8. ``sampling``: ``Sampler.sample`` per step at batch 1, 64 and 256 over SmolLM2's
+   vocabulary, greedy and drawn with each filter and with a penalty (``bench.sampling``).
 
 ``--only PHASE ...`` runs just those phases (the machine and the stand-in always run).
 
@@ -69,7 +71,8 @@ from pathlib import Path
 import torch
 
 OPTIONAL_PHASES = (
-    "tests", "decode_steps", "engine", "lora", "engine_host", "step_anatomy", "engine_profile",
+    "tests", "decode_steps", "engine", "lora", "engine_host", "step_anatomy", "sampling",
+    "engine_profile",
 )  # fmt: skip
 BATCHES = (1, 8, 64, 256)
 CONTEXT_TOKENS = 512
@@ -79,6 +82,7 @@ TEST_PATHS = (
     "tests/worker/test_cuda_graphs.py",
     "tests/worker/test_determinism.py",
     "tests/worker/test_sampler.py",
+    "tests/worker/test_random_sampling.py",
     "tests/worker/test_overlap_outputs.py",
     "tests/worker/test_async_scheduling.py",
 )
@@ -521,6 +525,17 @@ def step_anatomy_runs(model: str, device: str, dry_run: bool, budget: Budget) ->
     return rows
 
 
+def sampling_runs(device: str, dry_run: bool, budget: Budget) -> list[dict]:
+    """Phase 8 (see the module docstring): the sampler per step (``bench.sampling``)."""
+    from bench.sampling import measure
+
+    if budget.left() < 20:
+        log("sampling: out of time")
+        return []
+    batches, vocab, steps = ([1, 4], 1000, 2) if dry_run else ([1, 64, 256], 49152, 10)
+    return measure(batches, vocab, device, steps, progress=lambda line: log(f"sampling: {line}"))
+
+
 def engine_host_runs(model: str, device: str, dry_run: bool, budget: Budget) -> list[dict]:
     """Phase 6 (see the module docstring): the engine's decode steps at batch 64 and 256,
     each split into the host's time and the wait for the device (``bench.engine_host``)."""
@@ -796,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_anatomy",
             lambda: step_anatomy_runs(stand_in["folder"], device, args.dry_run, budget),
         )
+    if wanted("sampling"):
+        phase("sampling", lambda: sampling_runs(device, args.dry_run, budget))
     if wanted("engine_profile") and args.profile_engine:
         phase("engine_profile", lambda: engine_profile(stand_in["folder"], args.out_dir))
     out_path.write_text(json.dumps(result, indent=2))

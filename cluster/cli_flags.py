@@ -147,9 +147,10 @@ FLAGS = [
     ),
     (
         "--async-scheduling", "engine", "async_scheduling", str,
-        "on: when every sequence a step samples is plain greedy, schedule and launch the next "
-        "step before its tokens reach the host (they feed it on the device); off: each step "
-        "after the last one's tokens; auto: on for the simulated engine, off on CUDA; never TP.",
+        "on: when every sequence a step samples is greedy or drawn by temperature alone, "
+        "schedule and launch the next step before its tokens reach the host (they feed it on "
+        "the device); off: each step after the last one's tokens; auto: on for the simulated "
+        "engine, off on CUDA; never TP.",
         "engine",
     ),
     (

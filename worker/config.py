@@ -184,10 +184,11 @@ class EngineConfig:
     would only hold each step's tokens until the next pass ends. Tokens are the same either
     way; only when they leave differs."""
     async_scheduling: str = AUTO
-    """``on`` (with ``overlap_outputs``): when every sequence that samples in step N is a plain
-    greedy one (no logprobs, penalties, bias or grammar), step N+1 is scheduled and launched
-    before step N's tokens reach the host; its inputs take N's sampled ids on the device, and
-    N's stop checks run while N+1 computes. A sequence that N ends computes one more token in
+    """``on`` (with ``overlap_outputs``): when every sequence that samples in step N is greedy
+    or drawn by its temperature alone (no logprobs, penalties, bias, grammar, top-k, top-p or
+    min-p, ``min_tokens`` out), N's tokens are taken on the device at its launch, and step N+1 is
+    scheduled and launched before they reach the host; its inputs take them on the device,
+    and N's stop checks run while N+1 computes. A sequence that N ends computes one more token in
     N+1, which is dropped; the tokens never change. ``off``: each step is scheduled after the
     last one's tokens were appended. ``auto``: on for the simulated engine; off on CUDA until
     the GPU check has run its token-for-token tests there (``on`` opts in). Never with tensor

@@ -497,18 +497,25 @@ class LLMEngine:
             if not self._simulated:
                 hosts = self._sampled_hosts
                 host = hosts[self._steps_launched % 2] if hosts else None
-                launched.sampled = SampledIds(logits[: len(sampling_idx)], host)
+                sampled = [batch.requests[i] for i in sampling_idx]
+                launched.sampled = SampledIds(logits[: len(sampling_idx)], host, sampled)
         self._steps_launched += 1
         return launched
 
     @staticmethod
     def _all_plain(launched: LaunchedStep) -> bool:
-        """Every sequence the step samples takes the argmax and wants nothing else of its
-        logits (no logprobs, penalties, bias or grammar, ``min_tokens`` out)."""
+        """Every sequence the step samples takes the argmax, or a draw by its temperature
+        alone, and wants nothing else of its logits (no logprobs, penalties, bias, grammar or
+        filters, ``min_tokens`` out). A filtered draw's answer may need the whole vocabulary
+        (``worker/random_sampling.py``), which the host learns only by waiting for the
+        device: such a step is sampled after its pass, not run ahead of."""
         requests = launched.batch.requests
         for i in launched.sampling_idx:
             req = requests[i]
-            if req.params.logprobs is not None or not Sampler.plain_greedy(req):
+            p = req.params
+            if p.logprobs is not None or not (
+                Sampler.plain_greedy(req) or (Sampler.plain_drawn(req) and not p.filters_tokens)
+            ):
                 return False
         return True
 

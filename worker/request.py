@@ -45,7 +45,7 @@ class Request:
         "logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "arrival_time",
         "first_token_time", "first_scheduled_time", "num_preemptions", "num_prefill_skips",
         "num_resumed_tokens", "grammar", "_salt", "block_hashes", "num_in_flight",
-        "in_flight_row", "greedy_from", "__weakref__",
+        "in_flight_row", "greedy_from", "drawn_from", "__weakref__",
     )  # fmt: skip
     """Every step reads a running request's fields: slots keep those reads short."""
 
@@ -127,6 +127,14 @@ class Request:
         """From this many outputs on (``min_tokens``, whose EOS ban ends there), a token of
         this sequence is its logits' plain argmax, unless a grammar (set later) constrains
         it: what ``Sampler.plain_greedy`` and a step taken on the device check."""
+        self.drawn_from = (
+            params.min_tokens
+            if not params.greedy and not params.needs_penalties and not params.logit_bias
+            else NEVER
+        )
+        """From this many outputs on, a token of this sequence is drawn from its logits by
+        its temperature and filters alone, unless a grammar constrains it: such rows are
+        drawn together on the logits' device (``Sampler.plain_drawn``)."""
         self.grammar: GrammarMatcher | None = None
         """Structured output: the grammar state, advanced by each appended token (rank 0 only)."""
         self._salt = (model_id, cache_salt)

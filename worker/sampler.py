@@ -2,9 +2,15 @@
 
 Every row is processed on its own (penalties, logit_bias, temperature, top-k, top-p, min-p), so a
 row's result never depends on the rest of the batch. Random choices come from a counter-based
-stream: a fresh generator keyed by ``(request seed, output index, output position)``, and the
-Gumbel-style race ``argmax(p / E)`` with ``E ~ Exp(1)``. A seeded request therefore gets the
-same tokens alone, in any batch, after any preemption, on any replica.
+stream keyed by ``(request seed, output index, output position)`` (``sampling_key``), and the
+race ``argmax(p / E)`` with ``E ~ Exp(1)`` a hash of that key and the token id
+(``worker/random_sampling.py``). A seeded request therefore gets the same tokens alone, in
+any batch, after any preemption, on any replica.
+
+Rows that need nothing but their logits (greedy, or drawn with temperature, top-k, top-p and
+min-p: no penalties, bias, grammar, ``min_tokens`` out) are decided together on the logits'
+device, and only their token ids are copied to the host; the others are copied row by row
+and transformed on the host first, then drawn by the same ``random_tokens``.
 
 A request with a structured output (``req.grammar``) has every token its grammar forbids set
 to -inf after penalties, logit_bias and the min_tokens ban, before temperature and the
@@ -22,6 +28,7 @@ import torch
 import xxhash
 
 from worker.outputs import TokenLogprob
+from worker.random_sampling import device_column, random_tokens, unfiltered_tokens
 from worker.request import Request
 
 _NEG_INF = float("-inf")
@@ -46,8 +53,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
         """One result per row of ``logits`` (on any device). Rows that are a plain argmax
         share one call on the logits' device (argmax is exact and takes the first maximum
-        anywhere), whose ids are the step's one copy to the host; only the other rows (and
-        rows that want logprobs) are copied whole."""
+        anywhere), and plain drawn rows one ``random_tokens``; their ids are what reaches the
+        host. Only the other rows (and rows that want logprobs) are copied whole."""
         plain = [i for i, req in enumerate(requests) if self.plain_greedy(req)]
         if (
             plain
@@ -56,21 +63,27 @@ class Sampler:
         ):
             # The common decode step: one argmax over every row, one copy of the ids.
             return [SampleResult(t, None) for t in torch.argmax(logits, dim=-1).tolist()]
-        greedy = {}
+        decided = {}  # row -> token, decided on the logits' device
         if plain:
             rows = logits if len(plain) == len(requests) else logits[plain]
-            greedy = dict(zip(plain, torch.argmax(rows, dim=-1).tolist(), strict=True))
+            decided = dict(zip(plain, torch.argmax(rows, dim=-1).tolist(), strict=True))
+        drawn = [i for i, req in enumerate(requests) if self.plain_drawn(req)]
+        if drawn:
+            tokens = self.draw(logits[drawn], [requests[i] for i in drawn]).tolist()
+            decided.update(zip(drawn, tokens, strict=True))
         host = {}
         whole = [
             i
             for i, req in enumerate(requests)
-            if i not in greedy or req.params.logprobs is not None
+            if i not in decided or req.params.logprobs is not None
         ]
         if whole and logits.device.type != "cpu":
             host = dict(zip(whole, logits[whole].cpu(), strict=True))
         elif whole:
             host = {i: logits[i] for i in whole}
-        return [self._sample_row(host.get(i), req, greedy.get(i)) for i, req in enumerate(requests)]
+        return [
+            self._sample_row(host.get(i), req, decided.get(i)) for i, req in enumerate(requests)
+        ]
 
     @staticmethod
     def plain_greedy(req: Request) -> bool:
@@ -78,13 +91,40 @@ class Sampler:
         ``min_tokens`` out (``Request.greedy_from``)."""
         return req.grammar is None and len(req.output_token_ids) >= req.greedy_from
 
+    @staticmethod
+    def plain_drawn(req: Request) -> bool:
+        """The row's token is drawn from its logits by temperature and filters alone: no
+        penalties, bias or grammar, ``min_tokens`` out (``Request.drawn_from``)."""
+        return req.grammar is None and len(req.output_token_ids) >= req.drawn_from
+
+    @staticmethod
+    def draw(rows: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The drawn token of each row of ``rows`` (one per request, same order), on their
+        device. Each is keyed by the position of the request's next output: its outputs so
+        far and the one in flight, when a step scheduled ahead draws it (``SampledIds``)."""
+        params = [req.params for req in requests]
+        return random_tokens(
+            rows,
+            [Sampler.draw_key(req) for req in requests],
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+        )
+
+    @staticmethod
+    def draw_key(req: Request) -> int:
+        """The key of ``req``'s next draw (``sampling_key``): its outputs so far and the one
+        in flight, when a step scheduled ahead draws it (``SampledIds``)."""
+        return sampling_key(req.seed, req.index, len(req.output_token_ids) + req.num_in_flight)
+
     def _sample_row(
-        self, row: torch.Tensor | None, req: Request, greedy_token: int | None = None
+        self, row: torch.Tensor | None, req: Request, decided: int | None = None
     ) -> SampleResult:
-        """``greedy_token``: the row's argmax, already taken with other plain greedy rows
-        (``row`` is then None unless the request wants logprobs)."""
+        """``decided``: the row's token, already taken on the device with the other plain
+        rows (``row`` is then None unless the request wants logprobs)."""
         p = req.params
-        token = self._choose(row, req) if greedy_token is None else greedy_token
+        token = self._choose(row, req) if decided is None else decided
         return SampleResult(
             token, self._logprob(row, token, p.logprobs) if p.logprobs is not None else None
         )
@@ -109,7 +149,7 @@ class Sampler:
                     raw
                 )  # min_tokens banned all it allows: the grammar wins
             row = masked
-        return int(torch.argmax(row)) if p.greedy else self._random_choice(row, req)
+        return int(torch.argmax(row)) if p.greedy else int(self.draw(row[None], [req])[0])
 
     @staticmethod
     def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
@@ -135,29 +175,6 @@ class Sampler:
         return row
 
     @staticmethod
-    def _random_choice(row: torch.Tensor, req: Request) -> int:
-        p = req.params
-        logits = row / p.temperature
-        if p.top_k and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, _NEG_INF)
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_probs, dim=-1)
-            drop_sorted = (cum - sorted_probs) > p.top_p  # keep the smallest prefix reaching top_p
-            probs = probs.masked_fill(
-                torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0
-            )
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        gen = torch.Generator().manual_seed(
-            sampling_key(req.seed, req.index, len(req.output_token_ids))
-        )
-        race = torch.empty_like(probs).exponential_(generator=gen)
-        return int(torch.argmax(probs / race))
-
-    @staticmethod
     def _logprob(raw: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
         lp = torch.log_softmax(raw.float(), dim=-1)
         top = []
@@ -168,16 +185,35 @@ class Sampler:
 
 
 class SampledIds:
-    """A step's plain-greedy tokens taken on the logits' device at the launch, with their copy
-    to the host under way: ``ids`` can feed the next step's inputs there before the host has
-    them (``EngineConfig.async_scheduling``); ``tokens`` waits for the copy.
+    """A step's tokens taken on the logits' device at the launch, every row a plain argmax or
+    a plain draw (``Sampler.plain_greedy``, ``plain_drawn``; the engine sends unfiltered
+    draws only, whose answer needs no wait for the device), with their copy to the host
+    under way: ``ids`` can feed the next step's inputs there before the host has them
+    (``EngineConfig.async_scheduling``); ``tokens`` waits for the copy.
 
+    ``requests``: each row's request, for the rows that are drawn (none: all argmax).
     ``host``: a page-locked buffer of at least as many rows (CUDA), which must not be handed
     to another ``SampledIds`` before this one's ``tokens`` was read (the engine alternates
     two)."""
 
-    def __init__(self, logits: torch.Tensor, host: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        host: torch.Tensor | None,
+        requests: list[Request] | None = None,
+    ) -> None:
         self.ids = torch.argmax(logits, dim=-1)
+        rows = requests or []
+        drawn = [not req.params.greedy for req in rows]
+        if any(req.params.filters_tokens for req in rows if not req.params.greedy):
+            # A filtered draw may need the whole vocabulary: this waits for the device.
+            idx = [i for i, d in enumerate(drawn) if d]
+            self.ids[idx] = Sampler.draw(logits[idx], [rows[i] for i in idx])
+        elif any(drawn):  # every draw unfiltered, nothing read back: the launch goes on
+            temperature = [req.params.temperature or 1.0 for req in rows]
+            keys = [Sampler.draw_key(req) for req in rows]
+            mask = device_column(drawn, torch.bool, logits.device)[:, 0]
+            self.ids = torch.where(mask, unfiltered_tokens(logits, keys, temperature), self.ids)
         self._ready = None
         if self.ids.device.type == "cpu" or host is None:
             self._host = self.ids

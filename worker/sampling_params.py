@@ -183,6 +183,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def filters_tokens(self) -> bool:
+        """Top-k, top-p or min-p narrows the tokens a draw chooses among."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

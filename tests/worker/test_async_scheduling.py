@@ -2,15 +2,17 @@
 (``EngineConfig.async_scheduling``, ``LLMEngine.launch_step(ahead_of=...)``).
 
 Scheduling ahead changes when the host sees tokens, never which tokens: a step of plain
-greedy sequences lets the next one launch with those sequences' tokens taken on the device,
-and the stop checks run while it computes. So every request streams the same tokens, text and
-finishes as with each step scheduled after the last one's tokens: requests stopped by a stop
-token, a stop string or ``max_tokens`` (whose extra computed row is dropped), requests
-preempted for blocks while a token is in flight, and a request aborted between two steps in
-flight, whose blocks all come back. A step with a sampled, scored or constrained sequence is
-not run ahead of. Checked on the simulated engine and a real tiny model (on CUDA where
-visible: the GPU check runs these tests there). ``auto`` schedules ahead for the simulated
-engine only; a model's engine opts in with ``on``.
+greedy or plainly drawn sequences lets the next one launch with those sequences' tokens
+taken on the device, and the stop checks run while it computes. So every request streams
+the same tokens, text and finishes as with each step scheduled after the last one's tokens:
+requests stopped by a stop token, a stop string or ``max_tokens`` (whose extra computed row
+is dropped), requests preempted for blocks while a token is in flight, and a request aborted
+between two steps in flight, whose blocks all come back. Sequences drawn by temperature
+alone are drawn on the device at the launch too; a step with a scored, penalized, filtered
+(top-k, top-p, min-p) or constrained sequence is not run ahead of. Checked on the
+simulated engine and a real tiny model (on CUDA where visible: the GPU check runs these
+tests there). ``auto`` schedules ahead for the simulated engine only; a model's engine opts
+in with ``on``.
 """
 
 from __future__ import annotations
@@ -114,12 +116,53 @@ def test_sequences_preempted_with_a_token_in_flight_keep_their_tokens(
 
 
 @pytest.mark.parametrize("engine_kind", ["sim", "model"])
-def test_a_step_with_a_sampled_or_scored_sequence_is_not_run_ahead_of(tiny_models, engine_kind):
+def test_drawn_sequences_are_scheduled_ahead_and_draw_the_same_tokens(
+    tiny_models, test_seed, engine_kind
+):
+    """Sequences drawn by their temperature alone are drawn on the device at the launch,
+    keyed by the position after their token in flight; with top-k, top-p or min-p they are
+    drawn when their step is sampled (not run ahead of), the same tokens either way."""
+    rng = random.Random(test_seed)
+
+    def drawn(seed: int, **kw) -> SamplingParams:
+        kw.setdefault("temperature", 0.9)
+        return SamplingParams(seed=seed, max_tokens=12, ignore_eos=True, **kw)
+
+    def workload() -> list:
+        prompts = [[rng.randrange(5, 40000) for _ in range(8 + i)] for i in range(6)]
+        return [
+            [add("t", prompts[0], drawn(1)), add("u", prompts[1], drawn(2, temperature=1.3))],
+            [add("g", prompts[2], SamplingParams(temperature=0, max_tokens=9))],
+            [],
+            *([[]] * 12),  # the three above run alone a while: ahead of every step
+            [add("p", prompts[3], drawn(3, top_p=0.8)), add("k", prompts[4], drawn(4, top_k=20))],
+            [add("m", prompts[5], drawn(5, min_p=0.1))],
+        ]
+
+    state = rng.getstate()
+    off = stream(make_engine(tiny_models, engine_kind, False), workload())
+    rng.setstate(state)
     engine = make_engine(tiny_models, engine_kind, True)
     ahead = count_ahead(engine)
-    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True)
+    on = stream(engine, workload())
+    assert ahead[0] > 5
+    assert on == off
+    assert all(len(off[f"{r}/0"]["ids"]) == 12 for r in "tupkm")
+
+
+@pytest.mark.parametrize("engine_kind", ["sim", "model"])
+def test_a_step_with_a_scored_penalized_or_filtered_sequence_is_not_run_ahead_of(
+    tiny_models, engine_kind
+):
+    engine = make_engine(tiny_models, engine_kind, True)
+    ahead = count_ahead(engine)
+    penalized = SamplingParams(
+        temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, presence_penalty=0.5
+    )
     scored = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    stream(engine, [[add("s", [5, 6, 7], sampled), add("l", [8, 9, 10], scored)]])
+    filtered = SamplingParams(temperature=0.8, seed=2, max_tokens=6, ignore_eos=True, top_p=0.9)
+    stream(engine, [[add("s", [5, 6, 7], penalized), add("l", [8, 9, 10], scored)]])
+    stream(engine, [[add("f", [11, 12, 13], filtered)]])
     assert ahead[0] == 0
 
 
