@@ -15,6 +15,8 @@ that request's batch (recorded by a logits processor), counted from t=0.
     python -m bench.engine --only deterministic --max-num-seqs 8 --threads 2
     # our engine with an 8-bit KV cache (int8 or fp8_e4m3; transformers is unchanged):
     python -m bench.engine --kv-cache-dtype int8 --skip-transformers
+    # every request sampled (a seed each; transformers samples too):
+    python -m bench.engine --temperature 0.7 --top-p 0.9 --skip-transformers
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def run_ours(
     enforce_eager: bool = False,
     kv_cache_dtype: str = "auto",
     overlap_outputs: str = "auto",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict:
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
@@ -85,9 +89,11 @@ def run_ours(
             overlap_outputs=overlap_outputs,
         )
     )
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
+        params = SamplingParams(
+            temperature=temperature, top_p=top_p, seed=i, max_tokens=max_tokens, ignore_eos=True
+        )
         engine.add_request(f"r{i}", p, params)
     ttft, outs = {}, {}
     for outputs in engine.steps():
@@ -108,7 +114,9 @@ def run_ours(
     )
 
 
-def run_transformers(prompts, max_tokens: int, batch_size: int, path: str) -> dict:
+def run_transformers(
+    prompts, max_tokens: int, batch_size: int, path: str, temperature: float = 0.0, top_p=1.0
+) -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -135,7 +143,8 @@ def run_transformers(prompts, max_tokens: int, batch_size: int, path: str) -> di
                 attention_mask=mask,
                 max_new_tokens=max_tokens,
                 min_new_tokens=max_tokens,
-                do_sample=False,
+                do_sample=temperature > 0,
+                **({"temperature": temperature, "top_p": top_p} if temperature > 0 else {}),
                 pad_token_id=0,
                 logits_processor=LogitsProcessorList([probe]),
             )
@@ -253,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         help="our engine's KV cache format (EngineConfig.kv_cache_dtype; default auto)",
     )
     ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample every request at this temperature (a seed each; default 0: greedy)",
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p")
+    ap.add_argument(
         "--only", default=None, help=argparse.SUPPRESS
     )  # one system, in a child process
     args = ap.parse_args(argv)
@@ -274,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:  # child: run one system, hand its row back on the last line
         kind, _, batch = args.only.partition(":")
         if kind == "transformers":
-            row = run_transformers(prompts, args.max_tokens, int(batch), path)
+            row = run_transformers(
+                prompts, args.max_tokens, int(batch), path, args.temperature, args.top_p
+            )
         else:
             row = run_ours(
                 prompts,
@@ -282,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 kind == "deterministic",
                 args.max_num_seqs,
                 kv_cache_dtype=args.kv_cache_dtype,
+                temperature=args.temperature,
+                top_p=args.top_p,
             )
         print(ROW_PREFIX + json.dumps(row), flush=True)
         return 0
@@ -313,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "prompt_tokens_total": sum(map(len, prompts)),
             "kv_cache_dtype": args.kv_cache_dtype,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
         },
         "rows": rows,
         "summary": summary,
@@ -320,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_quick" if args.quick else ""
     if args.kv_cache_dtype != "auto":
         suffix += f"_kv-{args.kv_cache_dtype}"
+    if args.temperature > 0:
+        suffix += f"_t{args.temperature:g}_p{args.top_p:g}"
     (RESULTS / f"engine_{stamp}{suffix}.json").write_text(json.dumps(out, indent=2))
     plot(rows, RESULTS / f"engine_{stamp}{suffix}.png")
     print(f"wrote {RESULTS / f'engine_{stamp}{suffix}.json'} and .png")

@@ -37,3 +37,12 @@ def test_every_kind_takes_its_path_and_the_run_writes_rows_and_a_plot(tmp_path, 
     ]
     assert all(r["ms_per_step"] > 0 for r in result["rows"])
     assert (tmp_path / "sampling.png").stat().st_size > 0
+
+
+def test_the_engine_benchmark_samples_every_request_when_asked(tiny_models):
+    from bench.engine import run_ours
+
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(6)]
+    greedy = run_ours(prompts, 5, True, 4, model=tiny_models["llama"])
+    sampled = run_ours(prompts, 5, True, 4, model=tiny_models["llama"], temperature=0.8, top_p=0.9)
+    assert greedy["output_tokens"] == sampled["output_tokens"] == 30
