@@ -64,7 +64,9 @@ from worker.step_outputs import (
     LaunchedStep,
     StepDelta,
     cumulative_output,
+    decode_text,
     output_delta,
+    output_deltas,
 )
 from worker.structured_output import GrammarCompiler
 from worker.tokenizer import IncrementalDetokenizer
@@ -451,15 +453,11 @@ class LLMEngine:
         ``EngineLoop``). A prefill chunk that sampled nothing yields no delta."""
         return self.deltas_of(self._advance())
 
-    def deltas_of(self, advanced: list[AdvancedRequest]) -> list[OutputDelta]:
+    @staticmethod
+    def deltas_of(advanced: list[AdvancedRequest]) -> list[OutputDelta]:
         """The ``OutputDelta`` of each request in ``advanced`` (``sample_step``'s) that got a
         token or ended, its new tokens' text decoded first."""
-        self._decode_text(advanced)
-        deltas = []
-        for request_id, group, new, finished in advanced:
-            if new or finished:
-                deltas.append(output_delta(request_id, group, new, finished))
-        return deltas
+        return output_deltas(advanced)
 
     def _advance(self) -> list[AdvancedRequest]:
         """Schedules and runs one step: (request id, its group, what the step added to each
@@ -604,12 +602,7 @@ class LLMEngine:
     def _decode_text(advanced: list[AdvancedRequest]) -> None:
         """Decodes the text of every new token ``sample_step`` left undecoded."""
         for _, _, new, _ in advanced:
-            for req, step in new.items():
-                if step.text is None:
-                    detokenizer = req.detokenizer
-                    for token in step.token_ids:
-                        detokenizer.add_token(token)
-                    step.text = detokenizer.take_delta(req.finish_reason is not None)
+            decode_text(new)
 
     def _append(self, req: Request, res: SampleResult, now: float) -> StepDelta:
         """Appends the sampled token to ``req``, applies the stop checks, returns the delta

@@ -131,8 +131,11 @@ class Scheduler:
                 self._admit(batch, budget)
             return batch
         decoding, prefilling = [], []  # one pass, running order kept in each
-        for r in self.running:
-            (decoding if r.num_known_tokens - r.num_computed_tokens <= 1 else prefilling).append(r)
+        for r in self.running:  # known tokens (``num_known_tokens``) less those computed
+            if len(r.all_token_ids) + r.num_in_flight - r.num_computed_tokens <= 1:
+                decoding.append(r)
+            else:
+                prefilling.append(r)
         budget = self._continue_running(batch, decoding, budget, preempted_now)
         if preempted_now:  # victims of the decodes' growth left the running set
             prefilling = [r for r in prefilling if r not in preempted_now]
@@ -144,18 +147,24 @@ class Scheduler:
     ) -> int:
         """Give each running request its next tokens in turn, preempting the newest running
         request when blocks run out; returns the budget left."""
-        for req in requests:
+        block_size = self.pool.block_size
+        scheduled, counts = batch.requests, batch.num_new_tokens
+        for req in requests:  # once per running request per step: plain reads
             if budget == 0:
                 break
-            if req in preempted_now:
+            if preempted_now and req in preempted_now:
                 continue
-            if req.num_in_flight and req.ends_with_in_flight():
+            in_flight = req.num_in_flight
+            if in_flight and req.ends_with_in_flight():
                 continue  # its token in flight finishes it: nothing to compute past it
-            num_new = min(req.num_known_tokens - req.num_computed_tokens, budget)
-            if not self._grow_or_preempt(req, num_new, batch, preempted_now):
-                continue
-            batch.requests.append(req)
-            batch.num_new_tokens.append(num_new)
+            computed = req.num_computed_tokens
+            num_new = min(len(req.all_token_ids) + in_flight - computed, budget)
+            if computed + num_new > len(req.block_ids) * block_size and not (
+                self._grow_or_preempt(req, num_new, batch, preempted_now)
+            ):
+                continue  # it needed a block and was itself preempted
+            scheduled.append(req)
+            counts.append(num_new)
             budget -= num_new
         return budget
 

@@ -98,6 +98,64 @@ def cumulative_output(
     )
 
 
+def output_deltas(advanced: list[AdvancedRequest]) -> list[OutputDelta]:
+    """The ``OutputDelta`` of each request in ``advanced`` that got a token or ended, the
+    text of its new tokens decoded first. Once per sampled sequence per step: a request of
+    one sequence and one new token without logprobs (nearly every one) is built here with
+    no call but the detokenizer's."""
+    deltas = []
+    for request_id, group, new, finished in advanced:
+        if len(new) != 1 or len(group) != 1:
+            if new or finished:
+                decode_text(new)
+                deltas.append(output_delta(request_id, group, new, finished))
+            continue
+        req = group[0]
+        step = new[req]
+        if req.params.logprobs is not None or (step.is_first and req.prompt_logprobs is not None):
+            decode_text(new)
+            deltas.append(output_delta(request_id, group, new, finished))
+            continue
+        text = step.text
+        if text is None:
+            detokenizer = req.detokenizer
+            for token in step.token_ids:
+                detokenizer.add_token(token)
+            text = step.text = detokenizer.take_delta(req.finish_reason is not None)
+        ended = req.finish_reason is not None
+        choice = ChoiceDelta(
+            req.index,
+            step.token_ids,
+            text,
+            None,
+            req.finish_reason,
+            req.stop_reason,
+            req.detokenizer.text if ended else None,
+        )
+        timestamps = group_timestamps(group, finished) if step.is_first or finished else None
+        deltas.append(
+            OutputDelta(
+                request_id,
+                len(req.prompt_token_ids),
+                req.num_cached_tokens or 0,
+                [choice],
+                finished,
+                metrics=timestamps,
+            )
+        )
+    return deltas
+
+
+def decode_text(added: dict[Request, StepDelta]) -> None:
+    """Decodes the text of each new token in ``added`` that sampling left undecoded."""
+    for req, step in added.items():
+        if step.text is None:
+            detokenizer = req.detokenizer
+            for token in step.token_ids:
+                detokenizer.add_token(token)
+            step.text = detokenizer.take_delta(req.finish_reason is not None)
+
+
 def output_delta(
     request_id: str,
     group: list[Request],
