@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import bench.engine_host as engine_host
 
 
@@ -80,3 +82,18 @@ def test_device_steps_keep_every_request_running_through_a_long_admission(tiny_m
     every request running through every measured step."""
     row = engine_host.device_steps(tiny_models["llama"], 40, 126, "cpu", False, prompt_tokens=600)
     assert row["steps"] == 126 and row["batch"] == 40
+
+
+def test_host_ab_steps_two_trees_in_turns_and_writes_the_ratio(tmp_path, monkeypatch):
+    """``bench.host_ab`` against this same tree: both sides step, each round gives a ratio."""
+    import bench.host_ab as host_ab
+    from bench.result_files import REPO
+
+    monkeypatch.setattr(host_ab, "result_stem", lambda name, device, tag: tmp_path / name)
+    assert host_ab.main([str(REPO), "--batch", "4", "--rounds", "4", "--steps-per-turn", "3"]) == 0
+    (row,) = json.loads((tmp_path / "host_ab.json").read_text())["rows"]
+    assert row["batch"] == 4 and row["rounds"] == 4
+    assert row["this_step_ms_p50"] > 0 and row["other_step_ms_p50"] > 0
+    assert 0.2 < row["ratio_median"] < 5
+    with pytest.raises(SystemExit):
+        host_ab.main([str(tmp_path)])  # not a tree of this repository
