@@ -62,44 +62,20 @@ def random_tokens(
     dtype), int64 on that device; each per-row argument has one entry per row (``top_k`` 0
     or at least the vocabulary: off; ``top_p`` 1: off; ``min_p`` 0: off). On the CPU the
     rows go ``CPU_ROWS`` at a time, whose temporaries stay in cache."""
-    rows = logits.shape[0]
-    if logits.device.type != "cpu" or rows <= CPU_ROWS:
-        return _random_tokens(logits, keys, temperature, top_k, top_p, min_p)
-    return torch.cat(
-        [
-            _random_tokens(
-                logits[start : start + CPU_ROWS],
-                *(column[start : start + CPU_ROWS] for column in (keys, temperature, top_k)),
-                top_p[start : start + CPU_ROWS],
-                min_p[start : start + CPU_ROWS],
-            )
-            for start in range(0, rows, CPU_ROWS)
-        ]
-    )
-
-
-def unfiltered_tokens(
-    logits: torch.Tensor, keys: Sequence[int], temperature: Sequence[float]
-) -> torch.Tensor:
-    """Every row of ``logits`` drawn by its temperature alone, as ``random_tokens`` draws a
-    row without filters, with no wait for the device: its per-row values reach the device by
-    asynchronous copies, and nothing is read back. What a step scheduled ahead of its tokens
-    takes (``sampler.SampledIds``)."""
-    device = logits.device
-    scaled = logits.float() / device_column(temperature, torch.float32, device)
-    cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)
-    return _search(cdf, device_column([uniform(k) for k in keys], torch.float64, device))
-
-
-def _random_tokens(
-    logits: torch.Tensor,
-    keys: Sequence[int],
-    temperature: Sequence[float],
-    top_k: Sequence[int],
-    top_p: Sequence[float],
-    min_p: Sequence[float],
-) -> torch.Tensor:
     rows, vocab_size = logits.shape
+    if logits.device.type == "cpu" and rows > CPU_ROWS:
+        return torch.cat(
+            [
+                random_tokens(
+                    logits[start : start + CPU_ROWS],
+                    *(
+                        column[start : start + CPU_ROWS]
+                        for column in (keys, temperature, top_k, top_p, min_p)
+                    ),
+                )
+                for start in range(0, rows, CPU_ROWS)
+            ]
+        )
     ks = [k if 0 < k < vocab_size else 0 for k in top_k]
     filtered = [i for i in range(rows) if ks[i] or top_p[i] < 1.0 or min_p[i] > 0.0]
     if not filtered:
@@ -120,6 +96,19 @@ def _random_tokens(
         )
         tokens[again] = chosen
     return tokens
+
+
+def unfiltered_tokens(
+    logits: torch.Tensor, keys: Sequence[int], temperature: Sequence[float]
+) -> torch.Tensor:
+    """Every row of ``logits`` drawn by its temperature alone, as ``random_tokens`` draws a
+    row without filters, with no wait for the device: its per-row values reach the device by
+    asynchronous copies, and nothing is read back. What a step scheduled ahead of its tokens
+    takes (``sampler.SampledIds``)."""
+    device = logits.device
+    scaled = logits.float() / device_column(temperature, torch.float32, device)
+    cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)
+    return _search(cdf, device_column([uniform(k) for k in keys], torch.float64, device))
 
 
 def _pick(rows: list[int], *columns: Sequence) -> list[list]:

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from tests.worker.test_sampler import request
 from worker import random_sampling
 from worker.random_sampling import random_tokens, uniform
-from worker.request import Request
 from worker.sampler import Sampler, sampling_key
 from worker.sampling_params import SamplingParams
 
@@ -129,24 +129,6 @@ def test_filters_keep_only_what_they_allow():
     assert drawn(top_k=3, top_p=0.9, min_p=0.5) == {0, 1}
     # A low temperature sharpens before the filters: 0.4 against 0.25 becomes near-certain.
     assert drawn(temperature=0.05) == {0}
-
-
-def request(seed: int, params: SamplingParams, outputs: int = 0) -> Request:
-    req = Request(
-        request_id=f"r{seed}",
-        index=0,
-        prompt_token_ids=[5, 6, 7, 5],
-        params=params,
-        seed=seed,
-        block_size=16,
-        model_id="m",
-        cache_salt=None,
-        detokenizer=None,
-        max_total_tokens=64,
-    )
-    for token in range(10, 10 + outputs):
-        req.append_token(token)
-    return req
 
 
 def test_the_row_by_row_path_draws_what_the_batched_one_draws():

@@ -11,8 +11,9 @@ from worker.sampling_params import SamplingParams
 EOS = 2
 
 
-def request(i: int, params: SamplingParams) -> Request:
-    return Request(
+def request(i: int, params: SamplingParams, outputs: int = 0) -> Request:
+    """Request ``r{i}`` (seed ``i``) with ``outputs`` tokens already sampled."""
+    req = Request(
         request_id=f"r{i}",
         index=0,
         prompt_token_ids=[5, 6, 7, 5],
@@ -24,6 +25,9 @@ def request(i: int, params: SamplingParams) -> Request:
         detokenizer=None,
         max_total_tokens=64,
     )
+    for token in range(10, 10 + outputs):
+        req.append_token(token)
+    return req
 
 
 def test_batched_greedy_rows_equal_rows_sampled_alone():
