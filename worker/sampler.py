@@ -2,10 +2,10 @@
 
 Every row is processed on its own (penalties, logit_bias, temperature, top-k, top-p, min-p), so a
 row's result never depends on the rest of the batch. Random choices come from a counter-based
-stream keyed by ``(request seed, output index, output position)`` (``sampling_key``), and the
-race ``argmax(p / E)`` with ``E ~ Exp(1)`` a hash of that key and the token id
-(``worker/random_sampling.py``). A seeded request therefore gets the same tokens alone, in
-any batch, after any preemption, on any replica.
+draw keyed by ``(request seed, output index, output position)`` (``sampling_key``): one
+uniform per row, a hash of that key, and the token where it falls in the cumulative
+distribution the row's filters keep (``worker/random_sampling.py``). A seeded request
+therefore gets the same tokens alone, in any batch, after any preemption, on any replica.
 
 Rows that need nothing but their logits (greedy, or drawn with temperature, top-k, top-p and
 min-p: no penalties, bias, grammar, ``min_tokens`` out) are decided together on the logits'
@@ -100,8 +100,7 @@ class Sampler:
     @staticmethod
     def draw(rows: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The drawn token of each row of ``rows`` (one per request, same order), on their
-        device. Each is keyed by the position of the request's next output: its outputs so
-        far and the one in flight, when a step scheduled ahead draws it (``SampledIds``)."""
+        device, each keyed by ``draw_key``."""
         params = [req.params for req in requests]
         return random_tokens(
             rows,
